@@ -1,0 +1,50 @@
+"""The `megatron-dhp` command: one sub-command per module, each with its own `--help`.
+
+A sub-command module defines `add_parser(subparsers)` and `run(args) -> int`, and imports anything heavy
+(torch, megatron.core, matplotlib) inside `run` so that `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_dhp import __version__
+from megatron_dhp.errors import DhpError
+
+COMMANDS = {
+    "plan": "megatron_dhp.cli.plan_cmd",
+    "simulate": "megatron_dhp.cli.simulate_cmd",
+    "dists": "megatron_dhp.cli.dists_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="megatron-dhp",
+        description="Dynamic hybrid parallelism for Megatron-Core: plan, simulate and run per-step CP groups.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the sub-command; a `DhpError` becomes one line on stderr and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except DhpError as e:
+        print(f"megatron-dhp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megatron-dhp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Arguments and set-up shared by the planning sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.workload.batches import LengthSource, fit_to_domain
+from megatron_dhp.workload.sample import Batch
+from megatron_dhp.workload.synthetic import DISTRIBUTIONS
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, default_dist: str | None = None, default_batch: int | None = None) -> None:
+    """--lengths/--dist, --global-batch, --seed, --truncate."""
+    g = p.add_argument_group("workload")
+    src = g.add_mutually_exclusive_group(required=default_dist is None)
+    src.add_argument("--lengths", metavar="FILE", help="JSON array, JSONL or Megatron .bin/.idx prefix of sample lengths")
+    src.add_argument("--dist", metavar="NAME", choices=sorted(DISTRIBUTIONS), default=default_dist,
+                     help=f"named length distribution: {', '.join(DISTRIBUTIONS)} (see `megatron-dhp dists`)")
+    g.add_argument("--global-batch", type=int, default=default_batch, metavar="B",
+                   help="samples per batch (a --lengths file without it is taken whole as one batch)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the batch draws (default 0)")
+    g.add_argument("--truncate", action="store_true",
+                   help="cut samples longer than world_size x max_tokens_per_rank instead of failing")
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    """--cost and the domain overrides."""
+    g = p.add_argument_group("cost model and domain")
+    g.add_argument("--cost", default="gpt7b-64", metavar="CONFIG",
+                   help="cost-model YAML or preset name from configs/ (default gpt7b-64)")
+    g.add_argument("--world-size", type=int, metavar="N", help="ranks in the dynamic domain (overrides the YAML)")
+    g.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (overrides the YAML)")
+    g.add_argument("--max-tokens-per-rank", type=int, metavar="M", help="per-rank token cap (overrides the YAML)")
+
+
+def load_cost(args: argparse.Namespace) -> CostConfig:
+    """The YAML named by --cost with the domain flags applied."""
+    return CostConfig.load(args.cost).with_overrides(
+        world_size=args.world_size, gpus_per_node=args.gpus_per_node, max_tokens_per_rank=args.max_tokens_per_rank
+    )
+
+
+def draw_batches(args: argparse.Namespace, config: CostConfig, count: int) -> tuple[LengthSource, list[Batch]]:
+    """`count` batches of the workload flags, each checked (or truncated) against the domain."""
+    source = LengthSource.from_args(lengths=args.lengths, dist=None if args.lengths else args.dist)
+    capacity = config.domain.capacity
+    batches = [
+        fit_to_domain(source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity),
+                      capacity, truncate=args.truncate)
+        for k in range(count)
+    ]
+    return source, batches
+
+
+def dataset_max_tokens(source: LengthSource, batches: list[Batch], capacity: int) -> int:
+    """The longest sample of the dataset: the whole file, or every batch this run draws (capped at N x M)."""
+    longest = source.max_tokens() or max(int(b.lengths.max()) for b in batches)
+    return min(longest, capacity)

@@ -1,0 +1,25 @@
+"""Cost models: the time of a sample on a group of d ranks, memory feasibility, the lower bound."""
+
+from megatron_dhp.cost.config import COST_KINDS, CostConfig, Domain
+from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.simulate import Timeline, simulate
+
+# A profiled model has the reference model's form with coefficients fitted on this device.
+COST_MODELS = {"reference": ReferenceCostModel, "profiled": ReferenceCostModel}
+
+
+def build_cost_model(config: CostConfig) -> ReferenceCostModel:
+    """The cost model named by `config.kind`."""
+    return COST_MODELS[config.kind](config)
+
+
+__all__ = [
+    "COST_KINDS",
+    "COST_MODELS",
+    "CostConfig",
+    "Domain",
+    "ReferenceCostModel",
+    "Timeline",
+    "build_cost_model",
+    "simulate",
+]

@@ -1,0 +1,179 @@
+"""Cost-model configuration: the dynamic domain and the coefficients, loaded from YAML.
+
+The dataclass is the source of truth; YAML only loads into it (`yaml.safe_load`, every key checked).
+Keys and units follow BENCHMARK.md section 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from dataclasses import MISSING, dataclass, fields, replace
+from pathlib import Path
+
+import yaml
+
+from megatron_dhp.errors import DhpError
+
+COST_KINDS = ("reference", "profiled")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that also reads `1.5e6` as a float (YAML 1.1 wants `1.5e+6`)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> object:
+    """Parse untrusted YAML safely (no object construction), with scientific floats."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The dynamic domain: the DP x CP ranks that share one TP/PP coordinate."""
+
+    world_size: int
+    """Ranks in the domain (N)."""
+    gpus_per_node: int
+    """Ranks per node; a group inside one node communicates at the intra-node bandwidth."""
+    max_tokens_per_rank: int
+    """Memory capacity M: the most tokens one rank may hold in a microbatch."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "gpus_per_node", "max_tokens_per_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise DhpError(f"{name} = {value!r} must be an integer >= 1 (set --{name.replace('_', '-')})")
+
+    @property
+    def capacity(self) -> int:
+        """The longest sample the whole domain can hold: N x M."""
+        return self.world_size * self.max_tokens_per_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Every parameter of a cost model; see BENCHMARK.md section 2 for the formulas."""
+
+    kind: str
+    """`reference` (BENCHMARK.md coefficients) or `profiled` (fitted by `megatron-dhp profile`)."""
+    world_size: int
+    gpus_per_node: int
+    max_tokens_per_rank: int
+    attn_s_per_token2: float
+    """a: attention seconds per token^2 (whole model, forward+backward, one rank)."""
+    linear_s_per_token: float
+    """b: seconds per token of the linear layers."""
+    microbatch_overhead_s: float
+    """m: fixed seconds per microbatch on every rank of its group."""
+    comm_bytes_per_token: float
+    """gamma: bytes a context-parallel group moves per token over all layers, forward+backward."""
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    overlap_comm: bool
+    """Whether communication overlaps compute: t = max(compute, comm) instead of the sum."""
+    enc_attn_s_per_token2: float = 0.0
+    """e: vision-encoder attention seconds per image token^2."""
+    enc_linear_s_per_token: float = 0.0
+    """f: vision-encoder seconds per image token."""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in COST_KINDS:
+            raise DhpError(f"cost kind {self.kind!r} is unknown; use one of {', '.join(COST_KINDS)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float":
+                if not _is_number(value):
+                    raise DhpError(f"cost key {f.name!r} = {value!r} must be a number")
+                if value < 0 or (f.name.endswith("bytes_per_s") and value <= 0):
+                    raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
+                object.__setattr__(self, f.name, float(value))
+            elif f.type == "bool" and not isinstance(value, bool):
+                raise DhpError(f"cost key {f.name!r} = {value!r} must be true or false")
+            elif f.type == "str" and not isinstance(value, str):
+                raise DhpError(f"cost key {f.name!r} = {value!r} must be a string")
+        self.domain  # noqa: B018 - validates the domain fields
+
+    @property
+    def domain(self) -> Domain:
+        return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank)
+
+    def with_overrides(self, **overrides: int | None) -> CostConfig:
+        """Replace the given fields, ignoring None (how CLI flags override the YAML)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description" or self.description}
+
+    # ------------------------------------------------------------------ YAML
+    @classmethod
+    def from_dict(cls, obj: object, *, source: str = "cost config") -> CostConfig:
+        if not isinstance(obj, dict):
+            raise DhpError(f"{source}: expected a mapping of cost keys, got {type(obj).__name__}")
+        names = [f.name for f in fields(cls)]
+        for key in obj:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+                raise DhpError(f"{source}: unknown key {key!r}{hint}")
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise DhpError(f"{source}: missing key {missing[0]!r} (required: {', '.join(required)})")
+        try:
+            return cls(**obj)
+        except DhpError as e:
+            raise DhpError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path_or_preset: str | Path) -> CostConfig:
+        """Load a YAML file, or a preset name from `configs/` (e.g. `gpt7b-64`)."""
+        path = resolve_config(path_or_preset)
+        try:
+            obj = load_yaml(path.read_text())
+        except yaml.YAMLError as e:
+            raise DhpError(f"cost config {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        return cls.from_dict(obj, source=f"cost config {str(path)!r}")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def config_dirs() -> list[Path]:
+    """Where preset YAMLs live: the source checkout's `configs/`, then the installed share folder."""
+    return [Path(__file__).resolve().parents[2] / "configs", Path(sys.prefix) / "share" / "megatron-dhp" / "configs"]
+
+
+def resolve_config(path_or_preset: str | Path) -> Path:
+    """A YAML path as given, or `configs/<name>.yaml` for a preset name."""
+    path = Path(path_or_preset)
+    if path.is_file():
+        return path
+    if path.suffix not in (".yaml", ".yml"):
+        for d in config_dirs():
+            candidate = d / f"{path_or_preset}.yaml"
+            if candidate.is_file():
+                return candidate
+    presets = sorted({p.stem for d in config_dirs() if d.is_dir() for p in d.glob("*.yaml")})
+    raise DhpError(
+        f"cost config {str(path_or_preset)!r} is neither a file nor a preset; presets: {', '.join(presets) or 'none'}"
+    )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

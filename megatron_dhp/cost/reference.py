@@ -1,0 +1,121 @@
+"""The reference cost model of BENCHMARK.md section 2, vectorised over samples.
+
+For a sample of length L on a group of d ranks:
+    compute(L, d) = (a L^2 + b L + sum_images (e P^2 + f P)) / d
+    comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw
+    t(L, d)       = max(compute, comm) if overlap_comm else compute + comm
+where bw is the intra-node bandwidth when all the group's ranks sit on one node. A microbatch costs
+m + sum t and is feasible only if sum L / d <= M.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from megatron_dhp.cost.config import CostConfig, Domain
+from megatron_dhp.workload.sample import Sample
+
+
+class ReferenceCostModel:
+    """Times of samples on groups, and the step-time lower bound, for one `CostConfig`."""
+
+    def __init__(self, config: CostConfig) -> None:
+        self.config = config
+        self.domain: Domain = config.domain
+        self.microbatch_overhead_s = config.microbatch_overhead_s
+
+    # ------------------------------------------------------------------ per-sample terms
+    def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
+        """Compute seconds of each sample on one rank: a L^2 + b L + encoder terms."""
+        c = self.config
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+        work = c.attn_s_per_token2 * tokens**2 + c.linear_s_per_token * tokens
+        if c.enc_attn_s_per_token2 or c.enc_linear_s_per_token:
+            work += np.fromiter(
+                (sum(c.enc_attn_s_per_token2 * p * p + c.enc_linear_s_per_token * p for p in s.images) for s in samples),
+                dtype=np.float64,
+                count=len(samples),
+            )
+        return work
+
+    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
+        """t(L, d): seconds each sample takes on a group of `degree` ranks (broadcasts over arrays)."""
+        c = self.config
+        d = np.asarray(degree, dtype=np.float64)
+        bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
+        compute = np.asarray(work, dtype=np.float64) / d
+        comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
+        return np.maximum(compute, comm) if c.overlap_comm else compute + comm
+
+    def is_intra(self, ranks: Sequence[int]) -> bool:
+        """Whether a group's ranks all sit on one node."""
+        g = self.domain.gpus_per_node
+        return len({r // g for r in ranks}) == 1
+
+    def best_placement_intra(self, degree: np.ndarray | int) -> np.ndarray:
+        """Whether a group of this size can sit inside one node (its best placement)."""
+        return np.asarray(degree) <= self.domain.gpus_per_node
+
+    def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
+        """The fewest ranks that can hold a sample: ceil(L / M)."""
+        return -(-np.asarray(tokens, dtype=np.int64) // self.domain.max_tokens_per_rank)
+
+    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
+        """m + sum of t over the microbatch's samples, on the given ranks."""
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+        t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks))
+        return self.microbatch_overhead_s + float(t.sum())
+
+    # ------------------------------------------------------------------ best degree
+    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """min over d in [lo, hi] of t(L, d) with the best placement, and the d that attains it.
+
+        Within one bandwidth regime t(d) = max(W/d, c(d-1)/d) is minimised where the two terms cross,
+        at d* = 1 + W/c, and t(d) = W/d + c(d-1)/d is monotone in d; so the optimum is one of a few
+        candidates per sample (range ends, node boundary, the crossing), evaluated vectorised.
+        """
+        tokens = np.asarray(tokens, dtype=np.float64)
+        work = np.asarray(work, dtype=np.float64)
+        c = self.config
+        g = self.domain.gpus_per_node
+        lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), tokens.shape)
+        comm_intra = c.comm_bytes_per_token * tokens / c.intra_node_bytes_per_s
+        comm_inter = c.comm_bytes_per_token * tokens / c.inter_node_bytes_per_s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cross_intra = 1.0 + work / np.where(comm_intra > 0, comm_intra, np.inf)
+            cross_inter = 1.0 + work / np.where(comm_inter > 0, comm_inter, np.inf)
+        cands = [lo, np.full_like(lo, hi), np.full_like(lo, g), np.full_like(lo, g + 1)]
+        for cross in (cross_intra, cross_inter):
+            f = np.floor(np.minimum(cross, hi)).astype(np.int64)
+            cands += [f, f + 1]
+        best_t = np.full(tokens.shape, np.inf)
+        best_d = lo.copy()
+        for d in cands:
+            d = np.clip(d, lo, hi)
+            t = self.sample_time(tokens, work, d, d <= g)
+            better = (t < best_t) | ((t == best_t) & (d < best_d))
+            best_t = np.where(better, t, best_t)
+            best_d = np.where(better, d, best_d)
+        return best_t, best_d
+
+    # ------------------------------------------------------------------ lower bound
+    def lower_bound(self, samples: Sequence[Sample]) -> float:
+        """LB = max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))).
+
+        d ranges over feasible degrees (ceil(L / d) <= M, d <= N) with the best placement. d t(L, d) is
+        non-decreasing in d for both overlap modes (compute total is fixed, communication grows), so the
+        first term takes d = ceil(L / M).
+        """
+        n, m, cap = self.domain.world_size, self.microbatch_overhead_s, self.domain.max_tokens_per_rank
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+        work = self.sample_work(samples)
+        lo = self.min_degree(tokens.astype(np.int64))
+        if np.any(lo > n):
+            raise ValueError("lower_bound needs every sample to fit the domain; check with fits_domain first")
+        area = lo * self.sample_time(tokens, work, lo, self.best_placement_intra(lo))
+        bound_area = (float(area.sum()) + m * float(tokens.sum()) / cap) / n
+        best_t, _ = self.best_time(tokens, work, lo=lo, hi=n)
+        bound_longest = m + float(best_t.max())
+        return max(bound_area, bound_longest)

@@ -1,0 +1,69 @@
+"""Score a plan with a cost model: when each group starts and ends, and the step time.
+
+Phases run in order. A group starts at the latest finish time of its ranks so far and its ranks finish at
+start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """When one group of the plan runs, and how long each of its microbatches takes."""
+
+    group_index: int
+    start_s: float
+    end_s: float
+    microbatch_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated step: every group's span and every rank's finish and busy time."""
+
+    step_time_s: float
+    spans: tuple[GroupSpan, ...]
+    rank_finish_s: np.ndarray
+    rank_busy_s: np.ndarray
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of rank-seconds spent waiting within the step."""
+        total = self.step_time_s * len(self.rank_busy_s)
+        return 1.0 - float(self.rank_busy_s.sum()) / total if total > 0 else 0.0
+
+
+def group_microbatch_times(plan: Plan, group_index: int, model: ReferenceCostModel) -> tuple[float, ...]:
+    """Seconds of each microbatch of one group: m + sum of its samples' t(L, d)."""
+    g = plan.groups[group_index]
+    ids = g.sample_ids
+    samples = [plan.sample(i) for i in ids]
+    tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+    t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks))
+    bounds = np.cumsum([0] + [len(mb) for mb in g.microbatches])
+    return tuple(model.microbatch_overhead_s + float(t[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def simulate(plan: Plan, model: ReferenceCostModel) -> Timeline:
+    """Replay the plan's groups phase by phase under the cost model."""
+    finish = np.zeros(plan.world_size)
+    busy = np.zeros(plan.world_size)
+    spans: list[GroupSpan] = []
+    order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)
+    for gi in order:
+        ranks = list(plan.groups[gi].ranks)
+        mbs = group_microbatch_times(plan, gi, model)
+        start = float(finish[ranks].max())
+        end = start + sum(mbs)
+        finish[ranks] = end
+        busy[ranks] += end - start
+        spans.append(GroupSpan(gi, start, end, mbs))
+    spans.sort(key=lambda s: s.group_index)
+    return Timeline(float(finish.max()), tuple(spans), finish, busy)

@@ -1,0 +1,5 @@
+"""The step plan: plain data shared by planners, the cost model and the runtime."""
+
+from megatron_dhp.plan.plan import SCHEMA, Plan, PlanError, PlanGroup
+
+__all__ = ["SCHEMA", "Plan", "PlanError", "PlanGroup"]

@@ -1,0 +1,238 @@
+"""The plan of one step: which ranks form which groups, and which samples each group runs.
+
+A plan is plain data with a JSON form (`megatron-dhp/plan/v1`, see BENCHMARK.md section 1). Planners
+produce it, the cost model scores it and the runtime executes it; none of them needs another's internals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.workload.sample import Sample
+
+SCHEMA = "megatron-dhp/plan/v1"
+
+
+class PlanError(DhpError):
+    """A plan that breaks an invariant (every sample once, every rank placed, memory cap)."""
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """A set of ranks that runs its microbatches as context parallelism over exactly those ranks.
+
+    `ranks` are positions 0..world_size-1 inside the dynamic domain. Each microbatch is a tuple of sample
+    ids processed together as one packed (THD) sequence set; a group without microbatches has no work
+    this step (its ranks only join the gradient reduction). A group of phase k starts once all its ranks
+    have finished their groups of earlier phases.
+    """
+
+    ranks: tuple[int, ...]
+    microbatches: tuple[tuple[int, ...], ...]
+    phase: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "microbatches", tuple(tuple(int(i) for i in mb) for mb in self.microbatches))
+        object.__setattr__(self, "phase", int(self.phase))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return [i for mb in self.microbatches for i in mb]
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "ranks": list(self.ranks), "microbatches": [list(mb) for mb in self.microbatches]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated-on-demand step plan; see `validate` for the invariants it must hold."""
+
+    planner: str
+    world_size: int
+    gpus_per_node: int
+    samples: tuple[Sample, ...]
+    groups: tuple[PlanGroup, ...]
+    max_tokens_per_rank: int | None = None
+    predicted_step_time_s: float | None = None
+    lower_bound_s: float | None = None
+    solve_time_ms: float | None = None
+    _by_id: dict[int, Sample] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", tuple(self.samples))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "_by_id", {s.id: s for s in self.samples})
+
+    # ------------------------------------------------------------------ queries
+    def sample(self, sample_id: int) -> Sample:
+        return self._by_id[sample_id]
+
+    @property
+    def num_phases(self) -> int:
+        return 1 + max((g.phase for g in self.groups), default=0)
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(len(g.microbatches) for g in self.groups)
+
+    def groups_of_rank(self, rank: int) -> list[PlanGroup]:
+        """The groups `rank` belongs to, in execution (phase) order."""
+        return sorted((g for g in self.groups if rank in g.ranks), key=lambda g: g.phase)
+
+    def summary(self) -> str:
+        """One line: group sizes as `countxsize`, phases, microbatches, predicted time against the bound."""
+        sizes = Counter(g.size for g in self.groups)
+        parts = [f"groups {' '.join(f'{n}x{d}' for d, n in sorted(sizes.items()))}"]
+        if self.num_phases > 1:
+            parts.append(f"{self.num_phases} phases")
+        parts.append(f"{self.num_microbatches} mb")
+        if self.predicted_step_time_s is not None:
+            pred = f"pred {self.predicted_step_time_s:.3f}s"
+            if self.lower_bound_s:
+                pred += f" ({self.predicted_step_time_s / self.lower_bound_s:.3f}x LB)"
+            parts.append(pred)
+        if self.solve_time_ms is not None:
+            parts.append(f"solve {self.solve_time_ms:.1f} ms")
+        return f"{self.planner}: " + " | ".join(parts)
+
+    # ------------------------------------------------------------------ invariants
+    def validate(self, max_tokens_per_rank: int | None = None) -> None:
+        """Raise `PlanError` naming the offending sample or rank if any invariant fails.
+
+        Invariants: every sample of the batch in exactly one microbatch of one group, only known ids;
+        every rank in at least one group and at most one group per phase; no rankless group, no empty
+        microbatch;
+        no microbatch above the per-rank token cap (sum of tokens / group size <= cap).
+        """
+        cap = max_tokens_per_rank if max_tokens_per_rank is not None else self.max_tokens_per_rank
+        n = self.world_size
+        if not isinstance(n, int) or n < 1:
+            raise PlanError(f"world_size {n!r} must be a positive integer")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise PlanError(f"gpus_per_node {self.gpus_per_node!r} must be a positive integer")
+        if len(self._by_id) != len(self.samples):
+            dup = next(i for i, c in Counter(s.id for s in self.samples).items() if c > 1)
+            raise PlanError(f"sample id {dup} is listed twice in the plan's samples")
+        if not self.groups:
+            raise PlanError("the plan has no groups")
+
+        seen_in_phase: dict[tuple[int, int], int] = {}
+        placed: dict[int, int] = {}
+        for gi, g in enumerate(self.groups):
+            if g.phase < 0:
+                raise PlanError(f"group {gi} has negative phase {g.phase}")
+            if not g.ranks:
+                raise PlanError(f"group {gi} has no ranks")
+            for r in g.ranks:
+                if not 0 <= r < n:
+                    raise PlanError(f"group {gi}: rank {r} is outside the domain 0..{n - 1}")
+                key = (g.phase, r)
+                if key in seen_in_phase:
+                    raise PlanError(
+                        f"rank {r} is in group {seen_in_phase[key]} and group {gi} of phase {g.phase}; "
+                        "a rank may join at most one group per phase"
+                    )
+                seen_in_phase[key] = gi
+            for mi, mb in enumerate(g.microbatches):
+                if not mb:
+                    raise PlanError(f"group {gi}, microbatch {mi} is empty")
+                tokens = 0
+                for sid in mb:
+                    if sid not in self._by_id:
+                        raise PlanError(f"group {gi}, microbatch {mi}: unknown sample id {sid}")
+                    if sid in placed:
+                        raise PlanError(f"sample {sid} is assigned twice (groups {placed[sid]} and {gi})")
+                    placed[sid] = gi
+                    tokens += self._by_id[sid].tokens
+                if cap is not None and tokens > cap * g.size:
+                    raise PlanError(
+                        f"group {gi}, microbatch {mi} puts {tokens / g.size:.0f} tokens on each of its "
+                        f"{g.size} ranks, above the cap of {cap}; split the microbatch or use more ranks"
+                    )
+        missing = [s.id for s in self.samples if s.id not in placed]
+        if missing:
+            raise PlanError(f"sample {missing[0]} is in no group ({len(missing)} samples unassigned)")
+        idle = sorted(set(range(n)) - {r for _, r in seen_in_phase})
+        if idle:
+            raise PlanError(f"rank {idle[0]} is in no group ({len(idle)} ranks idle); every rank must join one")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self, *, timings: bool = True) -> dict:
+        out: dict = {
+            "schema": SCHEMA,
+            "planner": self.planner,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+        }
+        if self.max_tokens_per_rank is not None:
+            out["max_tokens_per_rank"] = self.max_tokens_per_rank
+        out["samples"] = [s.to_dict() for s in self.samples]
+        out["groups"] = [g.to_dict() for g in self.groups]
+        if timings:
+            for key in ("predicted_step_time_s", "lower_bound_s", "solve_time_ms"):
+                value = getattr(self, key)
+                if value is not None:
+                    out[key] = round(float(value), 6)
+        return out
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def fingerprint(self) -> str:
+        """A hash of everything that decides execution (not the timings), equal on every rank."""
+        canonical = json.dumps(self.to_dict(timings=False), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> Plan:
+        if not isinstance(obj, dict):
+            raise PlanError("a plan must be a JSON object")
+        if obj.get("schema") != SCHEMA:
+            raise PlanError(f"plan schema {obj.get('schema')!r} is not {SCHEMA!r}")
+        try:
+            groups = tuple(
+                PlanGroup(ranks=g["ranks"], microbatches=g["microbatches"], phase=g.get("phase", 0))
+                for g in obj["groups"]
+            )
+            return cls(
+                planner=str(obj["planner"]),
+                world_size=int(obj["world_size"]),
+                gpus_per_node=int(obj["gpus_per_node"]),
+                samples=tuple(Sample.from_dict(s) for s in obj["samples"]),
+                groups=groups,
+                max_tokens_per_rank=obj.get("max_tokens_per_rank"),
+                predicted_step_time_s=obj.get("predicted_step_time_s"),
+                lower_bound_s=obj.get("lower_bound_s"),
+                solve_time_ms=obj.get("solve_time_ms"),
+            )
+        except KeyError as e:
+            raise PlanError(f"plan JSON is missing the key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, DhpError):
+                raise
+            raise PlanError(f"plan JSON has a malformed field: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file {str(p)!r} does not exist")
+        try:
+            obj = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(obj)
+

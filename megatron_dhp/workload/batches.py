@@ -1,0 +1,79 @@
+"""Drawing global batches deterministically from a length source, and checking they fit the domain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sources import load_samples
+from megatron_dhp.workload.synthetic import Distribution, get_distribution
+
+
+@dataclass(frozen=True)
+class LengthSource:
+    """Either a file of samples or a named distribution; `name` is what reports print."""
+
+    name: str
+    samples: tuple[Sample, ...] = ()
+    distribution: Distribution | None = None
+
+    @classmethod
+    def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None) -> LengthSource:
+        if (lengths is None) == (dist is None):
+            raise DhpError("give exactly one of --lengths FILE and --dist NAME")
+        if lengths is not None:
+            return cls(name=Path(lengths).name, samples=tuple(load_samples(lengths)))
+        return cls(name=dist, distribution=get_distribution(dist))
+
+    def draw(self, *, global_batch: int | None, seed: int, index: int = 0, capacity: int) -> Batch:
+        """Batch `index` of the run seeded with `seed`; ids are positions in the batch.
+
+        A file without `global_batch` is taken whole, ids in file order. Otherwise samples are drawn
+        from a generator seeded with (seed, index), without replacement while the file is large enough.
+        """
+        if global_batch is not None and (isinstance(global_batch, bool) or global_batch < 1):
+            raise DhpError(f"--global-batch {global_batch!r} must be a positive integer")
+        if self.distribution is None and global_batch is None:
+            return Batch(self.samples, seed=None)
+        if global_batch is None:
+            raise DhpError(f"distribution {self.name!r} needs --global-batch (how many samples per batch)")
+        rng = np.random.default_rng([seed, index])
+        if self.distribution is not None:
+            return Batch(tuple(self.distribution.draw(rng, global_batch, capacity=capacity)), seed=seed)
+        picks = rng.choice(len(self.samples), size=global_batch, replace=global_batch > len(self.samples))
+        return Batch(tuple(replace(self.samples[j], id=i) for i, j in enumerate(picks)), seed=seed)
+
+    def max_tokens(self) -> int | None:
+        """The longest sample of a file source (None for a distribution)."""
+        return max(s.tokens for s in self.samples) if self.samples else None
+
+
+def fit_to_domain(batch: Batch, capacity: int, *, truncate: bool = False) -> Batch:
+    """Reject (or, with `truncate`, cut) samples longer than the domain's capacity N x M."""
+    too_long = [s for s in batch.samples if s.tokens > capacity]
+    if not too_long:
+        return batch
+    if not truncate:
+        s = too_long[0]
+        raise DhpError(
+            f"sample {s.id} has {s.tokens} tokens but the whole domain holds at most {capacity} "
+            f"(world_size x max_tokens_per_rank); raise --world-size or --max-tokens-per-rank, "
+            f"or pass --truncate to cut {len(too_long)} such sample(s)"
+        )
+    return Batch(tuple(truncate_sample(s, capacity) for s in batch.samples), seed=batch.seed)
+
+
+def truncate_sample(sample: Sample, max_tokens: int) -> Sample:
+    """Cut a sample to `max_tokens`, dropping trailing images that no longer fit."""
+    if sample.tokens <= max_tokens:
+        return sample
+    images: list[int] = []
+    for p in sample.images:
+        if sum(images) + p > max_tokens:
+            break
+        images.append(p)
+    return Sample(sample.id, max_tokens, tuple(images))

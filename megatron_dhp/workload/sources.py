@@ -1,0 +1,111 @@
+"""Length sources: files of per-sample lengths, and Megatron indexed datasets.
+
+Supported inputs, chosen by file name:
+- `*.json`: a JSON array of positive integers (or of `{"tokens": N, "images": [...]}` objects);
+- `*.jsonl`: one `{"tokens": N, "images": [...]}` object (or a bare integer) per line;
+- a Megatron indexed-dataset prefix (`PREFIX.bin` + `PREFIX.idx`, or either file's path), read with
+  megatron-core's own `IndexedDataset` reader.
+Every malformed value raises `DhpError` naming the file, the position and the value.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.workload.sample import Sample
+
+_FORMATS = "a JSON array of positive integers (.json), JSONL with {\"tokens\": N} per line (.jsonl), or a Megatron .bin/.idx prefix"
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """Read every sample of a length source, ids in file order."""
+    p = Path(path)
+    prefix = _indexed_prefix(p)
+    if prefix is not None:
+        return _load_indexed(prefix)
+    if not p.is_file():
+        raise DhpError(f"length file {str(p)!r} does not exist; pass {_FORMATS}")
+    text = p.read_text()
+    if not text.strip():
+        raise DhpError(f"length file {str(p)!r} is empty; it must hold at least one length")
+    if p.suffix == ".jsonl":
+        return _load_jsonl(p, text)
+    return _load_json(p, text)
+
+
+def _load_json(p: Path, text: str) -> list[Sample]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DhpError(f"length file {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno}); pass {_FORMATS}") from None
+    if not isinstance(obj, list):
+        raise DhpError(f"length file {str(p)!r} must hold a JSON array of lengths, not a {type(obj).__name__}")
+    if not obj:
+        raise DhpError(f"length file {str(p)!r} holds an empty array; it must hold at least one length")
+    return [_sample(p, f"entry {i}", i, item) for i, item in enumerate(obj)]
+
+
+def _load_jsonl(p: Path, text: str) -> list[Sample]:
+    samples: list[Sample] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DhpError(f"length file {str(p)!r}, line {lineno}: not valid JSON ({e.msg})") from None
+        samples.append(_sample(p, f"line {lineno}", len(samples), item))
+    return samples
+
+
+def _sample(p: Path, where: str, sample_id: int, item: object) -> Sample:
+    images: object = ()
+    if isinstance(item, dict):
+        if "tokens" not in item:
+            raise DhpError(f"length file {str(p)!r}, {where}: object {item!r} has no 'tokens' key")
+        unknown = set(item) - {"tokens", "images"}
+        if unknown:
+            raise DhpError(f"length file {str(p)!r}, {where}: unknown key {sorted(unknown)[0]!r} (allowed: tokens, images)")
+        tokens, images = item["tokens"], item.get("images", ())
+    else:
+        tokens = item
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise DhpError(f"length file {str(p)!r}, {where}: length {tokens!r} must be a positive integer")
+    if not isinstance(images, (list, tuple)):
+        raise DhpError(f"length file {str(p)!r}, {where}: 'images' must be a list of token counts, got {images!r}")
+    for n in images:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise DhpError(f"length file {str(p)!r}, {where}: image token count {n!r} must be a positive integer")
+    if sum(images) > tokens:
+        raise DhpError(
+            f"length file {str(p)!r}, {where}: images hold {sum(images)} tokens, more than the sample's {tokens}; "
+            "'tokens' is the total LLM length including image tokens"
+        )
+    return Sample(sample_id, tokens, tuple(images))
+
+
+def _indexed_prefix(p: Path) -> Path | None:
+    if p.suffix in (".bin", ".idx"):
+        p = p.with_suffix("")
+    if p.with_suffix(p.suffix + ".idx").is_file() or Path(str(p) + ".idx").is_file():
+        return p
+    return None
+
+
+def _load_indexed(prefix: Path) -> list[Sample]:
+    if not Path(str(prefix) + ".bin").is_file():
+        raise DhpError(f"indexed dataset {str(prefix)!r} has a .idx file but no .bin file beside it")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy import, only when used
+
+    try:
+        lengths = IndexedDataset(str(prefix)).sequence_lengths
+    except Exception as e:  # a corrupt index fails deep inside numpy/struct
+        raise DhpError(f"indexed dataset {str(prefix)!r} could not be read: {e}") from None
+    if len(lengths) == 0:
+        raise DhpError(f"indexed dataset {str(prefix)!r} holds no sequences")
+    zero = [i for i, n in enumerate(lengths) if n < 1]
+    if zero:
+        raise DhpError(f"indexed dataset {str(prefix)!r}: sequence {zero[0]} has length {lengths[zero[0]]}; lengths must be positive")
+    return [Sample(i, int(n)) for i, n in enumerate(lengths)]

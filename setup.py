@@ -1,0 +1,36 @@
+"""megatron-dhp: dynamic hybrid parallelism for Megatron-Core."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+setup(
+    name="megatron-dhp",
+    version="0.1.0",
+    description="Dynamic hybrid (data x context) parallelism for Megatron-Core: per-step groups of any size",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dhp", "megatron_dhp.*"]),
+    package_data={"megatron_dhp": ["workload/data/*"]},
+    data_files=[("share/megatron-dhp/configs", [str(p) for p in sorted(Path("configs").glob("*.yaml"))])],
+    install_requires=[
+        # Bounded so that a CPU machine with the local torch 2.13 CPU wheel does not pull a CUDA build.
+        "torch>=2.6,<2.14",
+        "megatron-core>=0.16.1",
+        "triton",  # megatron.core imports it unconditionally; installs without a GPU
+        "numpy>=1.24",
+        "highspy>=1.7",
+        "pyyaml>=6",
+        "matplotlib>=3.7",
+        "rich>=13",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+    },
+    entry_points={"console_scripts": ["megatron-dhp=megatron_dhp.cli:main"]},
+)
