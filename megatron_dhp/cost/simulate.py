@@ -1,7 +1,8 @@
 """Score a plan with a cost model: when each group starts and ends, and the step time.
 
 Phases run in order. A group starts at the latest finish time of its ranks so far and its ranks finish at
-start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2).
+start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2). A plan
+with `phase_barrier` also makes every rank wait for all ranks at each phase change.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def simulate(plan: Plan, model: ReferenceCostModel) -> Timeline:
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
     order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)
+    phase = 0
     for gi in order:
+        if plan.phase_barrier and plan.groups[gi].phase != phase:
+            phase = plan.groups[gi].phase
+            finish[:] = finish.max()
         ranks = list(plan.groups[gi].ranks)
         mbs = group_microbatch_times(plan, gi, model)
         start = float(finish[ranks].max())

@@ -63,6 +63,8 @@ class Plan:
     samples: tuple[Sample, ...]
     groups: tuple[PlanGroup, ...]
     max_tokens_per_rank: int | None = None
+    phase_barrier: bool = False
+    """Whether every rank waits for all ranks between phases (megatron-hcp's schedule does)."""
     predicted_step_time_s: float | None = None
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
@@ -176,6 +178,8 @@ class Plan:
         }
         if self.max_tokens_per_rank is not None:
             out["max_tokens_per_rank"] = self.max_tokens_per_rank
+        if self.phase_barrier:
+            out["phase_barrier"] = True
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
@@ -214,6 +218,7 @@ class Plan:
                 samples=tuple(Sample.from_dict(s) for s in obj["samples"]),
                 groups=groups,
                 max_tokens_per_rank=obj.get("max_tokens_per_rank"),
+                phase_barrier=bool(obj.get("phase_barrier", False)),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),
                 solve_time_ms=obj.get("solve_time_ms"),
