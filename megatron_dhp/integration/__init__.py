@@ -1,0 +1,1 @@
+"""Glue between megatron-dhp and Megatron: CPU compatibility today; flags, hooks and config later."""
