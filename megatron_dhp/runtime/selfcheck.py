@@ -121,7 +121,8 @@ class SelfCheck:
         inputs = dispatch(local, self.domain, plan=plan)
         self.pool.prepare(plan)
         step = run_step(self.model, inputs, self.pool, self.domain, comm=comm, backend=self.backend)
-        totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64)
+        device = self.domain.device
+        totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=self.domain.group)
         loss = float(totals[0]) / step.global_loss_tokens
 
@@ -131,7 +132,7 @@ class SelfCheck:
             diff = float((self._full_grad(param).cpu() - ref.grads[name]).abs().max())
             if diff > worst:
                 worst, worst_name = diff, name
-        diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64)
+        diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         return CheckResult(
             plan_summary=plan.summary(),

@@ -14,10 +14,9 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
-COMM_VARIANTS = ("allgather", "ring", "ulysses")
-BACKENDS = ("auto", "math", "sdpa", "flash")
 
 
 @dataclass(frozen=True)
