@@ -10,9 +10,10 @@ import inspect
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import Planner, run_planner
+from megatron_dhp.solver.dhp import DhpPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 
-PLANNERS: dict[str, type] = {"static": StaticPlanner}
+PLANNERS: dict[str, type] = {"dhp": DhpPlanner, "static": StaticPlanner}
 
 
 def build_planner(name: str, **context: object) -> Planner:
@@ -24,4 +25,4 @@ def build_planner(name: str, **context: object) -> Planner:
     return cls(**{k: v for k, v in context.items() if k in accepted and k != "name"})
 
 
-__all__ = ["PLANNERS", "Planner", "StaticPlanner", "build_planner", "run_planner", "static_cp_size"]
+__all__ = ["PLANNERS", "DhpPlanner", "Planner", "StaticPlanner", "build_planner", "run_planner", "static_cp_size"]
