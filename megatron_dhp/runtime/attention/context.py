@@ -18,7 +18,6 @@ from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
 
-
 @dataclass(frozen=True)
 class CPContext:
     """Which ranks attend together for this microbatch, where its tokens are, and how to communicate."""
