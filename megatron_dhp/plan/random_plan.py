@@ -38,8 +38,9 @@ def random_plan(
 ) -> Plan:
     """A valid plan with random groups, phases and microbatches for `batch` on `domain`.
 
-    Phase 0 covers every rank; later phases re-partition a random subset of the ranks. Each sample goes to
-    a random group that can hold it (length <= group size x max_tokens_per_rank).
+    Phase 0 covers every rank; later phases re-partition a random subset of the ranks (and if no group is
+    wide enough for the longest sample, a last phase runs the whole domain). Each sample goes to a random
+    group that can hold it (length <= group size x max_tokens_per_rank).
     """
     n, cap = domain.world_size, domain.max_tokens_per_rank
     too_long = [s for s in batch.samples if s.tokens > n * cap]
@@ -50,6 +51,9 @@ def random_plan(
     for phase in range(rng.randint(1, max_phases)):
         ranks = list(range(n)) if phase == 0 else sorted(rng.sample(range(n), rng.randint(1, n)))
         layout += [(phase, g) for g in random_partition(ranks, rng, contiguous=rng.random() < 0.5)]
+    widest = max(-(-s.tokens // cap) for s in batch.samples)
+    if all(len(g) < widest for _, g in layout):
+        layout.append((layout[-1][0] + 1, tuple(range(n))))  # a last phase on the whole domain for the longest
 
     buckets: list[list[Sample]] = [[] for _ in layout]
     for s in rng.sample(list(batch.samples), len(batch.samples)):

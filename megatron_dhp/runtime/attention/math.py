@@ -40,15 +40,17 @@ def block_attention(
     """Attention of queries [tq, h, dh] over keys/values [tk, hk, dh] under `mask` [tq, tk].
 
     Returns the output [tq, h, dh] and the log-sum-exp [tq, h] of the scaled scores (fp32), so partial
-    results over disjoint key blocks can be merged exactly with `merge_partials`.
+    results over disjoint key blocks can be merged exactly with `merge_partials`. Half precision is
+    accumulated in fp32.
     """
     h = q.shape[1]
     k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    acc = _accumulation_dtype(q.dtype)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
     scores = scores.masked_fill(~mask, _MASKED)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
-    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    out = torch.einsum("hqk,khd->qhd", probs, v.to(acc))
     return out.to(q.dtype), lse.transpose(0, 1)
 
 
@@ -56,7 +58,7 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     """Combine attention over disjoint key blocks: softmax weights are exp(lse_i - logsumexp_i lse_i)."""
     lse = torch.stack(lses)
     weights = torch.exp(lse - torch.logsumexp(lse, dim=0, keepdim=True))
-    merged = (weights[..., None] * torch.stack([o.float() for o in outs])).sum(dim=0)
+    merged = (weights[..., None] * torch.stack([o.to(weights.dtype) for o in outs])).sum(dim=0)
     return merged.to(outs[0].dtype)
 
 
@@ -71,3 +73,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
