@@ -120,7 +120,7 @@ def worker(options: SelftestOptions) -> int:
             if lead:
                 sizes = "+".join(str(len(g.ranks)) for g in plan.groups)
                 print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {comm:9s} | loss {result.loss:.6f} | "
-                      f"max|dloss| {result.max_loss_diff:.1e} | max|dgrad| {result.max_grad_diff:.1e} | "
+                      f"max abs dloss {result.max_loss_diff:.1e} | max abs dgrad {result.max_grad_diff:.1e} | "
                       f"tokens {result.tokens_computed}/{result.batch_tokens} | {'ok' if result.ok else 'MISMATCH'}",
                       flush=True)
         if lead:

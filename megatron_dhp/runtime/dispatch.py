@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanError
+from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
 from megatron_dhp.workload.sample import Batch, Sample
@@ -264,7 +265,7 @@ def _all_gather(x: torch.Tensor, domain: DynamicDomain) -> torch.Tensor:
     device = domain.device
     x = x.to(device)
     out = x.new_empty((domain.size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=domain.group)
+    all_gather_single(out, x.contiguous(), group=domain.group)
     return out.cpu()
 
 

@@ -1,7 +1,7 @@
 """Start N local ranks the way torchrun would, run one function on each, collect what each returns.
 
 Used by `megatron-dhp selftest` (when not already under torchrun) and by the multi-process tests. Each
-rank gets the torchrun environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) so the same function
+rank gets the torchrun environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS) so the same function
 also runs unchanged under a real `torchrun`. A wall-clock deadline terminates every rank, so a hang
 becomes an error instead of a stuck job.
 """
@@ -69,6 +69,11 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    # Like torchrun: one intra-op thread per rank unless the user chose otherwise. N ranks with a thread per
+    # core each oversubscribe the machine, and spinning OpenMP workers then slow small ops 100-fold.
+    import torch
+
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - report anything, the parent decides

@@ -25,8 +25,9 @@ def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSp
 
     `local`: megatron's local spec with `DynamicCPAttention` as core attention (any device; the CPU
     reference). `te`: the TransformerEngine spec, whose `TEDotProductAttention` runs context parallelism over
-    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed). In both,
-    the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
+    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed; TE's
+    variant is the config's `cp_comm_type`, `p2p` or `all_gather` for THD; untested here, no GPU). In
+    both, the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
     """
     if backend == "local":
         spec = get_gpt_layer_local_spec(**spec_kwargs)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -67,6 +68,12 @@ def run_step(
     megatron `DistributedDataParallel` model the domain-wide reduction runs here (`finish_grad_sync`).
     `pool.prepare(inputs.plan)` must have run on every rank.
     """
+    config = getattr(model, "config", None)
+    if hasattr(model, "finish_grad_sync") and config is not None and not config.calculate_per_token_loss:
+        raise DhpError(
+            "the model's DDP averages gradients over the domain (calculate_per_token_loss=False), which "
+            "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
+        )
     plan = inputs.plan
     loss_sum, loss_tokens = 0.0, 0
     for phase in range(plan.num_phases):

@@ -79,3 +79,16 @@ def test_attention_and_spec_reject_what_they_cannot_run():
     if not torch.cuda.is_available():
         with pytest.raises(DhpError, match="'te' layer spec"):
             dhp_layer_spec(backend="te")
+
+
+def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
+    from megatron_dhp.integration.cpu_compat import apply_cpu_compat
+
+    if torch.cuda.is_available():
+        assert apply_cpu_compat() is False
+        return
+    assert apply_cpu_compat() is True and apply_cpu_compat() is True
+    assert torch.cuda.current_device() == "cpu"
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    assert get_default_causal_mask(3).device.type == "cpu"  # a literal device="cuda" inside megatron-core

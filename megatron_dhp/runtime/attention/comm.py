@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat collectives and deprecates the old names; older releases only have those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _AllGather(torch.autograd.Function):
     """Concatenate equal-sized shards along dim 0 in group-rank order; backward reduce-scatters."""
@@ -19,14 +23,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
         group = ctx.group
         out = grad.new_empty((grad.shape[0] // group.size(), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=group)
         return out, None
 
 

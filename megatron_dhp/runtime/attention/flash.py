@@ -26,8 +26,8 @@ def _varlen_kernel() -> Any | None:
 
 
 def usable(q: torch.Tensor) -> bool:
-    """Whether flash-attn can run on `q`: installed, CUDA tensor, half precision."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None
+    """Whether flash-attn can run on `q`: installed, CUDA tensor, half precision, at least one head."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[1] > 0 and _varlen_kernel() is not None
 
 
 def natural_order(layout: MicrobatchLayout) -> torch.Tensor:
