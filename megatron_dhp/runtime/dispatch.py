@@ -49,6 +49,8 @@ class TokenSample:
             shape = tuple(getattr(self, name).shape)
             if shape != (n,):
                 raise DhpError(f"sample {self.id}: {name} has shape {shape}, expected ({n},) like input_ids")
+        if not bool(((self.loss_mask == 0) | (self.loss_mask == 1)).all()):
+            raise DhpError(f"sample {self.id}: loss_mask must hold only 0 and 1 (token weights are not supported)")
 
     @property
     def length(self) -> int:
@@ -102,10 +104,10 @@ class StepInputs:
 def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
     """All-gather (id, length, loss tokens) of every sample over the domain. Collective."""
     rows = torch.tensor([[s.id, s.length, int(s.loss_mask.sum())] for s in local], dtype=torch.int64).view(-1, 3)
-    counts = _all_gather(torch.tensor([rows.shape[0]]), domain).view(-1).tolist()
+    counts = _all_gather(torch.tensor([rows.shape[0]]), domain.group, domain.size, domain.device).view(-1).tolist()
     padded = torch.zeros(max(max(counts), 1), 3, dtype=torch.int64)
     padded[: rows.shape[0]] = rows
-    gathered = _all_gather(padded, domain).view(domain.size, -1, 3)
+    gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, 3)
     owners: dict[int, int] = {}
     samples: list[Sample] = []
     loss_tokens = 0
@@ -118,6 +120,8 @@ def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> Gathere
             loss_tokens += n_loss
     if not samples:
         raise DhpError("no rank of the domain holds a sample; the global batch is empty")
+    if loss_tokens == 0:
+        raise DhpError("no token of the global batch has loss_mask 1; the step would divide by zero tokens")
     return GatheredBatch(Batch(tuple(sorted(samples, key=lambda s: s.id))), owners, loss_tokens)
 
 
@@ -133,24 +137,28 @@ def check_world(plan: Plan, domain: DynamicDomain) -> None:
 def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> None:
     """Stop every rank unless all ranks hold the same valid plan for the gathered batch. Collective.
 
-    Local problems (a plan that breaks an invariant or does not match the batch) are shared through the
-    same all-gather as the fingerprint, so a rank never waits for a peer that has already given up.
+    The check spans the whole world, not only this domain: every domain (TP/PP coordinate) executes the
+    same plan and group creation is world-collective, so a domain with another plan would hang the others.
+    Local problems (a plan that breaks an invariant or does not match the batch) travel in the same
+    all-gather as the fingerprint, so a rank never waits for a peer that has already given up.
     """
     problem = _local_problem(plan, gathered)
     fingerprint = plan.fingerprint()
     mine = torch.tensor([_signed64(fingerprint), int(problem is not None)], dtype=torch.int64)
-    table = _all_gather(mine, domain).view(domain.size, 2).tolist()
+    world = dist.get_world_size()
+    table = _all_gather(mine, None, world, domain.device).view(world, 2).tolist()
+    me = dist.get_rank()
     if problem is not None:
-        raise DhpError(f"domain position {domain.position} rejects the plan: {problem}")
-    rejecting = [p for p, (_, bad) in enumerate(table) if bad]
+        raise DhpError(f"rank {me} (domain position {domain.position}) rejects the plan: {problem}")
+    rejecting = [r for r, (_, bad) in enumerate(table) if bad]
     if rejecting:
-        raise DhpError(f"domain positions {rejecting} rejected the plan (see their errors); every rank stops")
-    differing = [p for p, (fp, _) in enumerate(table) if fp != table[domain.position][0]]
+        raise DhpError(f"ranks {rejecting} rejected the plan (see their errors); every rank stops")
+    differing = [r for r, (fp, _) in enumerate(table) if fp != table[me][0]]
     if differing:
         theirs = format(table[differing[0]][0] % (1 << 64), "016x")
         raise DhpError(
-            f"ranks hold different plans: position {domain.position} has fingerprint {fingerprint}, "
-            f"positions {differing} have {theirs} (first shown); make planning deterministic or broadcast the plan"
+            f"ranks hold different plans: rank {me} has fingerprint {fingerprint}, ranks {differing} have "
+            f"{theirs} (first shown); make planning deterministic or broadcast the plan"
         )
 
 
@@ -159,7 +167,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     me = domain.position
     by_id = {s.id: s for s in local}
     lengths = {s.id: s.tokens for s in gathered.batch.samples}
-    rows = {sid: torch.stack((s.input_ids, s.labels, s.loss_mask.to(torch.int64))).T for sid, s in by_id.items()}
+    rows = {sid: torch.stack([t.to(torch.int64) for t in (s.input_ids, s.labels, s.loss_mask)], 1) for sid, s in by_id.items()}
 
     send_parts: list[list[torch.Tensor]] = [[] for _ in range(domain.size)]
     for dest in range(domain.size):
@@ -261,11 +269,10 @@ def _pack(mine: list[tuple[MicrobatchLayout, tuple[int, ...], int]], slots: torc
     return out
 
 
-def _all_gather(x: torch.Tensor, domain: DynamicDomain) -> torch.Tensor:
-    device = domain.device
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, device: torch.device) -> torch.Tensor:
     x = x.to(device)
-    out = x.new_empty((domain.size * x.shape[0], *x.shape[1:]))
-    all_gather_single(out, x.contiguous(), group=domain.group)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
     return out.cpu()
 
 

@@ -74,13 +74,14 @@ def test_lru_cap_releases_and_recreates(four):
 def test_rank_with_a_different_plan_stops_every_rank_with_a_clear_error(four):
     messages = [rank["divergent"] for rank in four]
     assert all("ranks hold different plans" in m and "fingerprint" in m for m in messages), messages
-    assert "positions [0, 1, 3]" in messages[2] and "positions [2]" in messages[0]
+    assert "rank 2 has fingerprint" in messages[2] and "ranks [0, 1, 3] have" in messages[2]
+    assert "ranks [2] have" in messages[0]
 
 
 def test_rank_rejecting_the_plan_stops_every_rank(four):
     messages = [rank["mislabelled"] for rank in four]
     assert "sample 3 has 26 tokens but the plan says 27" in messages[1]
-    assert all("domain positions [1] rejected the plan" in m for i, m in enumerate(messages) if i != 1), messages
+    assert all("ranks [1] rejected the plan" in m for i, m in enumerate(messages) if i != 1), messages
 
 
 def test_job_keeps_working_after_the_errors(four):

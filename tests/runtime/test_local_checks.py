@@ -92,3 +92,8 @@ def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
     from megatron.core.transformer.utils import get_default_causal_mask
 
     assert get_default_causal_mask(3).device.type == "cpu"  # a literal device="cuda" inside megatron-core
+
+
+def test_loss_mask_must_be_binary():
+    with pytest.raises(DhpError, match="loss_mask must hold only 0 and 1"):
+        TokenSample(1, torch.arange(3), torch.arange(3), torch.tensor([1.0, 0.5, 0.0]))
