@@ -31,7 +31,7 @@ TOLERANCE = 1e-5
 
 @dataclass(frozen=True)
 class CheckResult:
-    """The verdict on one plan, identical on every rank."""
+    """The verdict on one plan, identical on every rank except `worst_param`."""
 
     plan_summary: str
     comm: str
@@ -40,6 +40,7 @@ class CheckResult:
     max_loss_diff: float
     max_grad_diff: float
     worst_param: str
+    """The parameter with this rank's largest gradient difference (the only field that may differ by rank)."""
     tokens_computed: int
     """Real tokens computed over the domain; equals `batch_tokens` when every token ran exactly once."""
     batch_tokens: int

@@ -69,10 +69,9 @@ class _RingShift(torch.autograd.Function):
 def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
     rank, size = group.rank(), group.size()
     out = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x.contiguous(), group=group, group_peer=(rank + step) % size),
-        dist.P2POp(dist.irecv, out, group=group, group_peer=(rank - step) % size),
-    ]
+    dest = dist.get_global_rank(group, (rank + step) % size)
+    source = dist.get_global_rank(group, (rank - step) % size)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), dest, group=group), dist.P2POp(dist.irecv, out, source, group=group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return out
