@@ -1,1 +1,1 @@
-"""Glue between megatron-dhp and Megatron: CPU compatibility today; flags, hooks and config later."""
+"""Glue between megatron-dhp and its users: the DHP config, step planning, CPU compatibility, Megatron hooks."""
