@@ -70,6 +70,15 @@ class CostConfig:
     """e: vision-encoder attention seconds per image token^2."""
     enc_linear_s_per_token: float = 0.0
     """f: vision-encoder seconds per image token."""
+    sample_overhead_s: float = 0.0
+    """s: fixed seconds per sample on every rank of its group, not divided by d (per-sample work that each
+    rank repeats: megatron's THD RoPE and varlen attention loop over samples). Added to t(L, d); 0 in the
+    reference model. d t(L, d) stays non-decreasing in d, so the lower bound stays valid."""
+    cp_microbatch_overhead_s: float = 0.0
+    """lambda: extra seconds of a microbatch on a group of more than one rank, the fixed latency of its
+    context-parallel collectives (large for gloo on a CPU; 0 in the reference model). Planners do not see
+    it; the simulated step time, and so every plan's prediction, does. The lower bound ignores it and stays
+    valid because it only ever adds time."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -99,8 +108,9 @@ class CostConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict:
-        """Every field, as the YAML keys (description only when set)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description" or self.description}
+        """Every field, as the YAML keys (description, s and lambda only when set: reference files stay as they were)."""
+        optional = ("description", "sample_overhead_s", "cp_microbatch_overhead_s")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in optional or getattr(self, f.name)}
 
     # ------------------------------------------------------------------ YAML
     @classmethod

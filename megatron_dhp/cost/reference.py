@@ -5,7 +5,9 @@ For a sample of length L on a group of d ranks:
     comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw
     t(L, d)       = max(compute, comm) if overlap_comm else compute + comm
 where bw is the intra-node bandwidth when all the group's ranks sit on one node. A microbatch costs
-m + sum t and is feasible only if sum L / d <= M.
+m + sum t and is feasible only if sum L / d <= M. Two optional terms, 0 in the reference model and set by
+`megatron-dhp profile` where a device needs them: a per-sample overhead s added to t, and a per-microbatch
+overhead lambda on groups of more than one rank.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class ReferenceCostModel:
         bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
         compute = np.asarray(work, dtype=np.float64) / d
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
-        return np.maximum(compute, comm) if c.overlap_comm else compute + comm
+        t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
+        return t + c.sample_overhead_s if c.sample_overhead_s else t
 
     def is_intra(self, ranks: Sequence[int]) -> bool:
         """Whether a group's ranks all sit on one node."""
@@ -62,11 +65,15 @@ class ReferenceCostModel:
         """The fewest ranks that can hold a sample: ceil(L / M)."""
         return -(-np.asarray(tokens, dtype=np.int64) // self.domain.max_tokens_per_rank)
 
+    def microbatch_overhead(self, group_size: int) -> float:
+        """m, plus the optional lambda (`cp_microbatch_overhead_s`) on a group of more than one rank."""
+        return self.microbatch_overhead_s + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
+
     def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
-        """m + sum of t over the microbatch's samples, on the given ranks."""
+        """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks."""
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
         t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks))
-        return self.microbatch_overhead_s + float(t.sum())
+        return self.microbatch_overhead(len(ranks)) + float(t.sum())
 
     # ------------------------------------------------------------------ best degree
     def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:

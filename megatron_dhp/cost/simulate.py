@@ -42,14 +42,15 @@ class Timeline:
 
 
 def group_microbatch_times(plan: Plan, group_index: int, model: ReferenceCostModel) -> tuple[float, ...]:
-    """Seconds of each microbatch of one group: m + sum of its samples' t(L, d)."""
+    """Seconds of each microbatch of one group: m (+ lambda if d > 1) + sum of its samples' t(L, d)."""
     g = plan.groups[group_index]
     ids = g.sample_ids
     samples = [plan.sample(i) for i in ids]
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
     t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks))
     bounds = np.cumsum([0] + [len(mb) for mb in g.microbatches])
-    return tuple(model.microbatch_overhead_s + float(t[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:]))
+    overhead = model.microbatch_overhead(g.size)
+    return tuple(overhead + float(t[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def simulate(plan: Plan, model: ReferenceCostModel) -> Timeline:

@@ -61,12 +61,14 @@ def run_step(
     *,
     comm: str = "allgather",
     backend: str = "auto",
+    grad_sync: bool = True,
 ) -> StepResult:
     """Forward and backward this rank's microbatches phase by phase, then reduce gradients over the domain.
 
     Gradients accumulate into the model (zero them before the step, as Megatron's train step does). With a
-    megatron `DistributedDataParallel` model the domain-wide reduction runs here (`finish_grad_sync`).
-    `pool.prepare(inputs.plan)` must have run on every rank.
+    megatron `DistributedDataParallel` model the domain-wide reduction runs here (`finish_grad_sync`)
+    unless `grad_sync` is False, which leaves it to the caller (the train loop times it apart from the
+    forward and backward the plan predicts). `pool.prepare(inputs.plan)` must have run on every rank.
     """
     config = getattr(model, "config", None)
     if hasattr(model, "finish_grad_sync") and config is not None and not config.calculate_per_token_loss:
@@ -86,7 +88,7 @@ def run_step(
             loss_tokens += int(mb.loss_mask.sum())
         if plan.phase_barrier and phase < plan.num_phases - 1:
             dist.barrier(group=domain.group)
-    if hasattr(model, "finish_grad_sync"):
+    if grad_sync and hasattr(model, "finish_grad_sync"):
         model.finish_grad_sync()
     return StepResult(
         loss_sum=loss_sum,

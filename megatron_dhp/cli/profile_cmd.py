@@ -1,0 +1,94 @@
+"""`megatron-dhp profile`: calibrate the cost model on this device and write a `kind: profiled` YAML.
+
+Times the configured model's forward+backward over a grid of lengths and group sizes on the job's own
+ranks, fits the reference form by least squares, prints measured, fitted and error per point, and writes
+a YAML that `train --cost`, `plan --cost` and `simulate --cost` accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_dhp.cli.train_cmd import add_train_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `profile`."""
+    p = sub.add_parser("profile", help="time the model on this device and fit a profiled cost model",
+                       description="Time forward+backward of single microbatches over lengths x group sizes "
+                                   "on the configured ranks, fit the cost model by least squares (error per "
+                                   "point) and write a kind: profiled YAML.")
+    add_train_args(p)
+    p.add_argument("--lengths", metavar="L,L,...",
+                   help="sample lengths of the grid (default: powers of two from 64 to the domain's capacity)")
+    p.add_argument("--reps", type=int, default=5, metavar="R", help="timed repetitions per point, median kept (default 5)")
+    p.add_argument("--out", default="profiled_cost.yaml", metavar="YAML", help="where to write the cost model")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, fit, print the table, write the YAML."""
+    from megatron_dhp.cli.train_cmd import quiet_megatron
+
+    quiet_megatron()
+    import os
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from megatron_dhp.errors import DhpError
+    from megatron_dhp.training.profile import default_grid, profile
+
+    config = load_profile_config(args)
+    if args.reps < 1:
+        raise DhpError(f"--reps {args.reps} must be at least 1")
+    lengths = _parse_lengths(args.lengths)
+    ranks = config.train.num_ranks // config.train.tp
+    grid = default_grid(num_ranks=ranks, max_tokens_per_rank=config.dhp.max_tokens_per_rank, lengths=lengths)
+    if not grid:
+        raise DhpError(f"no grid point fits {ranks} ranks of {config.dhp.max_tokens_per_rank} tokens; "
+                       "give shorter --lengths")
+    report = profile(config, grid=grid, reps=args.reps)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    console = Console(highlight=False)
+    table = Table(title=f"forward+backward of one microbatch, median of {args.reps} ({ranks} ranks)")
+    for col in ("length", "group size", "samples", "measured ms", "fitted ms", "error"):
+        table.add_column(col, justify="right")
+    for point, measured, fitted, error in zip(report.grid, report.measured, report.fitted, report.errors):
+        table.add_row(str(point.length), str(point.group_size), str(point.samples), f"{measured * 1e3:.1f}",
+                      f"{fitted * 1e3:.1f}", f"{100 * error:+.1f}%")
+    console.print(table)
+    c = report.cost
+    errors = [abs(e) for e in report.errors]
+    console.print(f"a {c.attn_s_per_token2:.3e} s/token^2 | b {c.linear_s_per_token:.3e} s/token | m "
+                  f"{c.microbatch_overhead_s * 1e3:.2f} ms | s {c.sample_overhead_s * 1e3:.2f} ms | lambda "
+                  f"{c.cp_microbatch_overhead_s * 1e3:.2f} ms | "
+                  f"gamma/bw {c.comm_bytes_per_token / c.intra_node_bytes_per_s:.3e} s/token", soft_wrap=True)
+    console.print(f"fit error: median {100 * sorted(errors)[len(errors) // 2]:.1f}%, max {100 * max(errors):.1f}% "
+                  f"over {len(errors)} points", soft_wrap=True)
+    c.save(args.out)
+    console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)", soft_wrap=True)
+    return 0
+
+
+def load_profile_config(args: argparse.Namespace):
+    """The train config with the shared flags applied (`--steps` is meaningless here and ignored)."""
+    from megatron_dhp.cli.train_cmd import load_config
+
+    args.steps = None
+    return load_config(args)
+
+
+def _parse_lengths(text: str | None) -> tuple[int, ...]:
+    from megatron_dhp.errors import DhpError
+
+    if not text:
+        return ()
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise DhpError(f"--lengths {text!r} must be comma-separated integers, e.g. 64,256,1024") from None
+    if not lengths or min(lengths) < 1:
+        raise DhpError(f"--lengths {text!r} must hold positive integers")
+    return lengths

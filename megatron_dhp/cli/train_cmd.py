@@ -1,0 +1,79 @@
+"""`megatron-dhp train`: train a megatron-core GPT with dynamic hybrid parallelism from a YAML config.
+
+Spawns `train.nproc` gloo ranks (one compute thread each) unless it already runs under torchrun, where it
+is one rank. Rank 0 logs one line per step (loss, tokens, tokens/s, the plan's groups, predicted and
+measured forward+backward time, gradient sync and optimizer time) above a progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `train`."""
+    from megatron_dhp.solver import PLANNERS
+
+    p = sub.add_parser("train", help="train a GPT with per-step dynamic CP groups (spawns ranks or runs under torchrun)",
+                       description="Train megatron-core's GPT with the DHP layer spec: each step is planned while "
+                                   "the previous one trains, dispatched, run as per-group context parallelism, "
+                                   "reduced and stepped by megatron-core's optimizer.")
+    add_train_args(p)
+    p.add_argument("--planner", choices=sorted(PLANNERS), help="planner (overrides dhp.planner; nothing else changes)")
+    p.add_argument("--save", metavar="DIR", help="checkpoint folder (overrides train.save)")
+    p.add_argument("--save-interval", type=int, metavar="K", help="save every K steps (overrides train.save_interval)")
+    p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR (overrides train.load)")
+    p.add_argument("--json", metavar="FILE", help="write every step's record as JSON")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines (progress bar and summary only)")
+    p.set_defaults(run=run)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """--config and the overrides that `train`, `demo` and `profile` share."""
+    p.add_argument("--config", default="demo_cpu", metavar="YAML",
+                   help="train config: a YAML path or a name in configs/ (default demo_cpu)")
+    p.add_argument("--nproc", type=int, metavar="N", help="ranks to spawn when not under torchrun (overrides train.nproc)")
+    p.add_argument("--steps", type=int, metavar="N", help="steps to train (overrides train.steps)")
+    p.add_argument("--cost", metavar="YAML", help="cost model: preset name or YAML, e.g. from `megatron-dhp profile` "
+                                                  "(overrides dhp.cost)")
+
+
+def quiet_megatron() -> None:
+    """Silence megatron-core's import-time notes about missing TransformerEngine / Apex (call before importing it)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+
+
+def load_config(args: argparse.Namespace, **extra: dict):
+    """The YAML named by --config with the shared flags (and `extra` per-section overrides) applied."""
+    from megatron_dhp.training.config import TrainConfig
+
+    config = TrainConfig.load(args.config)
+    train = {"nproc": args.nproc, "steps": args.steps, **extra.pop("train", {})}
+    dhp = {"cost": args.cost, **extra.pop("dhp", {})}
+    return config.with_overrides(train=train, dhp=dhp, **extra)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load and override the config, train, print the summary."""
+    quiet_megatron()
+    from rich.console import Console
+
+    from megatron_dhp.training.train import train
+
+    config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load},
+                         dhp={"planner": args.planner})
+    result = train(config, show=True, lines=not args.quiet)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    console = Console(highlight=False)
+    for line in result.summary_lines():
+        console.print(line, soft_wrap=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config.to_dict(), "result": result.to_dict()}, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,84 @@
+"""Where a training job's ranks come from: spawned here (gloo, one compute thread each) or torchrun's.
+
+Under torchrun (RANK and WORLD_SIZE set) the process is one rank and runs the function itself; otherwise
+`train.nproc` local ranks are spawned with `runtime.launch`, which gives each the torchrun environment and
+OMP_NUM_THREADS=1 so that wall time reflects the plan rather than core contention. A `DhpError` on a rank
+comes back as a `DhpError` in the caller (one line for the CLI), not as a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.training.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A rank's `DhpError`, carried back to the launching process."""
+
+    message: str
+
+
+def under_torchrun() -> bool:
+    """Whether this process is already one rank of a job (torchrun's environment is set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeout_s: float = float("inf")) -> Any:
+    """`fn(config, *args)` on every rank of the job; returns rank 0's result (this rank's under torchrun).
+
+    `fn` must be a module-level function returning something picklable. `timeout_s` bounds the whole job
+    when ranks are spawned (each collective is bounded by `train.timeout_s` regardless).
+    """
+    if under_torchrun():
+        results = [rank_main(fn, config, *args)]
+    else:
+        from megatron_dhp.runtime.launch import LaunchError, launch
+
+        # megatron-core warns about missing TransformerEngine / Apex while a spawned rank unpickles its
+        # function, before any code of ours runs there; the environment is the only way to reach that.
+        quiet = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = "ignore"
+        try:
+            results = launch(rank_main, config.train.num_ranks, fn, config, *args, timeout_s=timeout_s)
+        except LaunchError as e:
+            raise DhpError(f"a rank failed: {e}") from None
+        finally:
+            if quiet is None:
+                os.environ.pop("PYTHONWARNINGS")
+            else:
+                os.environ["PYTHONWARNINGS"] = quiet
+    failures = [r for r in results if isinstance(r, _Failure)]
+    if failures:
+        raise DhpError(failures[0].message)
+    return results[0]
+
+
+def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
+    """One rank: join the job (gloo on CPU, NCCL on GPU), run `fn`, leave the job."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dhp.runtime.selfcheck import init_distributed
+
+    warnings.filterwarnings("ignore")  # megatron-core warns once per rank about missing TE / Apex
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    world = int(os.environ["WORLD_SIZE"])
+    try:
+        if world % config.train.tp:
+            raise DhpError(f"the job has {world} ranks, not a multiple of train.tp = {config.train.tp}")
+        init_distributed(backend=backend, tensor_parallel=config.train.tp, seed=config.train.seed,
+                         timeout=timedelta(seconds=config.train.timeout_s))
+        return fn(config, *args)
+    except DhpError as e:
+        return _Failure(str(e))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

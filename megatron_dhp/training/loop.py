@@ -1,0 +1,233 @@
+"""The train loop: plan one step ahead, dispatch, forward and backward per plan, reduce, optimizer step.
+
+Per step t, in the order the collectives must happen on every rank:
+1. take step t's plan (solved in the background while step t-1 trained) and check it on every rank;
+2. gather step t+1's lengths and start planning it in the background (no planning stall);
+3. create step t's missing groups, send every token to its rank, run the microbatches (`run_step`);
+4. reduce gradients over the domain, step the megatron-core optimizer, and gather the step's numbers.
+
+"meas" is what the plan predicts: the forward+backward makespan, from a barrier at the step's start to the
+end of the slowest rank's last backward. Gradient sync and the optimizer are timed apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.cost import CostConfig
+from megatron_dhp.errors import DhpError
+from megatron_dhp.integration.planning import StepPlanner, live_cost_config
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.attention.comm import all_gather_single
+from megatron_dhp.runtime.dispatch import (
+    GatheredBatch,
+    TokenSample,
+    check_plan,
+    check_world,
+    gather_batch,
+    move_tokens,
+)
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.step import run_step
+from megatron_dhp.solver import static_cp_size
+from megatron_dhp.training.checkpoint import Checkpointer
+from megatron_dhp.training.config import TrainConfig
+from megatron_dhp.training.data import TokenPipeline
+from megatron_dhp.training.model import build_model, build_optimizer
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step as every rank sees it (sums over the domain, times as the slowest rank's)."""
+
+    step: int
+    """1-based."""
+    loss: float
+    """Mean per-token loss over the global batch (before this step's update)."""
+    grad_norm: float
+    lr: float
+    num_samples: int
+    num_tokens: int
+    groups: str
+    """Group sizes of the plan as `countxsize`, e.g. `2x1 1x2`."""
+    num_microbatches: int
+    predicted_s: float
+    """The plan's forward+backward makespan under the cost model."""
+    measured_s: float
+    """The same makespan as measured: step-start barrier to the slowest rank's last backward."""
+    sync_s: float
+    """Gradient reduction over the domain."""
+    optimizer_s: float
+    plan_wait_s: float
+    """Time the step waited for its plan (near 0 when planning overlaps the previous step)."""
+    wall_s: float
+    """The whole iteration on the slowest rank: planning wait, dispatch, compute, sync, optimizer."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Real tokens of the global batch per second of wall time."""
+        return self.num_tokens / self.wall_s
+
+    def line(self, total_steps: int) -> str:
+        """The step's log line."""
+        return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
+                f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | groups {self.groups} | "
+                f"{self.num_microbatches} mb | pred {self.predicted_s:.3f}s meas {self.measured_s:.3f}s | "
+                f"sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | step {self.wall_s:.3f}s")
+
+
+StepCallback = Callable[[StepRecord], None]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A step whose lengths are gathered and whose plan is being solved in the background."""
+
+    step: int
+    """0-based."""
+    local: list[TokenSample]
+    gathered: GatheredBatch
+
+
+class Trainer:
+    """Everything one rank trains with; build it after `init_distributed` on every rank."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.domain = DynamicDomain.from_parallel_state()
+        self.cost = self._cost_config(config)
+        self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
+                                      capacity=self.cost.domain.capacity, truncate=config.dhp.truncate)
+        longest = self.pipeline.longest(config.train.steps)
+        if longest > config.model.max_sequence_length:
+            raise DhpError(f"the data holds a {longest}-token sample but model.max_sequence_length is "
+                           f"{config.model.max_sequence_length}; raise it (RoPE table size)")
+        self.longest = longest
+        """The run's longest sample: what Megatron's static CP is sized for (the static planner's CP)."""
+        self.static_cp = static_cp_size(longest, self.cost.domain)
+        self.planner = StepPlanner(config.dhp, self.cost, dataset_max_tokens=longest)
+        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups)
+        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
+        self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
+        self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
+        self.completed = 0
+        """Steps done so far (the data position: the next batch is batch `completed`)."""
+        self.last_plan: Plan | None = None
+
+    def describe(self) -> str:
+        """One line on what runs: model, ranks, planner, memory cap, cost model, data."""
+        c, n = self.config, sum(p.numel() for p in self.model.parameters())
+        return (f"GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
+                f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}) | planner "
+                f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
+                f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
+                f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
+
+    def _cost_config(self, config: TrainConfig) -> CostConfig:
+        node = config.dhp.gpus_per_node or self.domain.size
+        return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node)
+
+    def resume(self, directory: str) -> int:
+        """Load the latest checkpoint of `directory` into this rank; returns the steps it had completed."""
+        self.completed = self.checkpointer.load(directory, self.model, self.optimizer, self.scheduler)
+        return self.completed
+
+    def train(self, on_step: StepCallback | None = None) -> list[StepRecord]:
+        """Run from the current data position to `train.steps`, checkpointing as configured."""
+        records = []
+        for record in self.steps():
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+        return records
+
+    def steps(self) -> Iterator[StepRecord]:
+        """Train step after step up to `train.steps`, yielding each record (lets a caller interleave runs)."""
+        run = self.config.train
+        pending = self._gather(self.completed) if self.completed < run.steps else None
+        try:
+            while pending is not None:
+                record, pending = self._step(pending)
+                if run.save and (self.completed == run.steps or
+                                 (run.save_interval and self.completed % run.save_interval == 0)):
+                    self.checkpointer.save(run.save, self.completed, self.model, self.optimizer, self.scheduler)
+                yield record
+        finally:
+            self.planner.close()
+
+    def _gather(self, step: int) -> _Pending:
+        """Build this rank's samples of step `step`, gather all lengths (collective), start planning."""
+        local = self.pipeline.local_samples(step, self.domain.position, self.domain.size)
+        gathered = gather_batch(local, self.domain)
+        self.planner.prefetch(gathered.batch)
+        return _Pending(step, local, gathered)
+
+    def _step(self, pending: _Pending) -> tuple[StepRecord, _Pending | None]:
+        """Train step `pending.step`; returns its record and the next step, already being planned."""
+        start = time.perf_counter()
+        step, local, gathered = pending.step, pending.local, pending.gathered
+        plan = self.planner.plan(gathered.batch)
+        self.last_plan = plan
+        planned = time.perf_counter()
+        check_world(plan, self.domain)
+        check_plan(plan, gathered, self.domain)
+        upcoming = self._gather(step + 1) if step + 1 < self.config.train.steps else None
+        self.pool.prepare(plan)
+        inputs = move_tokens(local, plan, gathered, self.domain)
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.scheduler.step(1)  # the learning rate of step k is the schedule's value at k
+        lr = self.optimizer.param_groups[0]["lr"]
+        dhp = self.config.dhp
+        dist.barrier(group=self.domain.group)
+        t0 = time.perf_counter()
+        result = run_step(self.model, inputs, self.pool, self.domain, comm=dhp.comm, backend=dhp.attention_backend,
+                          grad_sync=False)
+        t1 = time.perf_counter()
+        self.model.finish_grad_sync()
+        t2 = time.perf_counter()
+        ok, grad_norm, _ = self.optimizer.step()
+        t3 = time.perf_counter()
+        if not ok:
+            raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
+        self.completed = step + 1
+        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, planned - start, t3 - start]
+        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens), upcoming
+
+    def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
+                loss_tokens: int) -> StepRecord:
+        """Sum the losses over this domain, take the slowest rank's times over the world. Collective."""
+        world = dist.get_world_size()
+        local = torch.tensor(mine, dtype=torch.float64, device=self.domain.device)
+        table = local.new_empty(world * local.numel())
+        all_gather_single(table, local)
+        table = table.view(world, -1).cpu()
+        ours = table[list(self.domain.global_ranks)]
+        times = table[:, 2:].max(dim=0).values.tolist()
+        num_tokens = int(ours[:, 1].sum())
+        assert num_tokens == sum(s.tokens for s in plan.samples), "every token of the batch runs exactly once"
+        sizes = Counter(g.size for g in plan.groups)
+        return StepRecord(
+            step=step,
+            loss=float(ours[:, 0].sum()) / loss_tokens,
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(lr),
+            num_samples=len(plan.samples),
+            num_tokens=num_tokens,
+            groups=" ".join(f"{n}x{d}" for d, n in sorted(sizes.items())),
+            num_microbatches=plan.num_microbatches,
+            predicted_s=float(plan.predicted_step_time_s or 0.0),
+            measured_s=times[0],
+            sync_s=times[1],
+            optimizer_s=times[2],
+            plan_wait_s=times[3],
+            wall_s=times[4],
+        )

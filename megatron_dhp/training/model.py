@@ -1,0 +1,48 @@
+"""The model and optimizer a training rank builds: megatron-core as shipped, plus the DHP layer spec.
+
+The GPT is wrapped in megatron's `DistributedDataParallel` over the dynamic domain (static CP 1) with
+per-token loss, so gradients are summed and the runtime's normalisation keeps the math exact. The optimizer
+is megatron-core's own (`get_megatron_optimizer`, non-distributed; it falls back to torch AdamW where
+neither TransformerEngine nor Apex is installed) with its learning-rate scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.model import build_tiny_gpt, dhp_layer_spec
+from megatron_dhp.training.config import ModelConfig, RunConfig
+
+
+def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local") -> DistributedDataParallel:
+    """The GPT with dynamic-CP attention, weights a function of `seed` only (any rank or TP count)."""
+    inner = build_tiny_gpt(config, spec=dhp_layer_spec(backend=layer_spec), seed=seed)
+    if torch.cuda.is_available():
+        inner.cuda()
+    return DistributedDataParallel(
+        config=inner.config,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+        module=inner,
+    )
+
+
+def build_optimizer(model: DistributedDataParallel, run: RunConfig) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """megatron-core Adam (decoupled weight decay) and a warm-up + cosine learning-rate schedule."""
+    if run.clip_grad and not torch.cuda.is_available():
+        raise DhpError(f"train.clip_grad = {run.clip_grad}: megatron-core's gradient clipping needs CUDA "
+                       "tensors; set train.clip_grad: 0 on CPU")
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=run.lr, min_lr=run.min_lr, weight_decay=run.weight_decay,
+                        clip_grad=run.clip_grad, use_distributed_optimizer=False, bf16=False, fp16=False),
+        [model],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=run.lr, min_lr=run.min_lr, lr_warmup_steps=run.warmup_steps,
+        lr_decay_steps=run.steps, lr_decay_style="cosine", start_wd=run.weight_decay, end_wd=run.weight_decay,
+        wd_incr_steps=run.steps, wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,93 @@
+"""`train(config)`: the whole job, from spawning ranks to rank 0's per-step records and their summary."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+from megatron_dhp.training.config import TrainConfig
+from megatron_dhp.training.job import run_on_ranks
+from megatron_dhp.training.loop import StepRecord
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports: its records (a resumed run's start at the resumed step) and set-up."""
+
+    records: list[StepRecord]
+    planner: str
+    world_size: int
+    domain_size: int
+    static_cp: int
+    """The CP size Megatron's static CP would use for this run's data (the `static` planner's)."""
+    plans: list[dict]
+    """The plan JSON of every step this run trained, in step order (for plots and comparisons)."""
+
+    @property
+    def median_step_s(self) -> float:
+        """Median wall time of a step (the whole iteration)."""
+        return statistics.median(r.wall_s for r in self.records)
+
+    @property
+    def prediction_errors(self) -> list[float]:
+        """(predicted - measured) / measured forward+backward time, per step."""
+        return [(r.predicted_s - r.measured_s) / r.measured_s for r in self.records]
+
+    def summary_lines(self) -> list[str]:
+        """A few lines for the end of a run: loss, times, how well the cost model predicted."""
+        if not self.records:
+            return ["no step to run (the checkpoint is already at train.steps)"]
+        first, last = self.records[0], self.records[-1]
+        errors = [abs(e) for e in self.prediction_errors]
+        within = sum(e <= 0.15 for e in errors)
+        median = statistics.median
+        return [
+            f"{self.planner} on {self.world_size} ranks: steps {first.step}-{last.step}, loss {first.loss:.4f} -> "
+            f"{last.loss:.4f}",
+            f"step time median {self.median_step_s:.3f}s ({median(r.tokens_per_s for r in self.records):,.0f} tok/s); "
+            f"forward+backward median pred {median(r.predicted_s for r in self.records):.3f}s meas "
+            f"{median(r.measured_s for r in self.records):.3f}s; sync {median(r.sync_s for r in self.records):.3f}s, "
+            f"optimizer {median(r.optimizer_s for r in self.records):.3f}s, waiting for the plan "
+            f"{median(r.plan_wait_s for r in self.records) * 1e3:.1f} ms",
+            f"cost model vs measured: median |error| {100 * median(errors):.1f}%, max {100 * max(errors):.1f}%, "
+            f"{within}/{len(errors)} steps within 15%",
+        ]
+
+    def to_dict(self) -> dict:
+        """Plain JSON form (records as dicts)."""
+        out = asdict(self)
+        out["median_step_s"] = self.median_step_s
+        return out
+
+
+def train(config: TrainConfig, *, show: bool = True, lines: bool = True, timeout_s: float = float("inf")) -> TrainResult:
+    """Run the configured job (spawning ranks unless under torchrun). With `show`, rank 0 draws a progress
+    bar and, with `lines`, logs every step."""
+    return run_on_ranks(_train_rank, config, show, lines, timeout_s=timeout_s)
+
+
+def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
+    import torch.distributed as dist
+
+    from megatron_dhp.training.loop import Trainer
+
+    trainer = Trainer(config)
+    if config.train.load:
+        trainer.resume(config.train.load)
+    plans: list[dict] = []
+
+    def keep_plan(record: StepRecord) -> None:
+        plans.append(trainer.last_plan.to_dict())
+
+    if show and dist.get_rank() == 0:
+        from megatron_dhp.training.report import StepReporter
+
+        title = f"{config.dhp.planner} on {dist.get_world_size()} ranks"
+        with StepReporter(total_steps=config.train.steps, first_step=trainer.completed, title=title,
+                          lines=lines) as reporter:
+            reporter.note(trainer.describe())
+            records = trainer.train(on_step=lambda r: (keep_plan(r), reporter(r)))
+    else:
+        records = trainer.train(on_step=keep_plan)
+    return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size, trainer.static_cp,
+                       plans)
