@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every planner, then print the comparison."""
+    from megatron_dhp.cli.train_cmd import console as make_console
     from megatron_dhp.cli.train_cmd import quiet_megatron
 
     quiet_megatron()
@@ -37,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from rich.console import Console
     from rich.table import Table
 
     from megatron_dhp.cli.train_cmd import load_config
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if len(planners) < 2 or unknown:
         raise DhpError(f"--planners {args.planners!r}: give at least two of {', '.join(PLANNERS)}")
     config = load_config(args)
-    console = Console(highlight=False)
+    console = make_console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:

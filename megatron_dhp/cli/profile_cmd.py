@@ -28,12 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, fit, print the table, write the YAML."""
+    from megatron_dhp.cli.train_cmd import console as make_console
     from megatron_dhp.cli.train_cmd import quiet_megatron
 
     quiet_megatron()
     import os
 
-    from rich.console import Console
     from rich.table import Table
 
     from megatron_dhp.errors import DhpError
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     report = profile(config, grid=grid, reps=args.reps)
     if os.environ.get("RANK", "0") != "0":
         return 0
-    console = Console(highlight=False)
+    console = make_console()
     table = Table(title=f"forward+backward of one microbatch, median of {args.reps} ({ranks} ranks)")
     for col in ("length", "group size", "samples", "measured ms", "fitted ms", "error"):
         table.add_column(col, justify="right")
@@ -64,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"a {c.attn_s_per_token2:.3e} s/token^2 | b {c.linear_s_per_token:.3e} s/token | m "
                   f"{c.microbatch_overhead_s * 1e3:.2f} ms | s {c.sample_overhead_s * 1e3:.2f} ms | lambda "
                   f"{c.cp_microbatch_overhead_s * 1e3:.2f} ms | "
-                  f"gamma/bw {c.comm_bytes_per_token / c.intra_node_bytes_per_s:.3e} s/token", soft_wrap=True)
+                  f"gamma/bw {c.comm_bytes_per_token / c.intra_node_bytes_per_s:.3e} s/token")
     console.print(f"fit error: median {100 * sorted(errors)[len(errors) // 2]:.1f}%, max {100 * max(errors):.1f}% "
-                  f"over {len(errors)} points", soft_wrap=True)
+                  f"over {len(errors)} points")
     c.save(args.out)
-    console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)", soft_wrap=True)
+    console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)")
     return 0
 
 

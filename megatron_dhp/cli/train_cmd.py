@@ -47,6 +47,15 @@ def quiet_megatron() -> None:
     warnings.filterwarnings("ignore", module=r"megatron\.")
 
 
+def console():
+    """A rich console for these commands: full-width lines and tables also when stdout is a file or pipe."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
 def load_config(args: argparse.Namespace, **extra: dict):
     """The YAML named by --config with the shared flags (and `extra` per-section overrides) applied."""
     from megatron_dhp.training.config import TrainConfig
@@ -60,8 +69,6 @@ def load_config(args: argparse.Namespace, **extra: dict):
 def run(args: argparse.Namespace) -> int:
     """Load and override the config, train, print the summary."""
     quiet_megatron()
-    from rich.console import Console
-
     from megatron_dhp.training.train import train
 
     config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load},
@@ -69,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
     result = train(config, show=True, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":
         return 0
-    console = Console(highlight=False)
+    out = console()
     for line in result.summary_lines():
-        console.print(line, soft_wrap=True)
+        out.print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": config.to_dict(), "result": result.to_dict()}, f, indent=1)
-        console.print(f"wrote {args.json}")
+        out.print(f"wrote {args.json}")
     return 0

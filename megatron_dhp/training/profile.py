@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.errors import DhpError
 from megatron_dhp.training.config import TrainConfig
 
 MICROBATCHES_PER_POINT = 3
@@ -161,8 +162,19 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
     from megatron_dhp.training.job import run_on_ranks
 
     ranks = config.train.num_ranks // config.train.tp
-    grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=config.dhp.max_tokens_per_rank)
-    measured = run_on_ranks(_measure_rank, config, grid, reps)
+    cap = config.dhp.max_tokens_per_rank
+    grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=cap)
+    too_big = [p for p in grid if p.group_size > ranks or -(-p.samples * p.length // p.group_size) > cap]
+    if too_big:
+        p = too_big[0]
+        raise DhpError(f"grid point of {p.samples} x {p.length} tokens on {p.group_size} ranks does not fit "
+                       f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
+    return fit_report(config, grid, run_on_ranks(_measure_rank, config, grid, reps), reps=reps)
+
+
+def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float], *, reps: int) -> ProfileReport:
+    """Fit the measured grid and build the `kind: profiled` cost config of this job's domain."""
+    ranks = config.train.num_ranks // config.train.tp
     c = fit(grid, measured)
     cost = CostConfig(
         kind="profiled", world_size=ranks, gpus_per_node=config.dhp.gpus_per_node or ranks,
@@ -175,7 +187,7 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
                      f"({config.dhp.comm}), {len(grid)} points x {reps} reps, {platform.node()} "
                      f"{time.strftime('%Y-%m-%d')}"),
     )
-    return ProfileReport(grid, measured, predict(grid, c).tolist(), cost)
+    return ProfileReport(grid, list(measured), predict(grid, c).tolist(), cost)
 
 
 def _measure_rank(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float]:

@@ -1,0 +1,1 @@
+"""Training end to end: config, data pipeline, train loop, checkpoints, calibration and the demo."""

@@ -1,0 +1,84 @@
+"""The train config: the shipped YAML loads, every key is checked, values are validated with a clear fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dhp.cli import main
+from megatron_dhp.errors import DhpError
+from megatron_dhp.training.config import RunConfig, TrainConfig
+
+
+def test_demo_config_loads_by_name_and_round_trips():
+    config = TrainConfig.load("demo_cpu")
+    assert config.dhp.max_tokens_per_rank == 512 and config.data.source == "wlbllm" and config.train.tp == 1
+    assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+def test_overrides_replace_only_the_given_keys():
+    config = TrainConfig.load("demo_cpu")
+    changed = config.with_overrides(train={"steps": 7, "nproc": None}, dhp={"planner": "static"})
+    assert (changed.train.steps, changed.dhp.planner) == (7, "static")
+    assert changed.train.nproc == config.train.nproc and changed.model == config.model and changed.data == config.data
+
+
+@pytest.mark.parametrize("obj,match", [
+    ({"train": {"step": 3}}, r"train config: key 'train': unknown key 'step'; did you mean 'steps'\?"),
+    ({"modle": {}}, r"unknown key 'modle'; did you mean 'model'\?"),
+    ({"train": {"steps": "ten"}}, r"key 'steps' = 'ten' must be an integer"),
+    ({"train": {"steps": 0}}, r"train.steps = 0 must be >= 1"),
+    ({"train": {"steps": 4, "warmup_steps": 4}}, r"train.warmup_steps = 4 must be below train.steps = 4"),
+    ({"train": {"nproc": 3, "tp": 2}}, r"train.nproc = 3 must be a multiple of train.tp = 2"),
+    ({"train": {"lr": 1e-3, "min_lr": 1e-2}}, r"min_lr = 0.01 between 0 and lr"),
+    ({"model": {"hidden_size": 62}}, r"model.hidden_size 62 must be a multiple of num_attention_heads 4"),
+    ({"model": {"num_query_groups": 3}}, r"num_attention_heads 4 must be a multiple of num_query_groups 3"),
+    ({"data": {"length_scale": 0}}, r"data.length_scale = 0.0 must be > 0"),
+    ({"data": {"noise": 2}}, r"data.noise = 2.0 must be between 0 and 1"),
+    ({"dhp": {"planner": "magic"}}, r"planner 'magic' is unknown"),
+    ({"train": {"save": 5}}, r"key 'save' = 5 must be a string"),
+])
+def test_bad_values_name_the_key_and_the_fix(obj, match):
+    with pytest.raises(DhpError, match=match):
+        TrainConfig.from_dict(obj)
+
+
+def test_missing_config_file_is_a_clear_error():
+    with pytest.raises(DhpError, match="train config 'nope.yaml' is neither a file nor a config in configs/"):
+        TrainConfig.load("nope.yaml")
+
+
+def test_auto_rank_count_is_at_least_two_and_a_multiple_of_tp():
+    assert RunConfig().num_ranks >= 2
+    assert RunConfig(tp=2).num_ranks % 2 == 0
+    assert RunConfig(nproc=3).num_ranks == 3
+
+
+@pytest.mark.parametrize("command,words", [
+    ("train", ["--config", "--planner", "--save", "--save-interval", "--load", "--nproc", "--cost"]),
+    ("demo", ["--config", "--nproc", "--planners", "--calibrate", "--out"]),
+    ("profile", ["--config", "--lengths", "--reps", "--out"]),
+])
+def test_help(command, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert all(w in out for w in words), out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["train", "--config", "nope.yaml"], "train config 'nope.yaml' is neither a file"),
+    (["profile", "--lengths", "64,x"], "--lengths '64,x' must be comma-separated integers"),
+    (["demo", "--planners", "dhp"], "--planners 'dhp': give at least two of"),
+])
+def test_cli_errors_are_one_line(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_yaml_key_through_the_cli(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("train:\n  stesp: 3\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "unknown key 'stesp'; did you mean 'steps'?" in capsys.readouterr().err

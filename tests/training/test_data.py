@@ -1,0 +1,73 @@
+"""The token pipeline: deterministic batches, Megatron slices, learnable content, scaling and truncation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.training.config import DataConfig
+from megatron_dhp.training.data import TokenPipeline
+
+
+def pipeline(**kw) -> TokenPipeline:
+    data = {"source": "wlbllm", "length_scale": 1 / 32, "global_batch": 12, "seed": 5, **kw}
+    return TokenPipeline(DataConfig(**data), vocab_size=97, capacity=1024, truncate=True)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    a, b = pipeline(), pipeline()
+    assert a.batch(3) == b.batch(3) and a.batch(3) != a.batch(4)
+    assert pipeline(seed=6).batch(3) != a.batch(3)
+    for x, y in zip(a.all_samples(3), b.all_samples(3)):
+        assert torch.equal(x.input_ids, y.input_ids)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_rank_slices_cover_the_batch_like_megatron(ranks):
+    p = pipeline()
+    whole = {s.id: s for s in p.all_samples(2)}
+    slices = [p.local_samples(2, r, ranks) for r in range(ranks)]
+    assert sorted(s.id for part in slices for s in part) == sorted(whole)
+    for r, part in enumerate(slices):
+        assert [s.id for s in part] == list(range(r, 12, ranks))  # samples r, r+N, r+2N, ...
+        for s in part:
+            assert torch.equal(s.input_ids, whole[s.id].input_ids)
+
+
+def test_labels_are_the_next_tokens_and_follow_a_learnable_chain():
+    p = pipeline(noise=0.1)
+    samples = p.all_samples(0)
+    for s in samples:
+        assert torch.equal(s.input_ids[1:], s.labels[:-1]) and bool((s.loss_mask == 1).all())
+    pairs = torch.cat([torch.stack((s.input_ids, s.labels), 1) for s in samples])
+    follows = (torch.from_numpy(p._successor)[pairs[:, 0]] == pairs[:, 1]).float().mean()
+    assert 0.85 < float(follows) < 0.95  # 1 - noise of the steps follow the table
+    assert int(pairs.max()) < 97
+
+
+def test_length_scale_and_truncation():
+    unscaled = TokenPipeline(DataConfig(global_batch=64, seed=1), vocab_size=8, capacity=10**6).batch(0)
+    scaled = TokenPipeline(DataConfig(global_batch=64, seed=1, length_scale=0.01), vocab_size=8,
+                           capacity=100, truncate=True).batch(0)
+    expected = np.minimum(np.maximum(1, np.rint(unscaled.lengths * 0.01)), 100)
+    assert scaled.lengths.tolist() == expected.astype(int).tolist()
+    with pytest.raises(DhpError, match="pass --truncate"):
+        TokenPipeline(DataConfig(global_batch=64, seed=1, length_scale=0.01), vocab_size=8, capacity=100).batch(0)
+
+
+def test_longest_is_over_the_run():
+    p = pipeline()
+    assert p.longest(5) == max(int(p.batch(k).lengths.max()) for k in range(5))
+
+
+def test_length_file_source(tmp_path):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([5, 9, 30]))
+    p = TokenPipeline(DataConfig(source=str(path), global_batch=4), vocab_size=16, capacity=64)
+    assert set(p.batch(0).lengths.tolist()) <= {5, 9, 30}
+    with pytest.raises(DhpError, match="does not exist"):
+        TokenPipeline(DataConfig(source=str(tmp_path / "missing.json")), vocab_size=16, capacity=64)

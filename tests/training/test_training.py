@@ -1,0 +1,124 @@
+"""Training end to end on spawned gloo ranks: equal loss curves under every planner and in one process,
+exact resumption, clear errors for bad checkpoints, and the train / profile / demo commands."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_dhp.cli import main
+from megatron_dhp.cost import CostConfig
+from megatron_dhp.runtime.launch import launch
+from megatron_dhp.training.job import rank_main
+from megatron_dhp.training.profile import fit_report
+from tests.training import workers
+
+RELATIVE = 1e-5
+"""fp32: loss curves under different plans (different summation orders) agree to this relative error."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("ckpt")
+    config = workers.tiny_config()
+    two = launch(rank_main, 2, workers.two_rank_runs, config, str(folder), timeout_s=400)
+    single_config = workers.tiny_config(nproc=1, max_tokens_per_rank=96)
+    one = launch(rank_main, 1, workers.single_process_run, single_config, str(folder), timeout_s=300)
+    return {"two": two, "one": one[0]}
+
+
+def test_loss_curves_equal_under_static_dhp_and_one_process(runs):
+    single = workers.losses(runs["one"]["single"])
+    for rank in runs["two"]:
+        static, dhp = workers.losses(rank["static"]), workers.losses(rank["dhp"])
+        assert len(static) == len(dhp) == len(single) == workers.STEPS >= 20
+        for a, b, c in zip(static, dhp, single):
+            assert math.isclose(a, c, rel_tol=RELATIVE) and math.isclose(b, c, rel_tol=RELATIVE), (a, b, c)
+    assert single[-1] < 0.7 * single[0]  # the model learns the token chain
+
+
+def test_the_planners_really_differ(runs):
+    rank = runs["two"][0]
+    assert rank["static_cp"] == 2
+    assert {r.groups for r in rank["static"]} == {"1x2"}  # static CP 2: one group of both ranks every step
+    assert any("2x1" in r.groups for r in rank["dhp"])  # dhp runs short samples on single ranks
+    assert all(r.groups == "1x1" for r in runs["one"]["single"])
+
+
+def test_resume_at_step_10_reproduces_steps_11_to_20_exactly(runs):
+    for rank in runs["two"]:
+        assert rank["resumed_from"] == workers.RESUME_AT
+        resumed = rank["resumed"]
+        assert [r.step for r in resumed] == list(range(workers.RESUME_AT + 1, workers.STEPS + 1))
+        uninterrupted = rank["dhp"][workers.RESUME_AT:]
+        assert [r.loss for r in resumed] == [r.loss for r in uninterrupted]
+        assert [r.grad_norm for r in resumed] == [r.grad_norm for r in uninterrupted]
+        assert [r.lr for r in resumed] == [r.lr for r in uninterrupted]
+        assert rank["latest_step"] == workers.STEPS  # `latest` names the newest checkpoint
+
+
+@pytest.mark.parametrize("case,rank_says", [
+    ("truncated", r"checkpoint file '.*broken_truncated/rank1\.pt' is corrupt or truncated"),
+    ("flipped", r"checkpoint file '.*broken_flipped/rank1\.pt' is corrupt or truncated"),
+    ("missing", r"checkpoint file '.*broken_missing/rank0\.pt' is missing"),
+    ("bad_meta", r"checkpoint metadata '.*broken_bad_meta/meta\.json' is unreadable"),
+    ("other_model", r"saved with model\.hidden_size = 32 but this run has 48; resume with the saved settings"),
+    ("other_data", r"saved with data\.seed = 3 but this run has 4"),
+    ("empty_folder", r"no checkpoint in '.*nothing_here'"),
+])
+def test_bad_checkpoints_stop_every_rank_with_a_clear_error(runs, case, rank_says):
+    import re
+
+    messages = [rank["errors"][case] for rank in runs["two"]]
+    assert all(m != "no error" for m in messages), messages
+    assert any(re.search(rank_says, m) for m in messages), messages
+
+
+def test_checkpoint_of_another_world_size_is_refused(runs):
+    assert "saved with world_size = 2 but this run has 1" in runs["one"]["world_mismatch"]
+
+
+def test_train_command_logs_every_step_and_writes_json(tmp_path, capfd):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(json.dumps(workers.tiny_config().to_dict()))  # JSON is YAML
+    out = tmp_path / "run.json"
+    code = main(["train", "--config", str(cfg), "--steps", "3", "--planner", "static", "--json", str(out),
+                 "--save", str(tmp_path / "ck")])
+    stdout = capfd.readouterr().out
+    assert code == 0
+    assert "step 3/3 | loss" in stdout and "| groups " in stdout and "pred" in stdout and "meas" in stdout
+    assert "cost model vs measured" in stdout
+    result = json.loads(out.read_text())["result"]
+    assert [r["step"] for r in result["records"]] == [1, 2, 3] and result["planner"] == "static"
+    (tmp_path / "ck" / "step_000003" / "rank0.pt").write_bytes(b"garbage")
+    code = main(["train", "--config", str(cfg), "--steps", "4", "--load", str(tmp_path / "ck")])
+    err = capfd.readouterr().err
+    assert code == 2 and "rank0.pt' is corrupt or truncated" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_of_a_tiny_grid_fits_into_a_yaml_cost_config_accepts(runs, tmp_path):
+    measured = runs["two"][0]["profile"]
+    assert len(measured) == len(workers.PROFILE_GRID) and all(t > 0 for t in measured)
+    report = fit_report(workers.tiny_config(), workers.PROFILE_GRID, measured, reps=1)
+    assert len(report.fitted) == len(report.errors) == len(measured)
+    path = tmp_path / "profiled.yaml"
+    report.cost.save(path)
+    cost = CostConfig.load(path)
+    assert cost == report.cost and cost.kind == "profiled" and cost.world_size == 2 and cost.max_tokens_per_rank == 48
+    assert cost.overlap_comm is False and cost.microbatch_overhead_s + cost.attn_s_per_token2 > 0
+
+
+def test_demo_command_compares_planners_on_the_same_batches(tmp_path, capfd):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(json.dumps(workers.tiny_config().to_dict()))
+    code = main(["demo", "--config", str(cfg), "--steps", "3", "--out", str(tmp_path / "demo"), "--quiet"])
+    stdout = capfd.readouterr().out
+    assert code == 0, stdout
+    assert "speed-up" in stdout and "loss at last step" in stdout and "plan.png" in stdout
+    assert (tmp_path / "demo" / "plan.png").stat().st_size > 0
+    runs = json.loads((tmp_path / "demo" / "demo.json").read_text())["runs"]
+    static, dhp = runs["static"]["records"], runs["dhp"]["records"]
+    assert [r["num_tokens"] for r in static] == [r["num_tokens"] for r in dhp]  # the same batches
+    assert math.isclose(static[-1]["loss"], dhp[-1]["loss"], rel_tol=RELATIVE)
