@@ -29,17 +29,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+def launch(
+    fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0, env: dict[str, str] | None = None
+) -> list[Any]:
     """Run `fn(*args)` on `nproc` spawned ranks; returns their results in rank order.
 
-    `fn` must be importable by name (a module-level function) and return something picklable.
+    `fn` must be importable by name (a module-level function) and return something picklable. `env` adds
+    variables to the environment the ranks start with.
     """
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, rank, nproc, port, results, args)) for rank in range(nproc)]
-    for p in procs:
-        p.start()
+    # A spawned rank imports numpy (and with it OpenBLAS, which sizes its thread pool once, at import) while
+    # unpickling `fn`, before `_entry` runs; so the thread count must be in the environment it starts with.
+    # Idle OpenBLAS threads spin, and on a machine with a core per rank they would take the other ranks' cores.
+    start_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    saved = {k: os.environ.get(k) for k in start_env}
+    os.environ.update(start_env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
     try:

@@ -44,17 +44,11 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
 
         # megatron-core warns about missing TransformerEngine / Apex while a spawned rank unpickles its
         # function, before any code of ours runs there; the environment is the only way to reach that.
-        quiet = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = "ignore"
         try:
-            results = launch(rank_main, config.train.num_ranks, fn, config, *args, timeout_s=timeout_s)
+            results = launch(rank_main, config.train.num_ranks, fn, config, *args, timeout_s=timeout_s,
+                             env={"PYTHONWARNINGS": "ignore"})
         except LaunchError as e:
             raise DhpError(f"a rank failed: {e}") from None
-        finally:
-            if quiet is None:
-                os.environ.pop("PYTHONWARNINGS")
-            else:
-                os.environ["PYTHONWARNINGS"] = quiet
     failures = [r for r in results if isinstance(r, _Failure)]
     if failures:
         raise DhpError(failures[0].message)

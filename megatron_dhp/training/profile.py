@@ -1,9 +1,10 @@
 """Calibration: time the model's forward+backward on this device and fit the cost model's coefficients.
 
-Every grid point is a microbatch shape, k samples of L tokens on groups of d ranks, run three times back to back. All ranks work at once
-(n // d disjoint groups of d; the remaining ranks idle), as they do in training, so the timing includes the
-contention of a busy machine. Each point is timed like the train loop's "meas": from a barrier to the
-slowest group rank's end of backward, the median of a few repetitions after a warm-up.
+Every grid point is a microbatch shape, k samples of about L tokens on groups of d ranks, run three times back
+to back at 3/4, 7/8 and all of L. All ranks work at once (n // d disjoint groups of d; the remaining ranks
+idle), as they do in training, so the timing includes the contention of a busy machine. Each point is timed
+like the train loop's "meas": from a barrier to the slowest group rank's end of backward, the median of a
+few repetitions; repetitions go round the whole grid after a warm-up round.
 
 The fit is a least-squares fit of the reference form (BENCHMARK.md section 2, overlap_comm false, since
 gloo collectives block), relative to each measurement so that short microbatches count as much as long:
@@ -29,9 +30,10 @@ from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.training.config import TrainConfig
 
-MICROBATCHES_PER_POINT = 3
-"""Identical microbatches a group runs back to back per timing: a step's microbatches follow one another,
-and a lone microbatch pays warm-up (allocator, caches) that a step amortises."""
+LENGTH_FACTORS = (0.75, 0.875, 1.0)
+"""A grid point runs three microbatches back to back, its samples at these fractions of its length: a step's
+microbatches follow one another with new shapes each time, and a lone microbatch would pay warm-up that a
+step does not (allocator, caches)."""
 
 TERMS = ("microbatch_overhead_s", "cp_microbatch_overhead_s", "sample_overhead_s", "attn_s_per_token2",
          "linear_s_per_token", "comm_s_per_token")
@@ -45,10 +47,16 @@ class GridPoint:
     group_size: int
     samples: int = 1
 
+    def microbatches(self) -> list[list[int]]:
+        """The lengths of the point's microbatches, in the order they run."""
+        return [[max(1, round(self.length * f))] * self.samples for f in LENGTH_FACTORS]
+
     def features(self) -> np.ndarray:
-        """The point's row of the fit: coefficients of m, lambda, s, a, b, c."""
-        L, d, k = float(self.length), float(self.group_size), float(self.samples)
-        return np.array([1.0, float(d > 1), k, k * L * L / d, k * L / d, k * L * (d - 1) / d])
+        """The point's row of the fit (per microbatch, averaged): coefficients of m, lambda, s, a, b, c."""
+        d = float(self.group_size)
+        rows = [[1.0, float(d > 1), len(mb), sum(L * L for L in mb) / d, sum(mb) / d, sum(mb) * (d - 1) / d]
+                for mb in self.microbatches()]
+        return np.mean(np.array(rows, dtype=np.float64), axis=0)
 
 
 def default_grid(*, num_ranks: int, max_tokens_per_rank: int, lengths: tuple[int, ...] = ()) -> list[GridPoint]:
@@ -61,56 +69,80 @@ def default_grid(*, num_ranks: int, max_tokens_per_rank: int, lengths: tuple[int
             if -(-k * L // d) <= cap]
 
 
-def measure(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float]:
-    """The median seconds of every grid point on this job (collective: every rank runs it).
+class GridTimer:
+    """Times every grid point on a live job, one round at a time (collective: every rank calls the same).
 
-    Repetitions go round the whole grid (a warm-up round first), so a burst of load from elsewhere on the
-    machine spreads over all points instead of spoiling a few.
+    Rounds go over the whole grid, so a burst of load from elsewhere on the machine spreads over all points
+    instead of spoiling a few; a caller may also interleave rounds with training steps.
     """
-    import torch
-    import torch.distributed as dist
 
-    from megatron_dhp.runtime.dispatch import dispatch, local_slice
-    from megatron_dhp.runtime.domain import DynamicDomain
-    from megatron_dhp.runtime.group_pool import GroupPool
-    from megatron_dhp.runtime.step import run_step
-    from megatron_dhp.training.model import build_model
+    def __init__(self, config: TrainConfig, grid: list[GridPoint]) -> None:
+        from megatron_dhp.runtime.dispatch import local_slice
+        from megatron_dhp.runtime.domain import DynamicDomain
+        from megatron_dhp.runtime.group_pool import GroupPool
+        from megatron_dhp.training.model import build_model
 
-    domain = DynamicDomain.from_parallel_state()
-    pool = GroupPool(domain, max_groups=config.dhp.max_groups)
-    model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
-    steps = []
-    for point in grid:
-        plan, samples = _point_plan(point, domain.size, config)
-        steps.append((plan, dispatch(local_slice(samples, domain.position, domain.size), domain, plan=plan)))
-    times: list[list[float]] = [[] for _ in grid]
-    for _ in range(reps + 1):
-        for (plan, inputs), seen in zip(steps, times):
-            pool.prepare(plan)
-            model.zero_grad_buffer()
-            dist.barrier(group=domain.group)
+        self.config = config
+        self.domain = DynamicDomain.from_parallel_state()
+        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups)
+        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
+        n, position = self.domain.size, self.domain.position
+        self.steps = []
+        for point in grid:
+            plan, samples = _point_plan(point, n, config)
+            self.steps.append((plan, local_slice(samples, position, n)))
+        self.times: list[list[float]] = [[] for _ in grid]
+
+    def round(self) -> None:
+        """Time every point once: a barrier, its microbatches, the slowest rank's seconds per microbatch."""
+        import torch
+        import torch.distributed as dist
+
+        from megatron_dhp.runtime.dispatch import dispatch
+        from megatron_dhp.runtime.step import run_step
+
+        dhp = self.config.dhp
+        for (plan, local), seen in zip(self.steps, self.times):
+            inputs = dispatch(local, self.domain, plan=plan)  # fresh every round, as every training step's are
+            self.pool.prepare(plan)
+            self.model.zero_grad_buffer()
+            dist.barrier(group=self.domain.group)
             start = time.perf_counter()
-            run_step(model, inputs, pool, domain, comm=config.dhp.comm, backend=config.dhp.attention_backend,
+            run_step(self.model, inputs, self.pool, self.domain, comm=dhp.comm, backend=dhp.attention_backend,
                      grad_sync=False)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=domain.device)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            seen.append(float(elapsed))
-    return [statistics.median(seen[1:]) / MICROBATCHES_PER_POINT for seen in times]
+            seen.append(float(elapsed) / len(LENGTH_FACTORS))
+
+    def medians(self, *, skip: int = 0) -> list[float]:
+        """Each point's median over its rounds, leaving out the first `skip` (warm-up)."""
+        return [statistics.median(seen[skip:]) for seen in self.times]
+
+
+def measure(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float]:
+    """The median seconds per microbatch of every grid point: a warm-up round, then `reps` rounds."""
+    timer = GridTimer(config, grid)
+    for _ in range(reps + 1):
+        timer.round()
+    return timer.medians(skip=1)
 
 
 def _point_plan(point: GridPoint, n: int, config: TrainConfig):
-    """The plan of one grid point: n // d groups of d ranks, each `MICROBATCHES_PER_POINT` microbatches."""
+    """The plan of one grid point: n // d groups of d ranks, each running the point's microbatches."""
     from megatron_dhp.plan.plan import Plan, PlanGroup
     from megatron_dhp.runtime.selfcheck import random_samples
     from megatron_dhp.workload.sample import Batch
 
-    d, k, r = point.group_size, point.samples, MICROBATCHES_PER_POINT
-    num_groups = n // d
-    batch = Batch.from_lengths([point.length] * (k * r * num_groups))
-    groups = [PlanGroup(tuple(range(g * d, (g + 1) * d)),
-                        tuple(tuple(range((g * r + j) * k, (g * r + j + 1) * k)) for j in range(r)))
-              for g in range(num_groups)]
-    groups += [PlanGroup((r,), ()) for r in range(num_groups * d, n)]
+    d = point.group_size
+    lengths, groups = [], []
+    for g in range(n // d):
+        microbatches = []
+        for mb in point.microbatches():
+            microbatches.append(tuple(range(len(lengths), len(lengths) + len(mb))))
+            lengths += mb
+        groups.append(PlanGroup(tuple(range(g * d, (g + 1) * d)), tuple(microbatches)))
+    groups += [PlanGroup((r,), ()) for r in range(n // d * d, n)]
+    batch = Batch.from_lengths(lengths)
     plan = Plan("profile", n, n, batch.samples, tuple(groups), max_tokens_per_rank=config.dhp.max_tokens_per_rank)
     return plan, random_samples(batch, vocab_size=config.model.vocab_size, seed=0)
 
