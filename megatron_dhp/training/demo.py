@@ -7,7 +7,7 @@ steps are timed as the train loop times them, so the comparison is wall time on 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_dhp.training.config import TrainConfig
@@ -38,9 +38,9 @@ class DemoResult:
 def run_demo(config: TrainConfig, planners: tuple[str, ...] = ("static", "dhp"), *, lines: bool = True) -> DemoResult:
     """Train `config` once per planner (changing nothing else) and collect the runs."""
     runs = {}
+    fresh = replace(config, train=replace(config.train, save=None, load=None))  # every run starts from the same weights
     for name in planners:
-        runs[name] = train(config.with_overrides(dhp={"planner": name}, train={"save": None, "load": None}),
-                           show=True, lines=lines)
+        runs[name] = train(fresh.with_overrides(dhp={"planner": name}), show=True, lines=lines)
     return DemoResult(runs)
 
 

@@ -12,10 +12,12 @@ end of the slowest rank's last backward. Gradient sync and the optimizer are tim
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -101,7 +103,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.domain = DynamicDomain.from_parallel_state()
+        self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
         self.cost = self._cost_config(config)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=self.cost.domain.capacity, truncate=config.dhp.truncate)
@@ -131,7 +133,9 @@ class Trainer:
                 f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
 
     def _cost_config(self, config: TrainConfig) -> CostConfig:
-        node = config.dhp.gpus_per_node or self.domain.size
+        """The configured cost model on this job's domain; a node holds LOCAL_WORLD_SIZE / TP domain ranks."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        node = config.dhp.gpus_per_node or max(1, local // config.train.tp)
         return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node)
 
     def resume(self, directory: str) -> int:
