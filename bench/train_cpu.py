@@ -23,15 +23,14 @@ import statistics
 import sys
 import time
 import warnings
-
-warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from megatron_dhp.training.config import TrainConfig
-from megatron_dhp.training.job import run_on_ranks
-from megatron_dhp.training.loop import StepRecord
+if TYPE_CHECKING:
+    from megatron_dhp.training.config import TrainConfig
+    from megatron_dhp.training.loop import StepRecord
 
 TARGET = 1.2
 """Issue 5: dhp at least 1.2x faster than static on the long-tailed demo workload."""
@@ -94,6 +93,10 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="one run after the other instead of interleaved")
     parser.add_argument("--json", help="write every step's record here")
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
+    from megatron_dhp.training.config import TrainConfig
+    from megatron_dhp.training.job import run_on_ranks
+
     planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
     config = TrainConfig.load(args.config).with_overrides(train={"steps": args.steps, "nproc": args.nproc},
                                                           dhp={"cost": args.cost})
