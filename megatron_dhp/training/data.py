@@ -55,10 +55,6 @@ class TokenPipeline:
         samples = self.batch(step).samples
         return [self.token_sample(step, s) for s in samples[position::size]]
 
-    def all_samples(self, step: int) -> list[TokenSample]:
-        """Every sample of step `step` (what a single process trains on)."""
-        return [self.token_sample(step, s) for s in self.batch(step).samples]
-
     def token_sample(self, step: int, sample: Sample) -> TokenSample:
         """Inputs, next-token labels and a full loss mask for one sample of step `step`."""
         rng = np.random.default_rng([self.config.seed, step + 1, sample.id])

@@ -29,8 +29,8 @@ class DemoResult:
         a, b = self.runs[baseline].records, self.runs[candidate].records
         return statistics.median(x.wall_s / y.wall_s for x, y in zip(a, b))
 
-    def showcase_step(self, planner: str = "dhp") -> int:
-        """Index of the step whose plan mixes the most group sizes (the one worth plotting)."""
+    def showcase_step(self, planner: str) -> int:
+        """Index of the step whose plan under `planner` mixes the most group sizes (the one worth plotting)."""
         plans = self.runs[planner].plans
         return max(range(len(plans)), key=lambda i: (len({len(g["ranks"]) for g in plans[i]["groups"]}), -i))
 
@@ -51,7 +51,7 @@ def save_plan_plot(result: DemoResult, config: TrainConfig, path: str | Path) ->
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.viz import save_simulation_figure
 
-    index = result.showcase_step()
+    index = result.showcase_step(list(result.runs)[-1])
     any_run = next(iter(result.runs.values()))
     model = build_cost_model(live_cost_config(config.dhp, world_size=any_run.domain_size,
                                               gpus_per_node=config.dhp.gpus_per_node or any_run.domain_size))

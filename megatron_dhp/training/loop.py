@@ -77,12 +77,13 @@ class StepRecord:
         """Real tokens of the global batch per second of wall time."""
         return self.num_tokens / self.wall_s
 
-    def line(self, total_steps: int) -> str:
-        """The step's log line."""
+    def line(self, total_steps: int, *, plan: bool = True) -> str:
+        """The step's log line; `plan` adds the plan's groups and microbatches (`dhp.log_plans`)."""
+        groups = f"groups {self.groups} | {self.num_microbatches} mb | " if plan else ""
         return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
-                f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | groups {self.groups} | "
-                f"{self.num_microbatches} mb | pred {self.predicted_s:.3f}s meas {self.measured_s:.3f}s | "
-                f"sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | step {self.wall_s:.3f}s")
+                f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | {groups}pred {self.predicted_s:.3f}s "
+                f"meas {self.measured_s:.3f}s | sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | "
+                f"step {self.wall_s:.3f}s")
 
 
 StepCallback = Callable[[StepRecord], None]

@@ -20,9 +20,10 @@ from megatron_dhp.training.loop import StepRecord
 class StepReporter:
     """Prints each `StepRecord`'s line and advances the bar; use it as a context manager."""
 
-    def __init__(self, *, total_steps: int, first_step: int, title: str, lines: bool = True) -> None:
+    def __init__(self, *, total_steps: int, first_step: int, title: str, lines: bool = True, plans: bool = True) -> None:
         self.total_steps = total_steps
         self.lines = lines
+        self.plans = plans
         self.console = Console(highlight=False)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True)
@@ -38,7 +39,7 @@ class StepReporter:
     def __call__(self, record: StepRecord) -> None:
         """Log one finished step."""
         if self.lines:
-            self.console.print(record.line(self.total_steps), soft_wrap=True)
+            self.console.print(record.line(self.total_steps, plan=self.plans), soft_wrap=True)
         self.progress.update(self.task, completed=record.step, description=f"loss {record.loss:.3f}")
 
     def note(self, text: str) -> None:

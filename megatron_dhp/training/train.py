@@ -84,7 +84,7 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
 
         title = f"{config.dhp.planner} on {dist.get_world_size()} ranks"
         with StepReporter(total_steps=config.train.steps, first_step=trainer.completed, title=title,
-                          lines=lines) as reporter:
+                          lines=lines, plans=config.dhp.log_plans) as reporter:
             reporter.note(trainer.describe())
             records = trainer.train(on_step=lambda r: (keep_plan(r), reporter(r)))
     else:

@@ -22,14 +22,14 @@ def test_batches_depend_only_on_seed_and_step():
     a, b = pipeline(), pipeline()
     assert a.batch(3) == b.batch(3) and a.batch(3) != a.batch(4)
     assert pipeline(seed=6).batch(3) != a.batch(3)
-    for x, y in zip(a.all_samples(3), b.all_samples(3)):
+    for x, y in zip(a.local_samples(3, 0, 1), b.local_samples(3, 0, 1)):
         assert torch.equal(x.input_ids, y.input_ids)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
 def test_rank_slices_cover_the_batch_like_megatron(ranks):
     p = pipeline()
-    whole = {s.id: s for s in p.all_samples(2)}
+    whole = {s.id: s for s in p.local_samples(2, 0, 1)}
     slices = [p.local_samples(2, r, ranks) for r in range(ranks)]
     assert sorted(s.id for part in slices for s in part) == sorted(whole)
     for r, part in enumerate(slices):
@@ -40,7 +40,7 @@ def test_rank_slices_cover_the_batch_like_megatron(ranks):
 
 def test_labels_are_the_next_tokens_and_follow_a_learnable_chain():
     p = pipeline(noise=0.1)
-    samples = p.all_samples(0)
+    samples = p.local_samples(0, 0, 1)
     for s in samples:
         assert torch.equal(s.input_ids[1:], s.labels[:-1]) and bool((s.loss_mask == 1).all())
     pairs = torch.cat([torch.stack((s.input_ids, s.labels), 1) for s in samples])
