@@ -25,8 +25,8 @@ class TrainResult:
 
     @property
     def median_step_s(self) -> float:
-        """Median wall time of a step (the whole iteration)."""
-        return statistics.median(r.wall_s for r in self.records)
+        """Median wall time of a step (the whole iteration); NaN when the run had no step to do."""
+        return statistics.median(r.wall_s for r in self.records) if self.records else float("nan")
 
     @property
     def prediction_errors(self) -> list[float]:
