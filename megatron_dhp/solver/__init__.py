@@ -9,10 +9,16 @@ from __future__ import annotations
 import inspect
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.solver.base import Planner, run_planner
+from megatron_dhp.solver.base import Planner, PlannerUnsupported, run_planner
+from megatron_dhp.solver.fcp_ref import FCPRefPlanner
+from megatron_dhp.solver.megatron_hcp import MegatronHCPPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 
-PLANNERS: dict[str, type] = {"static": StaticPlanner}
+PLANNERS: dict[str, type] = {
+    "static": StaticPlanner,
+    "megatron-hcp": MegatronHCPPlanner,
+    "fcp-ref": FCPRefPlanner,
+}
 
 
 def build_planner(name: str, **context: object) -> Planner:
@@ -24,4 +30,14 @@ def build_planner(name: str, **context: object) -> Planner:
     return cls(**{k: v for k, v in context.items() if k in accepted and k != "name"})
 
 
-__all__ = ["PLANNERS", "Planner", "StaticPlanner", "build_planner", "run_planner", "static_cp_size"]
+__all__ = [
+    "PLANNERS",
+    "FCPRefPlanner",
+    "MegatronHCPPlanner",
+    "Planner",
+    "PlannerUnsupported",
+    "StaticPlanner",
+    "build_planner",
+    "run_planner",
+    "static_cp_size",
+]
