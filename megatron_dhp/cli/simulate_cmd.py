@@ -7,7 +7,13 @@ import json
 
 import numpy as np
 
-from megatron_dhp.cli.common import add_cost_args, add_workload_args, dataset_max_tokens, draw_batches, load_cost
+from megatron_dhp.cli.common import (
+    add_cost_args,
+    add_workload_args,
+    dataset_max_tokens,
+    draw_batches,
+    load_cost,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

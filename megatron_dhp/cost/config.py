@@ -58,6 +58,7 @@ class Domain:
         return self.world_size * self.max_tokens_per_rank
 
     def node_of(self, rank: int) -> int:
+        """The node a domain position sits on."""
         return rank // self.gpus_per_node
 
 
@@ -107,6 +108,7 @@ class CostConfig:
 
     @property
     def domain(self) -> Domain:
+        """The domain fields as a `Domain`."""
         return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank)
 
     def with_overrides(self, **overrides: int | None) -> CostConfig:
@@ -114,11 +116,13 @@ class CostConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict:
+        """Every field, as the YAML keys (description only when set)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description" or self.description}
 
     # ------------------------------------------------------------------ YAML
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "cost config") -> CostConfig:
+        """Check keys (unknown: closest valid name; missing: the required list) and build."""
         if not isinstance(obj, dict):
             raise DhpError(f"{source}: expected a mapping of cost keys, got {type(obj).__name__}")
         names = [f.name for f in fields(cls)]
@@ -147,6 +151,7 @@ class CostConfig:
         return cls.from_dict(obj, source=f"cost config {str(path)!r}")
 
     def save(self, path: str | Path) -> None:
+        """Write the YAML form `load` reads back."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 

@@ -43,13 +43,16 @@ class PlanGroup:
 
     @property
     def size(self) -> int:
+        """Ranks in the group (its context-parallel degree)."""
         return len(self.ranks)
 
     @property
     def sample_ids(self) -> list[int]:
+        """Every sample id of the group, microbatch by microbatch."""
         return [i for mb in self.microbatches for i in mb]
 
     def to_dict(self) -> dict:
+        """The plan-JSON form of the group."""
         return {"phase": self.phase, "ranks": list(self.ranks), "microbatches": [list(mb) for mb in self.microbatches]}
 
 
@@ -77,14 +80,17 @@ class Plan:
 
     # ------------------------------------------------------------------ queries
     def sample(self, sample_id: int) -> Sample:
+        """The sample with this id."""
         return self._by_id[sample_id]
 
     @property
     def num_phases(self) -> int:
+        """How many times the step re-forms its groups (1 + the highest phase)."""
         return 1 + max((g.phase for g in self.groups), default=0)
 
     @property
     def num_microbatches(self) -> int:
+        """Microbatches over all groups."""
         return sum(len(g.microbatches) for g in self.groups)
 
     def groups_of_rank(self, rank: int) -> list[PlanGroup]:
@@ -170,6 +176,7 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self, *, timings: bool = True) -> dict:
+        """The plan JSON of BENCHMARK.md section 1; `timings=False` drops the measured fields."""
         out: dict = {
             "schema": SCHEMA,
             "planner": self.planner,
@@ -190,6 +197,7 @@ class Plan:
         return out
 
     def to_json(self, *, indent: int | None = None) -> str:
+        """`to_dict` as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def fingerprint(self) -> str:
@@ -198,10 +206,12 @@ class Plan:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def save(self, path: str | Path) -> None:
+        """Write the plan JSON to `path`."""
         Path(path).write_text(self.to_json(indent=1) + "\n")
 
     @classmethod
     def from_dict(cls, obj: dict) -> Plan:
+        """Parse a plan-JSON object; a malformed one raises `PlanError` naming the field."""
         if not isinstance(obj, dict):
             raise PlanError("a plan must be a JSON object")
         if obj.get("schema") != SCHEMA:
@@ -232,6 +242,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """Read a plan JSON file (not validated: call `validate`)."""
         p = Path(path)
         if not p.is_file():
             raise PlanError(f"plan file {str(p)!r} does not exist")

@@ -43,6 +43,7 @@ class StaticPlanner:
     phase_barrier: ClassVar[bool] = False
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+        """One group per DP replica, each with the same number of packed microbatches."""
         domain = model.domain
         longest = max(int(batch.lengths.max()), self.dataset_max_tokens or 0)
         cp = static_cp_size(longest, domain)

@@ -23,6 +23,7 @@ class LengthSource:
 
     @classmethod
     def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None) -> LengthSource:
+        """The source named by `--lengths FILE` or `--dist NAME` (exactly one)."""
         if (lengths is None) == (dist is None):
             raise DhpError("give exactly one of --lengths FILE and --dist NAME")
         if lengths is not None:

@@ -48,6 +48,7 @@ class Sample:
 
     @classmethod
     def from_dict(cls, obj: dict) -> Sample:
+        """Parse the plan-JSON form."""
         if not isinstance(obj, dict) or "id" not in obj or "tokens" not in obj:
             raise DhpError(f"sample entry {obj!r} needs 'id' and 'tokens'")
         return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(obj.get("images", ())))
@@ -89,6 +90,7 @@ class Batch:
 
     @property
     def ids(self) -> list[int]:
+        """Sample ids in batch order."""
         return [s.id for s in self.samples]
 
     @property
@@ -98,9 +100,11 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens over the whole batch."""
         return sum(s.tokens for s in self.samples)
 
     def subset(self, ids: Sequence[int]) -> list[Sample]:
+        """The samples with these ids, in the order given."""
         return [self._by_id[i] for i in ids]
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from megatron_dhp.errors import DhpError
 from megatron_dhp.workload.sample import Sample
 
@@ -100,7 +102,10 @@ def _load_indexed(prefix: Path) -> list[Sample]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy import, only when used
 
     try:
-        lengths = IndexedDataset(str(prefix)).sequence_lengths
+        dataset = IndexedDataset(str(prefix))
+        # Copy out of the memory map: it is closed when the dataset object is collected.
+        lengths = np.array(dataset.sequence_lengths, dtype=np.int64)
+        del dataset
     except Exception as e:  # a corrupt index fails deep inside numpy/struct
         raise DhpError(f"indexed dataset {str(prefix)!r} could not be read: {e}") from None
     if len(lengths) == 0:

@@ -1,0 +1,112 @@
+"""The `megatron-dhp` command: plan, simulate, dists, and one clear line for every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dhp.cli import COMMANDS, main
+from tests import reference_eval
+
+
+def run_cli(args, capsys):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_static_wlbllm_matches_independent_evaluation(tmp_path, capsys, gpt7b_config):
+    out = tmp_path / "plan.json"
+    code, stdout, _ = run_cli(["plan", "--dist", "wlbllm", "--global-batch", 512, "--seed", 0, "--cost", "gpt7b-64",
+                               "--planner", "static", "--out", out], capsys)
+    assert code == 0 and "static: groups 4x16" in stdout
+    from megatron_dhp.plan import Plan
+
+    plan = Plan.load(out)
+    plan.validate(max_tokens_per_rank=8192)
+    obj = json.loads(out.read_text())
+    assert len(obj["samples"]) == 512 and obj["world_size"] == 64
+    expected = reference_eval.step_time(gpt7b_config.to_dict(), obj)
+    assert obj["predicted_step_time_s"] == pytest.approx(expected, rel=1e-6)
+    assert obj["lower_bound_s"] == pytest.approx(reference_eval.lower_bound(gpt7b_config.to_dict(), obj["samples"]), rel=1e-6)
+
+
+def test_plan_overrides_domain(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code, _, _ = run_cli(["plan", "--dist", "bimodal", "--global-batch", 64, "--world-size", 12, "--gpus-per-node", 4,
+                          "--max-tokens-per-rank", 16384, "--out", out], capsys)
+    obj = json.loads(out.read_text())
+    assert code == 0 and (obj["world_size"], obj["gpus_per_node"], obj["max_tokens_per_rank"]) == (12, 4, 16384)
+
+
+def test_plan_whole_length_file(tmp_path, capsys):
+    lengths = tmp_path / "l.json"
+    lengths.write_text("[300, 9000, 120, 40]")
+    out = tmp_path / "plan.json"
+    assert run_cli(["plan", "--lengths", lengths, "--world-size", 4, "--out", out], capsys)[0] == 0
+    assert [s["tokens"] for s in json.loads(out.read_text())["samples"]] == [300, 9000, 120, 40]
+
+
+def test_simulate_table_json_and_plot(tmp_path, capsys):
+    png, js = tmp_path / "sim.png", tmp_path / "sim.json"
+    code, stdout, _ = run_cli(["simulate", "--batches", 2, "--global-batch", 128, "--plot", png, "--json", js], capsys)
+    assert code == 0 and "step/LB" in stdout and "static" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(json.loads(js.read_text())["results"]["static"]) == 2
+
+
+def test_dists_lists_every_distribution(capsys):
+    code, stdout, _ = run_cli(["dists", "--samples", 2000], capsys)
+    assert code == 0 and all(name in stdout for name in ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal"))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["plan", "--lengths", "{tmp}/missing.json"], "length file '.*missing.json' does not exist"),
+        (["plan", "--lengths", "{tmp}/empty.json"], "is empty"),
+        (["plan", "--lengths", "{tmp}/bad.json"], "is not valid JSON"),
+        (["plan", "--lengths", "{tmp}/neg.json"], "entry 1: length -5 must be a positive integer"),
+        (["plan", "--lengths", "{tmp}/float.json"], "entry 0: length 1.5 must be a positive integer"),
+        (["plan", "--lengths", "{tmp}/long.json"], "sample 0 has 600000 tokens but the whole domain holds at most 524288"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--cost", "{tmp}/unknown.yaml"], "unknown key 'gpus_per_nod'; did you mean 'gpus_per_node'"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--cost", "{tmp}/missing.yaml"], "missing key 'world_size'"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--cost", "{tmp}/type.yaml"], "'overlap_comm' = 'sometimes' must be true or false"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--world-size", "0"], "world_size = 0 must be an integer >= 1"),
+        (["plan", "--dist", "bimodal"], "needs --global-batch"),
+        (["simulate", "--batches", "0"], "--batches 0 must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, capsys, gpt7b_config, args, match):
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "bad.json").write_text("[1,")
+    (tmp_path / "neg.json").write_text("[3, -5]")
+    (tmp_path / "float.json").write_text("[1.5]")
+    (tmp_path / "long.json").write_text("[600000]")
+    (tmp_path / "ok.json").write_text("[1000, 2000]")
+    good = gpt7b_config.to_dict()
+    (tmp_path / "unknown.yaml").write_text("\n".join(f"{k}: {v}" for k, v in {**good, "gpus_per_nod": 8}.items() if k != "overlap_comm") + "\noverlap_comm: true")
+    (tmp_path / "missing.yaml").write_text("\n".join(f"{k}: {v}" for k, v in good.items() if k not in ("world_size", "overlap_comm")) + "\noverlap_comm: true")
+    (tmp_path / "type.yaml").write_text("\n".join(f"{k}: {v}" for k, v in good.items() if k != "overlap_comm") + "\noverlap_comm: sometimes")
+    code, _, err = run_cli([a.format(tmp=tmp_path) for a in args] + ["--out", str(tmp_path / "p.json")] * (args[0] == "plan"), capsys)
+    import re
+
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and re.search(match, err), err
+    assert "Traceback" not in err
+
+
+def test_console_script_has_help_on_every_command():
+    for command in [[]] + [[c] for c in COMMANDS]:
+        result = subprocess.run([sys.executable, "-m", "megatron_dhp", *command, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "usage: megatron-dhp" in result.stdout
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "megatron_dhp", "plan", "--lengths", str(tmp_path / "nope.json")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("megatron-dhp plan: error: length file")
