@@ -122,6 +122,7 @@ class FCPRefPlanner:
     phase_barrier: ClassVar[bool] = False
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+        """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
         domain = model.domain
         fit_to_domain(batch, domain.capacity)
         n, cap = domain.world_size, domain.max_tokens_per_rank

@@ -61,6 +61,7 @@ class MegatronHCPPlanner:
         self._scheduler_cls = BalancedCPScheduler
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+        """Run upstream's scheduler on (id, length) pairs and convert its sets to phases."""
         domain = model.domain
         fit_to_domain(batch, domain.capacity)
         n = domain.world_size
