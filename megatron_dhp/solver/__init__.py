@@ -11,6 +11,7 @@ import inspect
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import Planner, PlannerUnsupported, run_planner
 from megatron_dhp.solver.fcp_ref import FCPRefPlanner
+from megatron_dhp.solver.flexsp_milp import FlexSPPlanner
 from megatron_dhp.solver.megatron_hcp import MegatronHCPPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 
@@ -18,6 +19,7 @@ PLANNERS: dict[str, type] = {
     "static": StaticPlanner,
     "megatron-hcp": MegatronHCPPlanner,
     "fcp-ref": FCPRefPlanner,
+    "flexsp-milp": FlexSPPlanner,
 }
 
 
@@ -33,6 +35,7 @@ def build_planner(name: str, **context: object) -> Planner:
 __all__ = [
     "PLANNERS",
     "FCPRefPlanner",
+    "FlexSPPlanner",
     "MegatronHCPPlanner",
     "Planner",
     "PlannerUnsupported",
