@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.reference import ReferenceCostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
@@ -61,6 +62,36 @@ class _Microbatch:
     members: list[list[int]]
 
 
+@dataclass(frozen=True)
+class _Instance:
+    """One batch prepared for FlexSP: lengths, per-size sample times, and the Blaster's longest-first order."""
+
+    tokens: np.ndarray
+    times: np.ndarray
+    """(samples, sizes) t(L, sp) of each sample on each candidate size."""
+    sizes: np.ndarray
+    model: ReferenceCostModel
+    seed: int
+
+    @property
+    def order(self) -> np.ndarray:
+        return np.lexsort((np.arange(len(self.tokens)), -self.tokens))  # longest first, ties by position
+
+    def blast(self, num_mb: int) -> list[np.ndarray]:
+        """The Sequence Blaster: `num_mb` contiguous chunks of the sorted batch, least largest token sum."""
+        order = self.order
+        cuts = max_sum_partition(self.tokens[order].astype(np.float64), num_mb)
+        return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def first_count(self) -> int:
+        """mb0: ceil(tokens / (N M)), raised until every chunk fits the domain."""
+        capacity = self.model.domain.capacity
+        count = max(1, math.ceil(int(self.tokens.sum()) / capacity))
+        while any(int(self.tokens[c].sum()) > capacity for c in self.blast(count)):
+            count += 1
+        return count
+
+
 @dataclass
 class FlexSPPlanner:
     """FlexSP: Sequence Blaster microbatches, bucketing, and a MILP over power-of-two groups per microbatch."""
@@ -71,50 +102,22 @@ class FlexSPPlanner:
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Blast into microbatches, solve each with the MILP, and keep the best microbatch count."""
-        domain = model.domain
-        fit_to_domain(batch, domain.capacity)
-        n, cap = domain.world_size, domain.max_tokens_per_rank
-        if n % 2:
-            raise PlannerUnsupported(f"flexsp-milp: groups of 2, 4, 8, ... ranks cannot fill an odd domain of {n}")
-        sizes = 2 ** np.arange(1, int(math.log2(n)) + 1)
+        fit_to_domain(batch, model.domain.capacity)
+        sizes = _group_sizes(batch, model.domain)
         tokens = batch.lengths
-        if int(tokens.max()) > sizes[-1] * cap:
-            s = batch.samples[int(np.argmax(tokens))]
-            raise PlannerUnsupported(
-                f"flexsp-milp: sample {s.id} ({s.tokens} tokens) needs more than {sizes[-1]} ranks of {cap} "
-                f"tokens, and FlexSP's groups are powers of two no larger than the domain of {n}"
-            )
         times = model.sample_time(tokens[:, None], model.sample_work(batch.samples)[:, None], sizes[None, :],
                                   model.best_placement_intra(sizes)[None, :])
-        order = np.lexsort((np.arange(len(tokens)), -tokens))  # longest first, ties by position
-        seed = 0 if batch.seed is None else batch.seed
-
-        def blast(num_mb: int) -> list[np.ndarray]:
-            cuts = max_sum_partition(tokens[order].astype(np.float64), num_mb)
-            return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-
-        def solve_counts(counts: range) -> list[_Microbatch] | None:
-            """Every microbatch of every count on a pool of one HiGHS per core (FlexSP uses a process pool, and
-            HiGHS releases the GIL while solving); the count with the least summed makespan."""
-            chunks = {c: blast(c) for c in counts}
-            tasks = [(c, k, chunk) for c in counts for k, chunk in enumerate(chunks[c])]
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                solved = list(pool.map(lambda t: self._solve_microbatch(
-                    t[2], tokens, times, sizes, model, np.random.default_rng([seed, t[1]])), tasks))
-            by_count = {c: [mb for (c2, _, _), mb in zip(tasks, solved) if c2 == c] for c in counts}
-            feasible = [mbs for mbs in by_count.values() if all(mb is not None for mb in mbs)]
-            return min(feasible, key=lambda mbs: sum(mb.makespan_s for mb in mbs), default=None)
-
-        first = max(1, math.ceil(int(tokens.sum()) / domain.capacity))
-        while any(int(tokens[c].sum()) > domain.capacity for c in blast(first)):
-            first += 1
-        best = solve_counts(range(first, min(first + EXTRA_MICROBATCH_COUNTS, len(tokens)) + 1))
-        for num_mb in range(first + EXTRA_MICROBATCH_COUNTS + 1, len(tokens) + 1):
-            if best is not None:
-                break
-            best = solve_counts(range(num_mb, num_mb + 1))
+        inst = _Instance(tokens, times, sizes, model, 0 if batch.seed is None else batch.seed)
+        first = inst.first_count()
+        best = self._best_count(inst, range(first, min(first + EXTRA_MICROBATCH_COUNTS, len(tokens)) + 1))
+        count = first + EXTRA_MICROBATCH_COUNTS + 1
+        while best is None and count <= len(tokens):  # none of the four fills the domain: keep splitting
+            best = self._best_count(inst, range(count, count + 1))
+            count += 1
         if best is None:
-            raise PlannerUnsupported(f"flexsp-milp: no microbatch count lets power-of-two groups fill {n} ranks")
+            raise PlannerUnsupported(
+                f"flexsp-milp: no microbatch count lets power-of-two groups fill {model.domain.world_size} ranks"
+            )
         groups = []
         for phase, mb in enumerate(best):
             by_size = sorted(range(len(mb.sizes)), key=lambda g: mb.sizes[g])  # FlexSP: ascending sizes
@@ -123,26 +126,51 @@ class FlexSPPlanner:
                 groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
         return groups
 
-    def _solve_microbatch(self, chunk: np.ndarray, tokens: np.ndarray, times: np.ndarray, sizes: np.ndarray,
-                          model: ReferenceCostModel, rng: np.random.Generator) -> _Microbatch | None:
+    def _best_count(self, inst: _Instance, counts: range) -> list[_Microbatch] | None:
+        """Solve every microbatch of every count on a pool of one HiGHS per core (FlexSP uses a process pool;
+        HiGHS releases the GIL while solving) and keep the count with the least summed makespan."""
+        tasks = [(c, k, chunk) for c in counts for k, chunk in enumerate(inst.blast(c))]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            solved = list(pool.map(lambda task: self._solve_microbatch(inst, task[1], task[2]), tasks))
+        by_count = {c: [mb for (c2, _, _), mb in zip(tasks, solved) if c2 == c] for c in counts}
+        feasible = [mbs for mbs in by_count.values() if all(mb is not None for mb in mbs)]
+        return min(feasible, key=lambda mbs: sum(mb.makespan_s for mb in mbs), default=None)
+
+    def _solve_microbatch(self, inst: _Instance, index: int, chunk: np.ndarray) -> _Microbatch | None:
         """Bucket one microbatch, solve its MILP, and draw concrete samples into the solved counts."""
-        domain = model.domain
-        ascending = chunk[np.lexsort((chunk, tokens[chunk]))]
-        cuts = bucket_cuts(tokens[ascending].astype(np.float64), domain.capacity)
+        domain = inst.model.domain
+        ascending = chunk[np.lexsort((chunk, inst.tokens[chunk]))]
+        cuts = bucket_cuts(inst.tokens[ascending].astype(np.float64), domain.capacity)
         buckets = [ascending[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         problem = BucketProblem(
             counts=np.array([len(b) for b in buckets]),
-            tokens=np.array([int(tokens[b].max()) for b in buckets]),
-            times=np.array([times[b].max(axis=0) for b in buckets]),
-            sizes=sizes,
+            tokens=np.array([int(inst.tokens[b].max()) for b in buckets]),
+            times=np.array([inst.times[b].max(axis=0) for b in buckets]),
+            sizes=inst.sizes,
             world_size=domain.world_size,
             max_tokens_per_rank=domain.max_tokens_per_rank,
-            overhead_s=model.microbatch_overhead_s,
+            overhead_s=inst.model.microbatch_overhead_s,
         )
         solution = solve_bucket_milp(problem, self.time_limit_s)
         if solution is None:
             return None
+        rng = np.random.default_rng([inst.seed, index])
         return _Microbatch(solution.makespan_s, list(solution.sizes), draw_members(solution, buckets, rng))
+
+
+def _group_sizes(batch: Batch, domain: Domain) -> np.ndarray:
+    """FlexSP's candidate sizes 2, 4, ..., <= N, or `PlannerUnsupported` where they cannot plan the batch."""
+    n, cap = domain.world_size, domain.max_tokens_per_rank
+    if n % 2:
+        raise PlannerUnsupported(f"flexsp-milp: groups of 2, 4, 8, ... ranks cannot fill an odd domain of {n}")
+    sizes = 2 ** np.arange(1, int(math.log2(n)) + 1)
+    longest = max(batch.samples, key=lambda s: (s.tokens, -s.id))
+    if longest.tokens > sizes[-1] * cap:
+        raise PlannerUnsupported(
+            f"flexsp-milp: sample {longest.id} ({longest.tokens} tokens) needs more than {sizes[-1]} ranks of "
+            f"{cap} tokens, and FlexSP's groups are powers of two no larger than the domain of {n}"
+        )
+    return sizes
 
 
 def draw_members(solution: SlotSolution, buckets: list[np.ndarray], rng: np.random.Generator) -> list[list[int]]:
