@@ -10,9 +10,11 @@ M >= 0 (makespan). Minimise M subject to
   4. time: sum_k t_k(sp_p) A[k, p] + beta m[p] <= M;
   5. m[p] <= sum_k A[k, p] <= n m[p] (a slot is used exactly when it holds samples);
   6. sum_p sp_p m[p] = N (every rank is used).
-Slots of one size are interchangeable, so we add symmetry-breaking rows (used slots first, loads
-non-increasing); they remove only permuted copies of solutions and leave the optimum unchanged. FlexSP
-warm-starts SCIP with homogeneous greedy solutions (`addSol`); HiGHS takes one start, the best of them.
+Two kinds of rows are ours, added so HiGHS (FlexSP uses SCIP) spends its time limit well; neither changes
+the optimum: the area cut sum_p sp_p time_p <= N M (each used slot runs within M), which lifts the LP bound
+from ~30% of the optimum to within a fraction of a percent, and symmetry breaking among the interchangeable
+slots of one size (used slots first, loads non-increasing). FlexSP warm-starts SCIP with homogeneous greedy
+solutions (`addSol`); HiGHS takes one start, the best of them.
 """
 
 from __future__ import annotations
@@ -122,50 +124,72 @@ class _Rows:
         self.upper.append(upper)
 
 
-def solve_bucket_milp(problem: BucketProblem, time_limit_s: float) -> SlotSolution | None:
-    """The MILP's best solution within the time limit (warm-started), or None if there is none."""
-    import highspy
+@dataclass(frozen=True)
+class _Columns:
+    """Where each variable sits: A[k, p] for allowed (bucket, slot) pairs, then m[p], then the makespan M."""
 
-    slot_size = problem.slot_sizes()
-    size_index = np.searchsorted(problem.sizes, slot_size)
-    allowed = problem.allowed()[:, size_index]  # (K, P)
-    num_buckets, num_slots = allowed.shape
-    pairs = np.argwhere(allowed)  # one A column per allowed (bucket, slot)
-    num_a = len(pairs)
-    m_col = num_a + np.arange(num_slots)
-    makespan_col = num_a + num_slots
-    total = int(problem.counts.sum())
-    inf = highspy.kHighsInf
-    cap = problem.max_tokens_per_rank
+    slot_size: np.ndarray
+    pairs: np.ndarray
+    """(columns, 2): the (bucket, slot) of each A column."""
+    load: list[np.ndarray]
+    """Per slot: t_k(sp_p) of each of its A columns, in `of_slot` order."""
+    of_slot: list[np.ndarray]
+    """Per slot: its A columns."""
 
-    a_of_slot = [np.flatnonzero(pairs[:, 1] == p) for p in range(num_slots)]
-    load_vals = [problem.times[pairs[cols, 0], size_index[p]] for p, cols in enumerate(a_of_slot)]
-    rows = _Rows()
-    for k in range(num_buckets):  # 1
-        cols = np.flatnonzero(pairs[:, 0] == k)
-        rows.add(cols, np.ones(len(cols)), problem.counts[k], problem.counts[k])
-    for p, cols in enumerate(a_of_slot):
-        rows.add(cols, problem.tokens[pairs[cols, 0]], -inf, cap * slot_size[p])  # 3
-        rows.add([*cols, m_col[p], makespan_col], [*load_vals[p], problem.overhead_s, -1.0], -inf, 0.0)  # 4
-        rows.add([*cols, m_col[p]], [*np.ones(len(cols)), -total], -inf, 0.0)  # 5, upper
-        rows.add([*cols, m_col[p]], [*np.ones(len(cols)), -1.0], 0.0, inf)  # 5, lower
-    rows.add(m_col, slot_size, problem.world_size, problem.world_size)  # 6
-    area_cols = [c for p, cols in enumerate(a_of_slot) for c in [*cols, m_col[p]]]
-    area_vals = [v for p in range(num_slots) for v in [*(slot_size[p] * load_vals[p]), slot_size[p] * problem.overhead_s]]
-    rows.add([*area_cols, makespan_col], [*area_vals, -problem.world_size], -inf, 0.0)  # area: sum sp load <= N M
-    for p in range(num_slots - 1):  # symmetry: among equal slots, used ones first and loads non-increasing
-        if slot_size[p] == slot_size[p + 1]:
-            q = p + 1
-            rows.add([m_col[p], m_col[q]], [1.0, -1.0], 0.0, inf)
-            cols = [*a_of_slot[p], *a_of_slot[q]]
-            rows.add(cols, [*load_vals[p], *-load_vals[q]], 0.0, inf)
+    @classmethod
+    def of(cls, problem: BucketProblem) -> _Columns:
+        slot_size = problem.slot_sizes()
+        size_index = np.searchsorted(problem.sizes, slot_size)
+        pairs = np.argwhere(problem.allowed()[:, size_index])  # constraint 2: no column where not allowed
+        of_slot = [np.flatnonzero(pairs[:, 1] == p) for p in range(len(slot_size))]
+        load = [problem.times[pairs[cols, 0], size_index[p]] for p, cols in enumerate(of_slot)]
+        return cls(slot_size, pairs, load, of_slot)
 
+    @property
+    def num_a(self) -> int:
+        return len(self.pairs)
+
+    @property
+    def m(self) -> np.ndarray:
+        return self.num_a + np.arange(len(self.slot_size))
+
+    @property
+    def makespan(self) -> int:
+        return self.num_a + len(self.slot_size)
+
+
+def _constraints(problem: BucketProblem, col: _Columns, inf: float) -> _Rows:
+    """Constraints 1 and 3-6, the area cut and the symmetry-breaking rows."""
+    rows, total, m = _Rows(), int(problem.counts.sum()), col.m
+    for k, count in enumerate(problem.counts):  # 1
+        cols = np.flatnonzero(col.pairs[:, 0] == k)
+        rows.add(cols, np.ones(len(cols)), count, count)
+    for p, cols in enumerate(col.of_slot):
+        rows.add(cols, problem.tokens[col.pairs[cols, 0]], -inf, problem.max_tokens_per_rank * col.slot_size[p])  # 3
+        rows.add([*cols, m[p], col.makespan], [*col.load[p], problem.overhead_s, -1.0], -inf, 0.0)  # 4
+        rows.add([*cols, m[p]], [*np.ones(len(cols)), -total], -inf, 0.0)  # 5, upper
+        rows.add([*cols, m[p]], [*np.ones(len(cols)), -1.0], 0.0, inf)  # 5, lower
+    rows.add(m, col.slot_size, problem.world_size, problem.world_size)  # 6
+    # Area cut: sum_p sp_p (load_p + beta m_p) <= N M, valid since each used slot's time is <= M. Without it
+    # the LP bound spreads work over every slot and sits ~70% below the optimum on 500-sample microbatches.
+    area_cols = [c for p, cols in enumerate(col.of_slot) for c in [*cols, m[p]]]
+    area_vals = [v for p, sp in enumerate(col.slot_size) for v in [*(sp * col.load[p]), sp * problem.overhead_s]]
+    rows.add([*area_cols, col.makespan], [*area_vals, -problem.world_size], -inf, 0.0)
+    for p in np.flatnonzero(col.slot_size[:-1] == col.slot_size[1:]):  # equal slots: used first, loads falling
+        rows.add([m[p], m[p + 1]], [1.0, -1.0], 0.0, inf)
+        rows.add([*col.of_slot[p], *col.of_slot[p + 1]], [*col.load[p], *-col.load[p + 1]], 0.0, inf)
+    return rows
+
+
+def _highs_model(problem: BucketProblem, col: _Columns, rows: _Rows, highspy) -> object:
+    """The MILP as a HiGHS model: A and m integer, M continuous; minimise M."""
     lp = highspy.HighsLp()
-    lp.num_col_ = num_a + num_slots + 1
+    num_int = col.makespan
+    lp.num_col_ = num_int + 1
     lp.num_row_ = len(rows.lower)
-    lp.col_cost_ = np.r_[np.zeros(num_a + num_slots), 1.0]
+    lp.col_cost_ = np.r_[np.zeros(num_int), 1.0]
     lp.col_lower_ = np.zeros(lp.num_col_)
-    lp.col_upper_ = np.r_[problem.counts[pairs[:, 0]], np.ones(num_slots), inf].astype(np.float64)
+    lp.col_upper_ = np.r_[problem.counts[col.pairs[:, 0]], np.ones(len(col.slot_size)), highspy.kHighsInf].astype(float)
     lp.row_lower_ = np.asarray(rows.lower, dtype=np.float64)
     lp.row_upper_ = np.asarray(rows.upper, dtype=np.float64)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -174,41 +198,46 @@ def solve_bucket_milp(problem: BucketProblem, time_limit_s: float) -> SlotSoluti
     lp.a_matrix_.start_ = np.asarray(rows.start, dtype=np.int32)
     lp.a_matrix_.index_ = np.asarray(rows.index, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(rows.value, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * (num_a + num_slots) + [highspy.HighsVarType.kContinuous]
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_int + [highspy.HighsVarType.kContinuous]
+    return lp
 
+
+def solve_bucket_milp(problem: BucketProblem, time_limit_s: float) -> SlotSolution | None:
+    """The MILP's best solution within the time limit (warm-started), or None if there is none."""
+    import highspy
+
+    col = _Columns.of(problem)
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("random_seed", 0)
-    highs.passModel(lp)
+    highs.passModel(_highs_model(problem, col, _constraints(problem, col, highspy.kHighsInf), highspy))
     warm = homogeneous_greedy(problem)
     if warm is not None:
-        highs.setSolution(lp.num_col_, np.arange(lp.num_col_, dtype=np.int32), _as_columns(problem, warm, pairs, slot_size))
+        x = _as_columns(problem, warm, col)
+        highs.setSolution(len(x), np.arange(len(x), dtype=np.int32), x)
     highs.run()
-    status = highs.getModelStatus()
     if highs.getInfo().primal_solution_status != 2:  # no feasible point found
         return warm
-    values = np.rint(np.asarray(highs.getSolution().col_value[:num_a]))
-    counts = np.zeros((num_slots, num_buckets), dtype=np.int64)
-    counts[pairs[:, 1], pairs[:, 0]] = values
+    counts = np.zeros((len(col.slot_size), len(problem.counts)), dtype=np.int64)
+    counts[col.pairs[:, 1], col.pairs[:, 0]] = np.rint(np.asarray(highs.getSolution().col_value[: col.num_a]))
     used = counts.sum(axis=1) > 0
-    sizes = slot_size[used]
+    sizes = col.slot_size[used]
     makespan = float(group_times(problem, sizes, counts[used]).max())
-    solution = SlotSolution(tuple(sizes.tolist()), counts[used], makespan, status == highspy.HighsModelStatus.kOptimal)
+    optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    solution = SlotSolution(tuple(sizes.tolist()), counts[used], makespan, optimal)
     return warm if warm is not None and warm.makespan_s < solution.makespan_s else solution
 
 
-def _as_columns(problem: BucketProblem, solution: SlotSolution, pairs: np.ndarray, slot_size: np.ndarray) -> np.ndarray:
+def _as_columns(problem: BucketProblem, solution: SlotSolution, col: _Columns) -> np.ndarray:
     """A homogeneous solution as MILP column values: its groups, heaviest first, in the slots of its size."""
-    num_a = len(pairs)
-    x = np.zeros(num_a + len(slot_size) + 1)
-    first = int(np.searchsorted(slot_size, solution.sizes[0]))
+    x = np.zeros(col.makespan + 1)
+    first = int(np.searchsorted(col.slot_size, solution.sizes[0]))
     loads = group_times(problem, np.asarray(solution.sizes), solution.counts)
-    a_index = {(int(k), int(p)): i for i, (k, p) in enumerate(pairs)}
+    a_index = {(int(k), int(p)): i for i, (k, p) in enumerate(col.pairs)}
     for g, row in enumerate(solution.counts[np.argsort(-loads, kind="stable")]):
-        p = first + g
-        x[num_a + p] = 1.0
+        x[col.m[first + g]] = 1.0
         for k in np.flatnonzero(row):
-            x[a_index[(int(k), p)]] = row[k]
+            x[a_index[(int(k), first + g)]] = row[k]
     x[-1] = solution.makespan_s
     return x
