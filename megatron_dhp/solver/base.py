@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -25,11 +25,13 @@ class PlannerUnsupported(DhpError):
 
 
 class Planner(Protocol):
-    """A planner maps one batch and a cost model to the groups of a step."""
+    """A planner maps one batch and a cost model to the groups of a step.
+
+    A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
+    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`.
+    """
 
     name: str
-    phase_barrier: ClassVar[bool]
-    """Whether its plans wait for every rank between phases (`Plan.phase_barrier`)."""
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Groups covering every rank and every sample of `batch` once (see `Plan.validate`)."""
@@ -54,7 +56,7 @@ def run_planner(planner: Planner, batch: Batch, model: ReferenceCostModel) -> Pl
     plan.validate()
     return replace(
         plan,
-        phase_barrier=planner.phase_barrier,
+        phase_barrier=getattr(planner, "phase_barrier", False),
         predicted_step_time_s=simulate(plan, model).step_time_s,
         lower_bound_s=model.lower_bound(batch.samples),
         solve_time_ms=solve_ms,

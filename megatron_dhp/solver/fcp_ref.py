@@ -24,7 +24,6 @@ run per round, and round k becomes phase k of the plan (no barrier: a group star
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
@@ -119,7 +118,6 @@ class FCPRefPlanner:
 
     max_cp_degree: int | None = None
     name: str = "fcp-ref"
-    phase_barrier: ClassVar[bool] = False
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""

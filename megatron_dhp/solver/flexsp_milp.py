@@ -27,7 +27,6 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
@@ -98,7 +97,6 @@ class FlexSPPlanner:
 
     time_limit_s: float = 10.0
     name: str = "flexsp-milp"
-    phase_barrier: ClassVar[bool] = False
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Blast into microbatches, solve each with the MILP, and keep the best microbatch count."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
@@ -40,7 +39,6 @@ class StaticPlanner:
 
     dataset_max_tokens: int | None = None
     name: str = "static"
-    phase_barrier: ClassVar[bool] = False
 
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """One group per DP replica, each with the same number of packed microbatches."""
