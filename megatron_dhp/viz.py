@@ -19,36 +19,51 @@ def _pyplot():
 
 
 def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
-    """One row per rank; each group a bar coloured by its size, microbatch boundaries as ticks."""
+    """One row per rank; each group a block over its ranks coloured by its size, microbatches as ticks."""
     plt = _pyplot()
     sizes = sorted({g.size for g in plan.groups})
     cmap = plt.get_cmap("viridis", max(len(sizes), 2))
     colour = {d: cmap(i) for i, d in enumerate(sizes)}
     for span in timeline.spans:
         g = plan.groups[span.group_index]
-        for r in g.ranks:
-            ax.barh(r, span.end_s - span.start_s, left=span.start_s, height=0.85, color=colour[g.size],
-                    edgecolor="white", linewidth=0.3)
+        if span.end_s <= span.start_s:
+            continue
+        for lo, hi in _runs(g.ranks):
+            ax.add_patch(plt.Rectangle((span.start_s, lo - 0.45), span.end_s - span.start_s, hi - lo + 0.9,
+                                       facecolor=colour[g.size], edgecolor="white", linewidth=0.6))
             t = span.start_s
             for mb in span.microbatch_s[:-1]:
                 t += mb
-                ax.plot([t, t], [r - 0.42, r + 0.42], color="white", linewidth=0.4)
+                ax.plot([t, t], [lo - 0.45, hi + 0.45], color="white", linewidth=0.3, alpha=0.8)
     if plan.lower_bound_s:
-        ax.axvline(plan.lower_bound_s, color="red", linestyle="--", linewidth=1, label="lower bound")
+        ax.axvline(plan.lower_bound_s, color="red", linestyle="--", linewidth=1)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[d]) for d in sizes]
-    ax.legend(handles, [f"d={d}" for d in sizes], title="group size", fontsize=6, title_fontsize=7,
-              loc="upper right", ncol=max(1, len(sizes) // 6))
+    ax.legend(handles, [str(d) for d in sizes], title="group size", fontsize=6, title_fontsize=7,
+              loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 + len(sizes) // 12)
     ax.set_ylim(plan.world_size - 0.5, -0.5)
+    ax.set_xlim(0, timeline.step_time_s * 1.02)
     ax.set_ylabel("rank")
-    ratio = f" = {timeline.step_time_s / plan.lower_bound_s:.3f} x LB" if plan.lower_bound_s else ""
-    ax.set_title(f"{plan.planner}: step {timeline.step_time_s:.2f} s{ratio}", fontsize=9)
+    ratio = f" = {timeline.step_time_s / plan.lower_bound_s:.3f} x lower bound (red)" if plan.lower_bound_s else ""
+    ax.set_title(f"{plan.planner}: step {timeline.step_time_s:.2f} s{ratio}, {plan.num_phases} phase(s), "
+                 f"{plan.num_microbatches} microbatches", fontsize=9)
+
+
+def _runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive ranks, as (first, last)."""
+    runs: list[tuple[int, int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
 
 
 def save_simulation_figure(path: str | Path, plans: Sequence[tuple[Plan, Timeline]], mean_ratio: dict[str, float]) -> None:
     """A Gantt of one step for each planner above a bar chart of each planner's mean step / LB."""
     plt = _pyplot()
     n = len(plans)
-    fig, axes = plt.subplots(n + 1, 1, figsize=(10, 2.4 * n + 2.6), gridspec_kw={"height_ratios": [3] * n + [2]})
+    fig, axes = plt.subplots(n + 1, 1, figsize=(11, 2.6 * n + 2.6), gridspec_kw={"height_ratios": [3] * n + [2]})
     xmax = max(t.step_time_s for _, t in plans) * 1.02
     for ax, (plan, timeline) in zip(axes[:-1], plans):
         draw_gantt(ax, plan, timeline)

@@ -128,7 +128,7 @@ def test_yaml_missing_key(tmp_path, gpt7b_config):
         ("attn_s_per_token2", "fast", "'attn_s_per_token2' = 'fast' must be a number"),
         ("overlap_comm", "1", "'overlap_comm' = 1 must be true or false"),
         ("world_size", "0", "world_size = 0 must be an integer >= 1"),
-        ("world_size", "4.5", "world_size = 4.5 must be an integer >= 1"),
+        ("world_size", "4.5", "key .world_size. = 4.5 must be an integer"),
         ("kind", "magic", "cost kind 'magic' is unknown"),
         ("inter_node_bytes_per_s", "0", "must be > 0"),
         ("linear_s_per_token", "-1.0", "must be >= 0"),

@@ -17,6 +17,7 @@ COMMANDS = {
     "plan": "megatron_dhp.cli.plan_cmd",
     "simulate": "megatron_dhp.cli.simulate_cmd",
     "dists": "megatron_dhp.cli.dists_cmd",
+    "selftest": "megatron_dhp.cli.selftest_cmd",
 }
 
 

@@ -6,33 +6,16 @@ Keys and units follow BENCHMARK.md section 2.
 
 from __future__ import annotations
 
-import difflib
-import re
 import sys
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
 
+from megatron_dhp.config_io import from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
 
 COST_KINDS = ("reference", "profiled")
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that also reads `1.5e6` as a float (YAML 1.1 wants `1.5e+6`)."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"),
-    list("-+0123456789."),
-)
-
-
-def load_yaml(text: str) -> object:
-    """Parse untrusted YAML safely (no object construction), with scientific floats."""
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass(frozen=True)
@@ -123,32 +106,13 @@ class CostConfig:
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "cost config") -> CostConfig:
         """Check keys (unknown: closest valid name; missing: the required list) and build."""
-        if not isinstance(obj, dict):
-            raise DhpError(f"{source}: expected a mapping of cost keys, got {type(obj).__name__}")
-        names = [f.name for f in fields(cls)]
-        for key in obj:
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
-                raise DhpError(f"{source}: unknown key {key!r}{hint}")
-        required = [f.name for f in fields(cls) if f.default is MISSING]
-        missing = [k for k in required if k not in obj]
-        if missing:
-            raise DhpError(f"{source}: missing key {missing[0]!r} (required: {', '.join(required)})")
-        try:
-            return cls(**obj)
-        except DhpError as e:
-            raise DhpError(f"{source}: {e}") from None
+        return from_mapping(cls, obj, source=source)
 
     @classmethod
     def load(cls, path_or_preset: str | Path) -> CostConfig:
         """Load a YAML file, or a preset name from `configs/` (e.g. `gpt7b-64`)."""
         path = resolve_config(path_or_preset)
-        try:
-            obj = load_yaml(path.read_text())
-        except yaml.YAMLError as e:
-            raise DhpError(f"cost config {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        return cls.from_dict(obj, source=f"cost config {str(path)!r}")
+        return cls.from_dict(load_yaml_file(path, what="cost config"), source=f"cost config {str(path)!r}")
 
     def save(self, path: str | Path) -> None:
         """Write the YAML form `load` reads back."""

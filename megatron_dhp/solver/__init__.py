@@ -10,12 +10,14 @@ import inspect
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import Planner, PlannerUnsupported, run_planner
+from megatron_dhp.solver.dhp import DhpPlanner
 from megatron_dhp.solver.fcp_ref import FCPRefPlanner
 from megatron_dhp.solver.flexsp_milp import FlexSPPlanner
 from megatron_dhp.solver.megatron_hcp import MegatronHCPPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 
 PLANNERS: dict[str, type] = {
+    "dhp": DhpPlanner,
     "static": StaticPlanner,
     "megatron-hcp": MegatronHCPPlanner,
     "fcp-ref": FCPRefPlanner,
@@ -34,6 +36,7 @@ def build_planner(name: str, **context: object) -> Planner:
 
 __all__ = [
     "PLANNERS",
+    "DhpPlanner",
     "FCPRefPlanner",
     "FlexSPPlanner",
     "MegatronHCPPlanner",

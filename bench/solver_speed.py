@@ -1,0 +1,74 @@
+"""How fast `dhp` plans a step, from a 64-rank job to a 16K-rank one.
+
+Prints solve time p50/p95 (and step / lower bound) for (global batch, ranks) = (512, 64), (4096, 1024) and
+(16384, 16384) on the WLB-LLM lengths under the gpt7b-64 cost model with the domain size overridden.
+Targets (issue 3): p50 <= 10 ms, <= 100 ms, <= 1 s.
+
+    python bench/solver_speed.py [--batches 10] [--planner dhp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.workload import LengthSource
+
+SIZES = ((512, 64), (4096, 1024), (16384, 16384))
+TARGET_P50_MS = {64: 10.0, 1024: 100.0, 16384: 1000.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=10, help="batches per size (default 10)")
+    parser.add_argument("--planner", default="dhp", help="planner to time (default dhp)")
+    parser.add_argument("--dist", default="wlbllm", help="length distribution (default wlbllm)")
+    parser.add_argument("--cost", default="gpt7b-64", help="cost preset or YAML (default gpt7b-64)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+
+    base = CostConfig.load(args.cost)
+    source = LengthSource.from_args(dist=args.dist)
+    console = Console()
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("solving", total=len(SIZES) * (args.batches + 1))
+        for batch_size, ranks in SIZES:
+            model = build_cost_model(base.with_overrides(world_size=ranks))
+            planner = build_planner(args.planner)
+            times, ratios = [], []
+            for k in range(args.batches + 1):  # the first solve warms caches and is not counted
+                batch = source.draw(global_batch=batch_size, seed=0, index=k, capacity=model.domain.capacity)
+                plan = run_planner(planner, batch, model)
+                if k:
+                    times.append(plan.solve_time_ms)
+                    ratios.append(plan.predicted_step_time_s / plan.lower_bound_s)
+                progress.advance(task)
+            rows.append({
+                "global_batch": batch_size, "ranks": ranks, "p50_ms": float(np.percentile(times, 50)),
+                "p95_ms": float(np.percentile(times, 95)), "target_p50_ms": TARGET_P50_MS[ranks],
+                "mean_step_over_lb": float(np.mean(ratios)),
+            })
+
+    table = Table(title=f"{args.planner} solve time on {args.dist}, {args.batches} batches per size, cost {args.cost}")
+    for col in ("batch", "ranks", "p50 ms", "p95 ms", "target p50", "step/LB mean"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ok = "[green]" if r["p50_ms"] <= r["target_p50_ms"] else "[red]"
+        table.add_row(str(r["global_batch"]), str(r["ranks"]), f"{ok}{r['p50_ms']:.1f}", f"{r['p95_ms']:.1f}",
+                      f"{r['target_p50_ms']:.0f}", f"{r['mean_step_over_lb']:.4f}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"planner": args.planner, "dist": args.dist, "cost": args.cost, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

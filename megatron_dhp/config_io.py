@@ -1,0 +1,122 @@
+"""Loading config dataclasses from untrusted mappings (parsed YAML), with errors that say what to fix.
+
+The dataclass is the source of truth: its fields and their annotations decide which keys exist and what
+types they take. An unknown key names the closest valid one; a missing required key lists them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from megatron_dhp.errors import DhpError
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that also reads `1.5e6` as a float (YAML 1.1 wants `1.5e+6`)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> object:
+    """Parse untrusted YAML safely (no object construction), with scientific floats."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_yaml_file(path: str | Path, *, what: str) -> object:
+    """Read and parse a YAML file; a missing or malformed file is a `DhpError` naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise DhpError(f"{what} {str(p)!r} does not exist")
+    try:
+        return load_yaml(p.read_text())
+    except yaml.YAMLError as e:
+        raise DhpError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def from_mapping(cls: type, obj: object, *, source: str) -> object:
+    """Build dataclass `cls` from `obj`, checking keys and value types against the field annotations."""
+    if not isinstance(obj, dict):
+        raise DhpError(f"{source}: expected a mapping of keys, got {type(obj).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    hints = typing.get_type_hints(cls)
+    for key in obj:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise DhpError(f"{source}: unknown key {key!r}{hint}")
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise DhpError(f"{source}: missing key {missing[0]!r} (required: {', '.join(required)})")
+    values = {key: _convert(hints[key], value, f"{source}: key {key!r}") for key, value in obj.items()}
+    try:
+        return cls(**values)
+    except DhpError as e:
+        raise DhpError(f"{source}: {e}") from None
+
+
+def _convert(hint: object, value: object, where: str) -> object:
+    """Check `value` against a field annotation; nested dataclasses are built recursively."""
+    if dataclasses.is_dataclass(hint):
+        return from_mapping(hint, value, source=where)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(option, value, where)
+            except DhpError as e:
+                errors.append(str(e))
+        raise DhpError(errors[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise DhpError(f"{where} = {value!r} must be a list")
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        return tuple(_convert(item, v, where) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise DhpError(f"{where} = {value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DhpError(f"{where} = {value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DhpError(f"{where} = {value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise DhpError(f"{where} = {value!r} must be a string")
+        return value
+    return value
+
+
+def to_mapping(obj: object) -> dict:
+    """The YAML form of a config dataclass (nested dataclasses as mappings, tuples as lists)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        if not f.init or f.name.startswith("_"):
+            continue
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_mapping(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out

@@ -1,0 +1,116 @@
+"""Let megatron-core run on a machine without CUDA (gloo, CPU tensors).
+
+megatron-core 0.16 hard-codes the CUDA device in a handful of places (RoPE frequencies, the DDP grad buffer,
+the causal-mask helper, the schedules' token counter, the CUDA RNG tracker). On a CPU-only machine those
+calls fail before any math runs, so tests and the `selftest` command redirect them to the CPU. Nothing is
+changed when CUDA is available: a GPU run uses megatron-core exactly as shipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+# megatron.core modules that build tensors with a literal `device="cuda"`; each gets a `torch` whose
+# tensor factories map that device to the CPU. Missing modules (older or newer releases) are skipped.
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint")
+
+
+class _NullStream:
+    """Stands in for `torch.cuda.current_stream()`: synchronisation is a no-op on the CPU."""
+
+    def wait_stream(self, *_: Any) -> None:
+        """No-op: CPU work is already ordered."""
+
+    def wait_event(self, *_: Any) -> None:
+        """No-op: CPU work is already ordered."""
+
+    def synchronize(self) -> None:
+        """No-op: CPU work is already ordered."""
+
+    def record_event(self, *_: Any) -> None:
+        """No-op: there is nothing to record."""
+
+
+def _cpu_device(device: Any) -> Any:
+    if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda:"):
+        return "cpu"
+    return device
+
+
+def _cpu_factory(fn: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch`, except that tensor factories put `device="cuda"` tensors on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def apply_cpu_compat() -> bool:
+    """Redirect megatron-core's hard-coded CUDA device to the CPU; returns whether anything was patched.
+
+    Idempotent. Does nothing when CUDA is available, so it is safe to call unconditionally at start-up.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *_, **__: _NullStream()
+    torch.cuda.default_stream = lambda *_, **__: _NullStream()
+    torch.cuda.synchronize = lambda *_, **__: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    # The "CUDA" RNG is the CPU generator, so megatron's RNG tracker forks and restores real states.
+    # (`torch.manual_seed` itself calls `torch.cuda.manual_seed_all`, which therefore stays untouched.)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+
+    cpu_torch = _CpuTorch()
+    for name in _MODULES_WITH_CUDA_LITERALS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = cpu_torch
+    _APPLIED = True
+    return True

@@ -1,0 +1,76 @@
+"""What a user sets to train with megatron-dhp: one dataclass, loaded from YAML or Megatron flags.
+
+The same settings drive `megatron-dhp train` (the `dhp:` section of its config) and Megatron-LM's
+`--dhp-config FILE` (the whole file), so a plan behaves the same in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_dhp.config_io import from_mapping, load_yaml_file
+from megatron_dhp.errors import DhpError
+
+COMM_VARIANTS = ("allgather", "ring", "ulysses")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flash")
+LAYER_SPECS = ("local", "te")
+
+
+@dataclass(frozen=True)
+class DhpConfig:
+    """Planner, memory cap, attention variant and cost model of dynamic hybrid parallelism."""
+
+    planner: str = "dhp"
+    """Planner name: dhp, static, megatron-hcp, fcp-ref or flexsp-milp (see `megatron-dhp simulate`)."""
+    max_tokens_per_rank: int = 8192
+    """Memory cap M: the most tokens one rank holds in a microbatch; a longer sample gets more ranks."""
+    comm: str = "allgather"
+    """Context-parallel communication inside a group: allgather (K/V), ring (P2P) or ulysses (all-to-all)."""
+    attention_backend: str = "auto"
+    """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
+    layer_spec: str = "local"
+    """megatron-core layer spec: local (plugin attention, any device) or te (TransformerEngine, GPU)."""
+    cost: str = "gpt7b-64"
+    """Cost model: a preset name from configs/ or a YAML path (e.g. from `megatron-dhp profile`). Its
+    world_size, gpus_per_node and max_tokens_per_rank are replaced by the live job's."""
+    gpus_per_node: int | None = None
+    """Ranks per node for intra-node placement (default: LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    overlap_planning: bool = True
+    """Plan step t+1 in a background thread while step t trains."""
+    log_plans: bool = True
+    """Log the one-line plan summary every step."""
+    max_groups: int = 256
+    """Process groups kept alive in the pool before the least recently used is released."""
+    time_limit_s: float = 10.0
+    """Solver time limit for planners that take one (flexsp-milp)."""
+    truncate: bool = False
+    """Cut samples longer than the whole domain holds (in the data pipeline) instead of stopping with an error."""
+
+    def __post_init__(self) -> None:
+        from megatron_dhp.solver import PLANNERS
+
+        if self.planner not in PLANNERS:
+            raise DhpError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
+        for name, value, allowed in (("comm", self.comm, COMM_VARIANTS),
+                                     ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+                                     ("layer_spec", self.layer_spec, LAYER_SPECS)):
+            if value not in allowed:
+                raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")
+        for name in ("max_tokens_per_rank", "max_groups"):
+            if getattr(self, name) < 1:
+                raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
+        if self.time_limit_s <= 0:
+            raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
+
+    @classmethod
+    def from_dict(cls, obj: object, *, source: str = "dhp config") -> DhpConfig:
+        """Build from a parsed YAML mapping; unknown keys name the closest valid one."""
+        return from_mapping(cls, obj, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DhpConfig:
+        """Read a `--dhp-config` YAML file."""
+        return cls.from_dict(load_yaml_file(path, what="dhp config"), source=f"dhp config {str(path)!r}")

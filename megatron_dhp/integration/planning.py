@@ -1,0 +1,57 @@
+"""Planning a training step from its gathered batch, optionally one step ahead of execution.
+
+Every rank of the job runs the same deterministic planner on the same gathered lengths, so no plan needs
+broadcasting (the runtime's fingerprint check catches any divergence). With `overlap_planning` the plan of
+step t+1 is solved in a background thread while step t trains, so the solver never stalls the step.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.workload.sample import Batch
+
+
+def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int | None = None) -> CostConfig:
+    """The configured cost model with the live job's domain: its size, node size and token cap."""
+    node = gpus_per_node or config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return CostConfig.load(config.cost).with_overrides(
+        world_size=world_size, gpus_per_node=node, max_tokens_per_rank=config.max_tokens_per_rank
+    )
+
+
+class StepPlanner:
+    """Turns each step's gathered batch into its plan; `prefetch` starts the next one in the background."""
+
+    def __init__(self, config: DhpConfig, cost: CostConfig, *, dataset_max_tokens: int | None = None) -> None:
+        self.config = config
+        self.model = build_cost_model(cost)
+        self.planner = build_planner(config.planner, dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
+        self._pending: tuple[Batch, Future[Plan]] | None = None
+
+    def plan(self, batch: Batch) -> Plan:
+        """The plan of `batch`: the prefetched one if it was started for this batch, else solved now."""
+        if self._pending is not None and self._pending[0] == batch:
+            future = self._pending[1]
+            self._pending = None
+            return future.result()
+        return self._solve(batch)
+
+    def prefetch(self, batch: Batch) -> None:
+        """Start planning `batch` in the background (a no-op without `overlap_planning`)."""
+        if self._executor is not None:
+            self._pending = (batch, self._executor.submit(self._solve, batch))
+
+    def close(self) -> None:
+        """Stop the background thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _solve(self, batch: Batch) -> Plan:
+        return run_planner(self.planner, batch, self.model)

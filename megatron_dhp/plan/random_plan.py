@@ -1,0 +1,91 @@
+"""Random valid plans: the adversary for runtime checks (`selftest`, tests), not a planner to train with.
+
+They exercise what real planners produce and more: group sizes that are not powers of two, groups over
+non-contiguous ranks, several phases with re-formed groups (ranks may sit a phase out), groups with no
+work, several samples per microbatch.
+"""
+
+from __future__ import annotations
+
+import random
+
+from megatron_dhp.cost.config import Domain
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.workload.sample import Batch, Sample
+
+
+def random_partition(ranks: list[int], rng: random.Random, *, contiguous: bool) -> list[tuple[int, ...]]:
+    """Cut `ranks` into groups of random sizes (1..len), optionally after shuffling them."""
+    ranks = list(ranks)
+    if not contiguous:
+        rng.shuffle(ranks)
+    groups = []
+    while ranks:
+        size = rng.randint(1, len(ranks))
+        groups.append(tuple(ranks[:size]))
+        ranks = ranks[size:]
+    return groups
+
+
+def random_plan(
+    batch: Batch,
+    domain: Domain,
+    rng: random.Random,
+    *,
+    max_phases: int = 2,
+    max_samples_per_microbatch: int = 3,
+) -> Plan:
+    """A valid plan with random groups, phases and microbatches for `batch` on `domain`.
+
+    Phase 0 covers every rank; later phases re-partition a random subset of the ranks (and if no group is
+    wide enough for the longest sample, a last phase runs the whole domain). Each sample goes to a random
+    group that can hold it (length <= group size x max_tokens_per_rank).
+    """
+    n, cap = domain.world_size, domain.max_tokens_per_rank
+    too_long = [s for s in batch.samples if s.tokens > n * cap]
+    if too_long:
+        s = too_long[0]
+        raise DhpError(f"sample {s.id} has {s.tokens} tokens, more than the whole domain holds ({n} x {cap})")
+    layout: list[tuple[int, tuple[int, ...]]] = []
+    for phase in range(rng.randint(1, max_phases)):
+        ranks = list(range(n)) if phase == 0 else sorted(rng.sample(range(n), rng.randint(1, n)))
+        layout += [(phase, g) for g in random_partition(ranks, rng, contiguous=rng.random() < 0.5)]
+    widest = max(-(-s.tokens // cap) for s in batch.samples)
+    if all(len(g) < widest for _, g in layout):
+        layout.append((layout[-1][0] + 1, tuple(range(n))))  # a last phase on the whole domain for the longest
+
+    buckets: list[list[Sample]] = [[] for _ in layout]
+    for s in rng.sample(list(batch.samples), len(batch.samples)):
+        fits = [i for i, (_, g) in enumerate(layout) if s.tokens <= cap * len(g)]
+        buckets[rng.choice(fits)].append(s)
+
+    groups = tuple(
+        PlanGroup(ranks=ranks, microbatches=_microbatches(bucket, cap * len(ranks), max_samples_per_microbatch, rng), phase=phase)
+        for (phase, ranks), bucket in zip(layout, buckets)
+    )
+    plan = Plan(
+        planner="random",
+        world_size=n,
+        gpus_per_node=domain.gpus_per_node,
+        samples=batch.samples,
+        groups=groups,
+        max_tokens_per_rank=cap,
+    )
+    plan.validate()
+    return plan
+
+
+def _microbatches(samples: list[Sample], capacity: int, max_samples: int, rng: random.Random) -> tuple[tuple[int, ...], ...]:
+    """Split a group's samples into runs of 1..max_samples samples that fit `capacity` tokens."""
+    out: list[tuple[int, ...]] = []
+    current: list[Sample] = []
+    target = rng.randint(1, max_samples)
+    for s in samples:
+        if current and (len(current) >= target or sum(c.tokens for c in current) + s.tokens > capacity):
+            out.append(tuple(c.id for c in current))
+            current, target = [], rng.randint(1, max_samples)
+        current.append(s)
+    if current:
+        out.append(tuple(c.id for c in current))
+    return tuple(out)

@@ -1,0 +1,71 @@
+"""The per-microbatch bundle handed to dynamic-CP attention through `PackedSeqParams`.
+
+The group changes every microbatch, so attention must not read it from a module global (which cannot
+follow groups that change between phases or interleave under pipelining); the step builds one frozen
+`CPContext` per microbatch and passes it down with the packed-sequence parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
+from megatron_dhp.runtime.layout import MicrobatchLayout
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """Which ranks attend together for this microbatch, where its tokens are, and how to communicate."""
+
+    layout: MicrobatchLayout
+    group: dist.ProcessGroup | None
+    """The group's process group; None exactly when the group is one rank (no communication at all)."""
+    comm: str = "allgather"
+    """`allgather` (K/V all-gather, dK/dV reduce-scatter), `ring` (P2P K/V ring) or `ulysses` (all-to-all)."""
+    backend: str = "auto"
+    """Local attention kernel: `math` (reference), `sdpa` (torch), `flash` (flash-attn varlen, GPU); `auto`
+    picks flash on CUDA when importable, else sdpa."""
+
+    def __post_init__(self) -> None:
+        if self.comm not in COMM_VARIANTS:
+            raise DhpError(f"context-parallel comm {self.comm!r} is unknown; use one of {', '.join(COMM_VARIANTS)}")
+        if self.backend not in BACKENDS:
+            raise DhpError(f"attention backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        size = 1 if self.group is None else self.group.size()
+        assert size == self.layout.group_size, f"group of {size} ranks for a layout of {self.layout.group_size}"
+        assert self.group is None or self.group.rank() == self.layout.rank, "layout rank is not the group rank"
+
+
+@dataclass
+class DhpPackedSeqParams(PackedSeqParams):
+    """Megatron's THD parameters plus the microbatch's `CPContext`.
+
+    The inherited fields follow TransformerEngine's THD context-parallel convention (true and padded
+    cumulative lengths of whole samples, `cp_group`, `local_cp_size`), so Megatron's RoPE and TE read
+    the same layout as megatron-dhp's own attention.
+    """
+
+    dhp: CPContext | None = None
+
+    @classmethod
+    def for_microbatch(cls, ctx: CPContext, *, device: torch.device | str = "cpu") -> DhpPackedSeqParams:
+        """The parameters of one microbatch, with the length tensors on the device of its tokens."""
+        layout = ctx.layout
+        cu, cu_padded = layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device)
+        return cls(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
+            max_seqlen_q=layout.max_seqlen,
+            max_seqlen_kv=layout.max_seqlen,
+            local_cp_size=layout.group_size,
+            cp_group=ctx.group,
+            dhp=ctx,
+        )

@@ -1,0 +1,128 @@
+"""Megatron-Core attention modules for dynamic context parallelism.
+
+`DynamicCPAttention` is a `core_attention` for megatron-core's layer spec (the `CoreAttentionBuilder` /
+`CoreAttention` protocols of `megatron/core/transformer/attention.py`): it takes the microbatch's group and
+token layout from `DhpPackedSeqParams.dhp` and runs causal attention over exactly the group's ranks with
+the requested communication variant. `DynamicCPSelfAttention` is megatron's `SelfAttention` with one
+change: while it runs, the `cp` entry of its process-group collection is the microbatch's group, so
+megatron's THD RoPE slices true positions for the dynamic group instead of the static one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention.allgather import allgather_attention
+from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
+from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.ring import ring_attention
+from megatron_dhp.runtime.attention.ulysses import ulysses_attention
+
+Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CPContext, float], torch.Tensor]
+
+VARIANTS: dict[str, Variant] = {
+    "allgather": allgather_attention,
+    "ring": ring_attention,
+    "ulysses": ulysses_attention,
+}
+
+
+def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
+    """Causal attention of a rank's THD shards [t, h, dh] over its group; a one-rank group communicates nothing."""
+    if ctx.group is None:
+        layout = ctx.layout
+        tokens = Tokens(layout.local_positions, layout.segments, whole_samples=layout)
+        return attend(q, k, v, tokens, tokens, scale, ctx.backend)
+    return VARIANTS[ctx.comm](q, k, v, ctx, scale)
+
+
+class DynamicCPAttention(MegatronModule):
+    """Core attention over the current microbatch's dynamic context-parallel group (THD only)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise DhpError(
+                f"DynamicCPAttention has no attention dropout (attention_dropout={dropout}); set attention_dropout=0.0"
+            )
+        if attention_type != "self" or attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise DhpError(
+                f"DynamicCPAttention supports causal self-attention only (got {attention_type} with "
+                f"{attn_mask_type.name}); use a causal GPT layer spec"
+            )
+        head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scores by the layer number and the softmax multiplies
+        # them back: the net scale is 1/sqrt(head_dim) either way.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.layer_number = layer_number
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: DhpPackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """[t, h, dh] query and [t, hk, dh] key/value of this rank's shards -> [t, h * dh]."""
+        ctx = getattr(packed_seq_params, "dhp", None)
+        if ctx is None:
+            raise DhpError(
+                "DynamicCPAttention needs THD input with DhpPackedSeqParams.for_microbatch(...); "
+                "run the model through megatron_dhp.runtime.step"
+            )
+        if attention_bias is not None:
+            raise DhpError("DynamicCPAttention does not take an attention bias; remove it from the model config")
+        out = dynamic_cp_attention(query, key, value, ctx, self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+
+class DynamicCPSelfAttention(SelfAttention):
+    """Megatron's SelfAttention whose RoPE follows the microbatch's dynamic group."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):  # noqa: D102
+        params = kwargs.get("packed_seq_params")
+        group = params.cp_group if isinstance(params, DhpPackedSeqParams) else None
+        with _cp_group_for_rope(self.pg_collection, group):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+
+@contextmanager
+def _cp_group_for_rope(pgs: ProcessGroupCollection, group: torch.distributed.ProcessGroup | None) -> Iterator[None]:
+    """Let megatron's THD RoPE see `group` (None: keep the static CP group of size 1).
+
+    The collection object is shared by every layer of the model, so the swap is undone as soon as this
+    layer's forward returns; RoPE's backward needs no group, so nothing else can observe it.
+    """
+    if group is None:
+        yield
+        return
+    static = pgs.cp
+    pgs.cp = group
+    try:
+        yield
+    finally:
+        pgs.cp = static

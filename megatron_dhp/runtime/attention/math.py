@@ -1,0 +1,79 @@
+"""Causal attention over packed (THD) tokens addressed by (sample, position), and the log-sum-exp merge.
+
+Every communication variant reduces to these two pure functions: a query may see a key of the same sample
+at the same or an earlier position, wherever either token sits in the tensors. Because the mask is computed
+from true positions, the same code serves zigzag shards, gathered blocks and ring steps, and the single
+source of truth for "causal" is the token's position in its sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Finite stand-in for -inf: a block with no visible key for some query (common in ring steps) then has a
+# log-sum-exp of about -1e30 instead of -inf, whose merge weight is exactly 0 and whose gradient is not NaN.
+_MASKED = -1.0e30
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
+    """[tq, tk] boolean: key j is in query i's sample at a position <= the query's."""
+    return (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Repeat GQA key/value heads so head i serves query head i (Megatron: query head i uses kv i // group)."""
+    kv_heads = x.shape[1]
+    if kv_heads == num_heads:
+        return x
+    assert kv_heads > 0 and num_heads % kv_heads == 0, f"{num_heads} query heads over {kv_heads} kv heads"
+    return x.repeat_interleave(num_heads // kv_heads, dim=1)
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries [tq, h, dh] over keys/values [tk, hk, dh] under `mask` [tq, tk].
+
+    Returns the output [tq, h, dh] and the log-sum-exp [tq, h] of the scaled scores (fp32), so partial
+    results over disjoint key blocks can be merged exactly with `merge_partials`. Half precision is
+    accumulated in fp32.
+    """
+    h = q.shape[1]
+    k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
+    acc = _accumulation_dtype(q.dtype)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
+    scores = scores.masked_fill(~mask, _MASKED)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("hqk,khd->qhd", probs, v.to(acc))
+    return out.to(q.dtype), lse.transpose(0, 1)
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention over disjoint key blocks: softmax weights are exp(lse_i - logsumexp_i lse_i)."""
+    lse = torch.stack(lses)
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=0, keepdim=True))
+    merged = (weights[..., None] * torch.stack([o.to(weights.dtype) for o in outs])).sum(dim=0)
+    return merged.to(outs[0].dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same as `block_attention`'s output through torch SDPA, for callers that need no log-sum-exp.
+
+    Every query must see at least one key (true whenever the key set includes the query itself).
+    """
+    h = q.shape[1]
+    k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)

@@ -1,0 +1,61 @@
+"""Ulysses (all-to-all) context parallelism: trade the sequence split for a head split and back.
+
+An all-to-all gives every rank all of the group's tokens for a subset of heads; attention is then local
+over whole samples, and a second all-to-all returns the outputs to the token owners. Heads need not divide
+the group: rank j gets h // d heads plus one if j < h % d (possibly zero). With GQA, key/value heads go
+with their query heads when both counts divide the group; otherwise K/V are first repeated to one head per
+query head (more traffic, same math) so any split stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.runtime.attention.comm import all_to_all
+from megatron_dhp.runtime.attention.context import CPContext
+from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.math import expand_kv_heads
+
+
+def head_split(num_heads: int, size: int) -> list[int]:
+    """Heads per group rank: as even as possible, the first `num_heads % size` ranks take one more."""
+    return [num_heads // size + (j < num_heads % size) for j in range(size)]
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
+    """Causal attention with heads scattered and the sequence gathered over the group; [t, h, dh] in and out."""
+    layout, group = ctx.layout, ctx.group
+    size, heads, kv_heads = layout.group_size, q.shape[1], k.shape[1]
+    if heads % size or kv_heads % size:
+        k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+    q_split, kv_split = head_split(heads, size), head_split(k.shape[1], size)
+    tokens = Tokens(layout.group_positions, layout.group_segments, whole_samples=layout)
+    out = attend(
+        _scatter_heads(q, q_split, group),
+        _scatter_heads(k, kv_split, group),
+        _scatter_heads(v, kv_split, group),
+        tokens,
+        tokens,
+        scale,
+        ctx.backend,
+    )
+    return _gather_heads(out, q_split, group)
+
+
+def _scatter_heads(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """[t, h, dh] local tokens, all heads -> [d*t, h_r, dh] all tokens (rank-major), this rank's heads."""
+    t, _, dh = x.shape
+    size, rank = len(split), group.rank()
+    send = torch.cat([part.reshape(-1) for part in torch.split(x, split, dim=1)])
+    out = all_to_all(send, [t * n * dh for n in split], [t * split[rank] * dh] * size, group)
+    return out.view(size * t, split[rank], dh)
+
+
+def _gather_heads(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of `_scatter_heads`: [d*t, h_r, dh] -> [t, h, dh]."""
+    size, rank = len(split), group.rank()
+    t, dh = x.shape[0] // size, x.shape[2]
+    out = all_to_all(x.reshape(-1), [t * split[rank] * dh] * size, [t * n * dh for n in split], group)
+    parts = torch.split(out, [t * n * dh for n in split])
+    return torch.cat([p.view(t, n, dh) for p, n in zip(parts, split)], dim=1)

@@ -1,0 +1,291 @@
+"""From each rank's slice of the global batch to each rank's zigzag shards of its microbatches.
+
+Every rank starts with the samples a Megatron data loader would give it (`local_slice`: with micro-batch
+size 1, domain position i holds samples i, i+N, i+2N, ...). A step then
+
+1. gathers every sample's id, length and loss-token count over the domain (`gather_batch`),
+2. builds the plan from that batch or takes one given, and checks that every rank holds the same plan
+   (`check_plan`: one all-gather of the plan fingerprint; any difference or local rejection stops every
+   rank with a `DhpError` instead of leaving some waiting in a later collective),
+3. moves token ids, labels and loss mask with one `all_to_all_single` (uneven splits) so each rank holds
+   exactly its zigzag shards, packed per microbatch as THD tensors (`move_tokens`).
+
+A plan whose world size differs from the domain is rejected before any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanError
+from megatron_dhp.runtime.attention.comm import all_gather_single
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
+from megatron_dhp.workload.sample import Batch, Sample
+
+Planner = Callable[[Batch], Plan]
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One training sequence as the data loader gives it: inputs, next-token labels, loss mask, all [L]."""
+
+    id: int
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    """1 where the token's loss counts, 0 where it does not (e.g. prompt tokens); must be 0/1."""
+
+    def __post_init__(self) -> None:
+        n = self.input_ids.numel()
+        if n < 1 or self.input_ids.dim() != 1:
+            raise DhpError(f"sample {self.id}: input_ids must be a non-empty 1-D tensor, got shape {tuple(self.input_ids.shape)}")
+        for name in ("labels", "loss_mask"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (n,):
+                raise DhpError(f"sample {self.id}: {name} has shape {shape}, expected ({n},) like input_ids")
+        if not bool(((self.loss_mask == 0) | (self.loss_mask == 1)).all()):
+            raise DhpError(f"sample {self.id}: loss_mask must hold only 0 and 1 (token weights are not supported)")
+
+    @property
+    def length(self) -> int:
+        """L: the sample's token count."""
+        return self.input_ids.numel()
+
+
+def local_slice(samples: Sequence[TokenSample], position: int, size: int) -> list[TokenSample]:
+    """The samples domain position `position` of `size` starts with: every size-th one (Megatron, mbs 1)."""
+    return list(samples[position::size])
+
+
+@dataclass(frozen=True)
+class GatheredBatch:
+    """What every rank knows after the length gather: the global batch and who holds which sample."""
+
+    batch: Batch
+    owners: dict[int, int]
+    """Sample id -> domain position that holds its tokens."""
+    num_loss_tokens: int
+    """Tokens whose loss counts, over the whole global batch: the step's loss denominator."""
+
+
+@dataclass(frozen=True)
+class MicrobatchInputs:
+    """One microbatch as this rank runs it: its group, its THD layout and its shards, all [t]."""
+
+    group_ranks: tuple[int, ...]
+    """The group's domain positions, sorted (group rank r is the r-th of them)."""
+    phase: int
+    layout: MicrobatchLayout
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    """True position of every slot in its sample (padding slots continue past the end)."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """This rank's share of one step."""
+
+    plan: Plan
+    microbatches: tuple[MicrobatchInputs, ...]
+    """In execution order: by phase, then microbatch order within the group."""
+    num_loss_tokens: int
+    num_tokens: int
+    """Real tokens of the global batch."""
+
+
+def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
+    """All-gather (id, length, loss tokens) of every sample over the domain. Collective."""
+    rows = torch.tensor([[s.id, s.length, int(s.loss_mask.sum())] for s in local], dtype=torch.int64).view(-1, 3)
+    counts = _all_gather(torch.tensor([rows.shape[0]]), domain.group, domain.size, domain.device).view(-1).tolist()
+    padded = torch.zeros(max(max(counts), 1), 3, dtype=torch.int64)
+    padded[: rows.shape[0]] = rows
+    gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, 3)
+    owners: dict[int, int] = {}
+    samples: list[Sample] = []
+    loss_tokens = 0
+    for position, count in enumerate(counts):
+        for sid, length, n_loss in gathered[position, :count].tolist():
+            if sid in owners:
+                raise DhpError(f"sample id {sid} is held by domain positions {owners[sid]} and {position}; ids must be unique")
+            owners[sid] = position
+            samples.append(Sample(sid, length))
+            loss_tokens += n_loss
+    if not samples:
+        raise DhpError("no rank of the domain holds a sample; the global batch is empty")
+    if loss_tokens == 0:
+        raise DhpError("no token of the global batch has loss_mask 1; the step would divide by zero tokens")
+    return GatheredBatch(Batch(tuple(sorted(samples, key=lambda s: s.id))), owners, loss_tokens)
+
+
+def check_world(plan: Plan, domain: DynamicDomain) -> None:
+    """Reject a plan made for another domain size. Local: call it before any collective of the step."""
+    if plan.world_size != domain.size:
+        raise DhpError(
+            f"the plan is for a domain of {plan.world_size} ranks but this domain has {domain.size} "
+            "(DP x CP ranks per TP/PP coordinate); plan with world_size = " + str(domain.size)
+        )
+
+
+def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> None:
+    """Stop every rank unless all ranks hold the same valid plan for the gathered batch. Collective.
+
+    The check spans the whole world, not only this domain: every domain (TP/PP coordinate) executes the
+    same plan and group creation is world-collective, so a domain with another plan would hang the others.
+    Local problems (a plan that breaks an invariant or does not match the batch) travel in the same
+    all-gather as the fingerprint, so a rank never waits for a peer that has already given up.
+    """
+    problem = _local_problem(plan, gathered)
+    fingerprint = plan.fingerprint()
+    mine = torch.tensor([_signed64(fingerprint), int(problem is not None)], dtype=torch.int64)
+    world = dist.get_world_size()
+    table = _all_gather(mine, None, world, domain.device).view(world, 2).tolist()
+    me = dist.get_rank()
+    if problem is not None:
+        raise DhpError(f"rank {me} (domain position {domain.position}) rejects the plan: {problem}")
+    rejecting = [r for r, (_, bad) in enumerate(table) if bad]
+    if rejecting:
+        raise DhpError(f"ranks {rejecting} rejected the plan (see their errors); every rank stops")
+    differing = [r for r, (fp, _) in enumerate(table) if fp != table[me][0]]
+    if differing:
+        theirs = format(table[differing[0]][0] % (1 << 64), "016x")
+        raise DhpError(
+            f"ranks hold different plans: rank {me} has fingerprint {fingerprint}, ranks {differing} have "
+            f"{theirs} (first shown); make planning deterministic or broadcast the plan"
+        )
+
+
+def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> StepInputs:
+    """Send every token to the rank that computes it and pack this rank's microbatches. Collective."""
+    me = domain.position
+    by_id = {s.id: s for s in local}
+    lengths = {s.id: s.tokens for s in gathered.batch.samples}
+    rows = {sid: torch.stack([t.to(torch.int64) for t in (s.input_ids, s.labels, s.loss_mask)], 1) for sid, s in by_id.items()}
+
+    send_parts: list[list[torch.Tensor]] = [[] for _ in range(domain.size)]
+    for dest in range(domain.size):
+        for layout, _, _ in _microbatches_of(plan, dest, lengths):
+            for sid, n in zip(layout.sample_ids, layout.lengths):
+                if gathered.owners[sid] == me:
+                    held = zigzag_positions(n, layout.group_size, layout.rank)
+                    send_parts[dest].append(rows[sid][held[held < n]])
+    send = [torch.cat(p) if p else torch.empty(0, 3, dtype=torch.int64) for p in send_parts]
+
+    mine = _microbatches_of(plan, me, lengths)
+    owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
+    slots_of_sample = [n for layout, _, _ in mine for n in layout.local_lengths]
+    sources = torch.repeat_interleave(
+        torch.tensor(owner_of_sample, dtype=torch.int64), torch.tensor(slots_of_sample, dtype=torch.int64)
+    )
+    real = torch.cat([layout.real() for layout, _, _ in mine] or [torch.empty(0, dtype=torch.bool)])
+    recv_counts = torch.bincount(sources[real], minlength=domain.size).tolist()
+    received = _all_to_all(torch.cat(send), [p.shape[0] for p in send], recv_counts, domain)
+
+    slots = torch.zeros(real.numel(), 3, dtype=torch.int64)
+    real_slots = torch.nonzero(real).view(-1)
+    # received rows come grouped by source rank, each group in this rank's slot order
+    order = torch.argsort(sources[real], stable=True)
+    slots[real_slots[order]] = received
+    return StepInputs(
+        plan=plan,
+        microbatches=tuple(_pack(mine, slots)),
+        num_loss_tokens=gathered.num_loss_tokens,
+        num_tokens=gathered.batch.num_tokens,
+    )
+
+
+def dispatch(
+    local: Sequence[TokenSample],
+    domain: DynamicDomain,
+    *,
+    plan: Plan | None = None,
+    planner: Planner | None = None,
+) -> StepInputs:
+    """Gather lengths, get the plan (given, or `planner(batch)` on every rank), check it, move the tokens."""
+    if (plan is None) == (planner is None):
+        raise DhpError("dispatch needs exactly one of plan= or planner=")
+    if plan is not None:
+        check_world(plan, domain)
+    gathered = gather_batch(local, domain)
+    if plan is None:
+        plan = planner(gathered.batch)
+        check_world(plan, domain)
+    check_plan(plan, gathered, domain)
+    return move_tokens(local, plan, gathered, domain)
+
+
+def _local_problem(plan: Plan, gathered: GatheredBatch) -> str | None:
+    try:
+        plan.validate()
+    except PlanError as e:
+        return str(e)
+    planned = {s.id: s.tokens for s in plan.samples}
+    actual = {s.id: s.tokens for s in gathered.batch.samples}
+    for sid, n in actual.items():
+        if planned.get(sid) != n:
+            return f"sample {sid} has {n} tokens but the plan says {planned.get(sid)}; plan the gathered batch"
+    extra = sorted(set(planned) - set(actual))
+    if extra:
+        return f"the plan lists sample {extra[0]}, which no rank holds"
+    return None
+
+
+def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int]) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
+    """(layout, sorted group ranks, phase) of every microbatch `position` runs, in execution order."""
+    out = []
+    for group in plan.groups_of_rank(position):
+        ranks = tuple(sorted(group.ranks))
+        for mb in group.microbatches:
+            layout = MicrobatchLayout(
+                sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position)
+            )
+            out.append((layout, ranks, group.phase))
+    return out
+
+
+def _pack(mine: list[tuple[MicrobatchLayout, tuple[int, ...], int]], slots: torch.Tensor) -> list[MicrobatchInputs]:
+    out, start = [], 0
+    for layout, ranks, phase in mine:
+        block = slots[start : start + layout.num_slots]
+        start += layout.num_slots
+        out.append(
+            MicrobatchInputs(
+                group_ranks=ranks,
+                phase=phase,
+                layout=layout,
+                input_ids=block[:, 0].contiguous(),
+                labels=block[:, 1].contiguous(),
+                loss_mask=block[:, 2].to(torch.float32),
+                position_ids=layout.local_positions,
+            )
+        )
+    return out
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, device: torch.device) -> torch.Tensor:
+    x = x.to(device)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out.cpu()
+
+
+def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], domain: DynamicDomain) -> torch.Tensor:
+    width = send.shape[1]
+    device = domain.device
+    out = torch.empty(sum(recv_rows) * width, dtype=send.dtype, device=device)
+    dist.all_to_all_single(
+        out, send.reshape(-1).to(device), [n * width for n in recv_rows], [n * width for n in send_rows], group=domain.group
+    )
+    return out.view(-1, width).cpu()
+
+
+def _signed64(hex_digest: str) -> int:
+    value = int(hex_digest, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value

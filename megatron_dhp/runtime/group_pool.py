@@ -1,0 +1,98 @@
+"""Process groups for the rank sets of the plans, created collectively in plan order and cached.
+
+A group is keyed by its sorted tuple of domain positions; the same key in every domain (one per TP/PP
+coordinate) maps to a different set of global ranks, and all of them are created together.
+
+Why every rank of the world creates every group (`new_group` without `use_local_synchronization`):
+torch names a locally synchronised group by hashing its ranks *and the number of groups this process
+already has*, so two members with different histories (one was in an earlier group, the other was not)
+compute different names and wait for each other forever (seen with gloo on torch 2.13). World-wide
+creation names groups by a global counter that advances identically everywhere, provided every rank runs
+the same sequence of `prepare` calls on the same plans, which invariant 3 (one plan everywhere) gives.
+Non-members return immediately, so the cost is a counter step per group and domain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.domain import DynamicDomain
+
+GroupKey = tuple[int, ...]
+
+
+class GroupPool:
+    """An LRU cache of the dynamic groups of a domain, identical in content and order on every rank."""
+
+    def __init__(self, domain: DynamicDomain, *, max_groups: int = 256, timeout: timedelta | None = None) -> None:
+        if max_groups < 1:
+            raise DhpError(f"max_groups = {max_groups} must be >= 1")
+        self.domain = domain
+        self.max_groups = max_groups
+        self.timeout = timeout if timeout is not None else domain.timeout
+        self._groups: OrderedDict[GroupKey, dist.ProcessGroup | None] = OrderedDict()
+        self.created = 0
+        """Rank sets created (each is one communicator per domain)."""
+        self.hits = 0
+        """Rank sets a plan needed that were already cached."""
+        self.released = 0
+        """Rank sets evicted (their communicators destroyed) to stay under `max_groups`."""
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, ranks: object) -> bool:
+        return isinstance(ranks, tuple) and tuple(sorted(ranks)) in self._groups
+
+    def prepare(self, plan: Plan) -> None:
+        """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""
+        needed = list(dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1))
+        if len(needed) > self.max_groups:
+            raise DhpError(
+                f"the plan uses {len(needed)} distinct multi-rank groups, above the pool cap of {self.max_groups}; "
+                "raise max_groups"
+            )
+        for key in needed:
+            if key in self._groups:
+                self._groups.move_to_end(key)
+                self.hits += 1
+            else:
+                self._groups[key] = self._create(key)
+                self.created += 1
+        while len(self._groups) > self.max_groups:
+            _, group = self._groups.popitem(last=False)
+            if group is not None:
+                dist.destroy_process_group(group)
+            self.released += 1
+
+    def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """This rank's process group for a rank set it belongs to; None for a group of one rank."""
+        if len(ranks) == 1:
+            return None
+        key = tuple(sorted(ranks))
+        if self.domain.position not in key:
+            raise DhpError(f"domain position {self.domain.position} is not in group {key}")
+        if key not in self._groups:
+            raise DhpError(f"group {key} was not prepared; call GroupPool.prepare(plan) on every rank first")
+        return self._groups[key]
+
+    def clear(self) -> None:
+        """Destroy every cached group (on every rank, like `prepare`)."""
+        while self._groups:
+            _, group = self._groups.popitem(last=False)
+            if group is not None:
+                dist.destroy_process_group(group)
+            self.released += 1
+
+    def _create(self, key: GroupKey) -> dist.ProcessGroup | None:
+        mine = None
+        for domain in self.domain.all_domains:
+            group = dist.new_group([domain[p] for p in key], timeout=self.timeout)
+            if domain == self.domain.global_ranks and self.domain.position in key:
+                mine = group
+        return mine

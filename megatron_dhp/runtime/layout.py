@@ -1,0 +1,139 @@
+"""Where every token of a microbatch lives inside its group: zigzag shards as one THD tensor per rank.
+
+Pure index math (no process group), shared by dispatch (which rows to send where), attention (which keys a
+query may see) and the step (position ids, cu_seqlens). A sample of length L on a group of d > 1 ranks is
+padded to a multiple of 2d and cut into 2d chunks of c tokens; group rank r keeps chunks r and 2d-1-r, so
+every rank gets the same number of tokens and a balanced share of the causal work (Megatron's and
+TransformerEngine's THD context-parallel convention, which lets their RoPE and attention read the same
+layout). Padding sits at the end of each sample: under the causal mask no real query can see it, and the
+loss mask drops it. A group of one rank keeps the sample whole and unpadded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+def shard_multiple(group_size: int) -> int:
+    """Samples are padded to a multiple of this: 2d gives every rank two equal chunks; d = 1 needs none."""
+    return 1 if group_size == 1 else 2 * group_size
+
+
+def padded_length(length: int, group_size: int) -> int:
+    """The sample length rounded up to `shard_multiple(group_size)`."""
+    m = shard_multiple(group_size)
+    return -(-length // m) * m
+
+
+def zigzag_positions(length: int, group_size: int, rank: int) -> torch.Tensor:
+    """Positions of the padded sample that group rank `rank` holds, in its local order.
+
+    Chunk `rank` then chunk `2d-1-rank`; positions >= `length` are padding. The position of a real token is
+    also its index in the sample, so this doubles as the gather index for dispatch.
+    """
+    if not 0 <= rank < group_size:
+        raise ValueError(f"rank {rank} is outside a group of {group_size}")
+    if group_size == 1:
+        return torch.arange(length, dtype=torch.int64)
+    chunk = padded_length(length, group_size) // (2 * group_size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64)
+    mirror = 2 * group_size - 1 - rank
+    second = torch.arange(mirror * chunk, (mirror + 1) * chunk, dtype=torch.int64)
+    return torch.cat((first, second))
+
+
+@dataclass(frozen=True)
+class MicrobatchLayout:
+    """The THD layout of one microbatch on one rank of its group.
+
+    Local slots are ordered sample by sample (microbatch order), each sample's shard in zigzag order. Every
+    rank of the group holds `padded_length / d` slots per sample, so all ranks' layouts have equal length.
+    """
+
+    sample_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    """True token counts of the samples, in microbatch order."""
+    group_size: int
+    rank: int
+    """This rank's index in the group: its place among the group's sorted domain positions."""
+
+    def __post_init__(self) -> None:
+        assert len(self.sample_ids) == len(self.lengths) > 0, "a microbatch holds at least one sample"
+        assert 0 <= self.rank < self.group_size, f"rank {self.rank} outside a group of {self.group_size}"
+
+    @cached_property
+    def padded_lengths(self) -> tuple[int, ...]:
+        """Sample lengths rounded up to a multiple of 2d (unchanged for d = 1)."""
+        return tuple(padded_length(n, self.group_size) for n in self.lengths)
+
+    @cached_property
+    def local_lengths(self) -> tuple[int, ...]:
+        """Slots per sample on each rank of the group."""
+        return tuple(n // self.group_size for n in self.padded_lengths)
+
+    @property
+    def num_slots(self) -> int:
+        """Local THD length (equal on every rank of the group)."""
+        return sum(self.local_lengths)
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest padded sample: what Megatron sizes its RoPE table by."""
+        return max(self.padded_lengths)
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative true sample lengths (TransformerEngine's `cu_seqlens` for THD context parallelism)."""
+        return _cumsum(self.lengths)
+
+    @cached_property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        """Cumulative padded lengths: Megatron's THD RoPE divides them by d to find each local shard."""
+        return _cumsum(self.padded_lengths)
+
+    @cached_property
+    def local_cu_seqlens(self) -> torch.Tensor:
+        """Cumulative local shard lengths: where each sample's shard starts in this rank's THD tensor."""
+        return _cumsum(self.local_lengths)
+
+    def positions(self, rank: int | None = None) -> torch.Tensor:
+        """True position (index within its sample) of every local slot of `rank` (default: this rank)."""
+        r = self.rank if rank is None else rank
+        return torch.cat([zigzag_positions(n, self.group_size, r) for n in self.lengths])
+
+    @cached_property
+    def local_positions(self) -> torch.Tensor:
+        """`positions()` of this rank, computed once (attention reads it in every layer)."""
+        return self.positions()
+
+    @cached_property
+    def segments(self) -> torch.Tensor:
+        """Index within the microbatch of the sample each local slot belongs to (the same on every rank)."""
+        counts = torch.tensor(self.local_lengths, dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(len(self.lengths), dtype=torch.int64), counts)
+
+    def real(self, rank: int | None = None) -> torch.Tensor:
+        """Which local slots of `rank` hold real tokens rather than padding."""
+        limit = torch.repeat_interleave(
+            torch.tensor(self.lengths, dtype=torch.int64), torch.tensor(self.local_lengths, dtype=torch.int64)
+        )
+        return self.positions(rank) < limit
+
+    @cached_property
+    def group_positions(self) -> torch.Tensor:
+        """Positions of all the group's slots, rank-major: the order of an all-gather over the group."""
+        return torch.cat([self.positions(r) for r in range(self.group_size)])
+
+    @cached_property
+    def group_segments(self) -> torch.Tensor:
+        """Sample index of all the group's slots, rank-major."""
+        return self.segments.repeat(self.group_size)
+
+
+def _cumsum(values: tuple[int, ...]) -> torch.Tensor:
+    out = torch.zeros(len(values) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int64), 0).to(torch.int32)
+    return out

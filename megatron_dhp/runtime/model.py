@@ -1,0 +1,139 @@
+"""The layer spec that puts dynamic-CP attention into a megatron-core GPT, and a tiny GPT for checks.
+
+Integration is one entry in megatron-core's own layer spec: the self-attention module (so RoPE follows the
+dynamic group) and its core attention. Everything else is megatron-core as shipped.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
+
+
+def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSpec:
+    """megatron-core's GPT layer spec with dynamic context-parallel attention.
+
+    `local`: megatron's local spec with `DynamicCPAttention` as core attention (any device; the CPU
+    reference). `te`: the TransformerEngine spec, whose `TEDotProductAttention` runs context parallelism over
+    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed; TE's
+    variant is the config's `cp_comm_type`, `p2p` or `all_gather` for THD; untested here, no GPU). In
+    both, the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
+    """
+    if backend == "local":
+        spec = get_gpt_layer_local_spec(**spec_kwargs)
+        spec.submodules.self_attention.submodules.core_attention = DynamicCPAttention
+    elif backend == "te":
+        spec = _te_spec(**spec_kwargs)
+    else:
+        raise DhpError(f"layer-spec backend {backend!r} is unknown; use 'local' or 'te'")
+    spec.submodules.self_attention.module = DynamicCPSelfAttention
+    return spec
+
+
+def _te_spec(**spec_kwargs: object) -> ModuleSpec:
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except ImportError as e:
+        raise DhpError(f"the 'te' layer spec needs TransformerEngine ({e}); install it or use backend='local'") from None
+    if not torch.cuda.is_available():
+        raise DhpError("the 'te' layer spec needs a CUDA device; use backend='local' on CPU")
+    # megatron-core only allocates TE's CP stream when the static CP size is > 1; dynamic groups run with
+    # static CP 1, so it would stay None and TE would fail on the first dynamic group (Megatron-LM #6821).
+    if TEDotProductAttention.cp_stream is None:
+        TEDotProductAttention.cp_stream = torch.cuda.Stream()
+    return get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+
+
+@dataclass(frozen=True)
+class TinyGPTConfig:
+    """A GPT small enough for a 2-core CPU yet with every feature the runtime must keep exact."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """GQA: two query heads share a key/value head."""
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    max_sequence_length: int = 4096
+
+    def transformer_config(self, *, tensor_parallel: int = 1) -> TransformerConfig:
+        """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            tensor_model_parallel_size=tensor_parallel,
+            use_cpu_initialization=True,
+            apply_rope_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            calculate_per_token_loss=True,
+        )
+
+
+def build_tiny_gpt(
+    config: TinyGPTConfig | None = None,
+    *,
+    spec: ModuleSpec | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    seed: int = 0,
+) -> GPTModel:
+    """A tiny RoPE GPT (dynamic-CP spec unless `spec` is given) with weights set by `init_weights_`.
+
+    The tensor-parallel size is that of `pg_collection.tp` (default: megatron's parallel state).
+    """
+    config = config or TinyGPTConfig()
+    pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    model = GPTModel(
+        config=config.transformer_config(tensor_parallel=pgs.tp.size()),
+        transformer_layer_spec=spec if spec is not None else dhp_layer_spec(),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_sequence_length,
+        position_embedding_type="rope",
+        pg_collection=pgs,
+    )
+    init_weights_(model, seed=seed, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size())
+    return model
+
+
+def init_weights_(model: torch.nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Give every parameter a value that depends only on its name and `seed`, sliced for this TP rank.
+
+    Models of any tensor-parallel size built this way hold the same full weights, which is what lets a
+    single-process oracle check a TP run. Scales are large enough that attention is far from uniform, so
+    a wrong position or mask shows up in the gradients.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+            shape = list(param.shape)
+            if dim >= 0:
+                shape[dim] *= tp_size
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(shape, generator=gen, dtype=torch.float32)
+            if name.endswith("layernorm.weight"):
+                full = 1.0 + 0.1 * full
+            elif "embedding" not in name:
+                full = 0.1 * full
+            if dim >= 0:
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
+            param.copy_(full)

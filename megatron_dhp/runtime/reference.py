@@ -1,0 +1,70 @@
+"""The oracle: one process, megatron-core's own local attention, one sample at a time, no sharding at all.
+
+It shares nothing with the code under test beyond megatron-core itself (no THD packing, no zigzag, no
+dynamic groups, no DynamicCPAttention), so agreement with it is evidence, not a tautology. Inside a
+distributed job it runs on a private single-rank process-group collection, so every rank can compute it
+without touching the job's groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_dhp.runtime.dispatch import TokenSample
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+
+
+@dataclass
+class ReferenceResult:
+    """Loss (sum of per-token losses over the global token count) and the full gradient of every parameter."""
+
+    loss: float
+    num_tokens: int
+    grads: dict[str, torch.Tensor]
+
+
+def single_rank_groups() -> ProcessGroupCollection:
+    """A collection in which every megatron group is this rank alone (a model built on it has TP = 1).
+
+    Every rank of the job must call this once, in the same order relative to its other group creations:
+    `new_group` is collective over the world even for a group of one.
+    """
+    own = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == dist.get_rank():
+            own = group
+    names = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp")
+    return ProcessGroupCollection(**{name: own for name in names})
+
+
+def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int) -> GPTModel:
+    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test."""
+    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(), pg_collection=pgs, seed=seed)
+
+
+def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:
+    """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask)."""
+    model.zero_grad(set_to_none=True)
+    num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
+    total = 0.0
+    for s in samples:
+        n = s.input_ids.numel()
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)[None, None]
+        # Logits, not megatron's loss: its unfused vocab-parallel cross entropy reads the TP group from
+        # parallel_state, not from the model's collection, and would reduce over the job's TP group.
+        logits = model(s.input_ids[None], torch.arange(n)[None], causal)
+        per_token = F.cross_entropy(logits[0].float(), s.labels, reduction="none")
+        loss = (per_token * s.loss_mask.float()).sum()
+        (loss / num_tokens).backward()
+        total += float(loss.detach())
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return ReferenceResult(loss=total / num_tokens, num_tokens=num_tokens, grads=grads)

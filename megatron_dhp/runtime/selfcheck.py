@@ -1,0 +1,159 @@
+"""Check the runtime against the single-process oracle on a live job (the `selftest` command, the tests).
+
+One `SelfCheck` per rank holds the model under test (tiny GPT, dynamic-CP spec, megatron DDP over the
+domain) and the oracle (the same weights, megatron's local attention, one process). `check(plan, samples,
+comm)` runs a full step under the plan and compares the loss and every parameter gradient (TP shards
+gathered) with the oracle; the differences are reduced over the world so every rank returns the same
+verdict.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.dispatch import TokenSample, dispatch, local_slice
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
+from megatron_dhp.runtime.step import run_step
+from megatron_dhp.workload.sample import Batch
+
+TOLERANCE = 1e-5
+"""fp32: loss and every gradient element must agree with the oracle to this absolute difference."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict on one plan, identical on every rank except `worst_param`."""
+
+    plan_summary: str
+    comm: str
+    loss: float
+    reference_loss: float
+    max_loss_diff: float
+    max_grad_diff: float
+    worst_param: str
+    """The parameter with this rank's largest gradient difference (the only field that may differ by rank)."""
+    tokens_computed: int
+    """Real tokens computed over the domain; equals `batch_tokens` when every token ran exactly once."""
+    batch_tokens: int
+    loss_tokens_computed: int
+    batch_loss_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        """Loss and gradients within `TOLERANCE` and every token computed exactly once."""
+        return (
+            self.max_loss_diff <= TOLERANCE
+            and self.max_grad_diff <= TOLERANCE
+            and self.tokens_computed == self.batch_tokens
+            and self.loss_tokens_computed == self.batch_loss_tokens
+        )
+
+
+def init_distributed(
+    *, backend: str = "gloo", tensor_parallel: int = 1, seed: int = 0, timeout: timedelta = timedelta(seconds=120)
+) -> None:
+    """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1).
+
+    CPU-only machines get the megatron-core CPU shim first.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_dhp.integration.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def random_samples(batch: Batch, *, vocab_size: int, seed: int) -> list[TokenSample]:
+    """Token ids for `batch`; each sample's first tokens (a random 0-3) are a prompt with no loss."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in batch.samples:
+        tokens = torch.randint(0, vocab_size, (s.tokens + 1,), generator=gen)
+        mask = torch.ones(s.tokens)
+        mask[: int(torch.randint(0, 4, (1,), generator=gen))] = 0
+        out.append(TokenSample(s.id, tokens[:-1], tokens[1:], mask))
+    return out
+
+
+class SelfCheck:
+    """This rank's model under test, its oracle, its domain and its group pool."""
+
+    def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto") -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        config = config or TinyGPTConfig()
+        self.config = config
+        self.backend = backend
+        self.domain = DynamicDomain.from_parallel_state()
+        self.pool = GroupPool(self.domain)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        inner = build_tiny_gpt(config, seed=seed)
+        if torch.cuda.is_available():
+            inner.cuda()
+        self.model = DistributedDataParallel(
+            config=inner.config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            module=inner,
+        )
+        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed)
+
+    def check(self, plan: Plan, samples: list[TokenSample], comm: str) -> CheckResult:
+        """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
+        self.model.zero_grad_buffer()
+        local = local_slice(samples, self.domain.position, self.domain.size)
+        inputs = dispatch(local, self.domain, plan=plan)
+        self.pool.prepare(plan)
+        step = run_step(self.model, inputs, self.pool, self.domain, comm=comm, backend=self.backend)
+        device = self.domain.device
+        totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
+        dist.all_reduce(totals, group=self.domain.group)
+        loss = float(totals[0]) / step.global_loss_tokens
+
+        ref = reference_step(self.reference, samples)
+        worst, worst_name = 0.0, ""
+        for name, param in self.model.module.named_parameters():
+            diff = float((self._full_grad(param).cpu() - ref.grads[name]).abs().max())
+            if diff > worst:
+                worst, worst_name = diff, name
+        diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64, device=device)
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        return CheckResult(
+            plan_summary=plan.summary(),
+            comm=comm,
+            loss=loss,
+            reference_loss=ref.loss,
+            max_loss_diff=float(diffs[0]),
+            max_grad_diff=float(diffs[1]),
+            worst_param=worst_name,
+            tokens_computed=int(totals[1]),
+            batch_tokens=inputs.num_tokens,
+            loss_tokens_computed=int(totals[2]),
+            batch_loss_tokens=inputs.num_loss_tokens,
+        )
+
+    def _full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The reduced gradient of `param`, its tensor-parallel shards concatenated."""
+        grad = param.main_grad
+        if not getattr(param, "tensor_model_parallel", False) or self.tp_group.size() == 1:
+            return grad
+        parts = [torch.empty_like(grad) for _ in range(self.tp_group.size())]
+        dist.all_gather(parts, grad.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=param.partition_dim)

@@ -1,0 +1,155 @@
+"""Fill bins with the remaining samples: longest-processing-time first, then moves off the latest bin.
+
+A bin's finish time is its start plus, per microbatch, the overhead m and the times of its samples on the
+bin's size. Samples are taken by decreasing work and each goes where it finishes earliest, best-fitting an
+open microbatch when its tokens fit (no new overhead). Local moves then take samples off the bin that
+ends last while that lowers the makespan.
+
+Bins of one (size, placement) class give a sample the same time, so each class keeps its bins sorted by
+finish time: the earliest finish, or the earliest among bins with room, is a short scan from the front
+(at most `SCAN` bins, so that a start with many empty bins stays linear).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.dhp.layout import DraftGroup, add_to_group
+
+SCAN = 32
+
+
+class BinSet:
+    """Bins grouped by (size, placement) class, each class sorted by finish time."""
+
+    def __init__(self, inst: Instance, bins: list[DraftGroup]) -> None:
+        gpn = inst.model.domain.gpus_per_node
+        self.inst = inst
+        self.bins = bins
+        self.tokens = inst.tokens.tolist()
+        self.min_degree = inst.min_degree.tolist()
+        keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn) for b in bins]
+        self.classes = sorted(set(keys))
+        self.class_of = [self.classes.index(k) for k in keys]
+        self.times = [inst.times(s, intra).tolist() for s, intra in self.classes]
+        self.room = [max(b.rooms, default=0) for b in bins]
+        self.key = [(b.finish_s, k) for k, b in enumerate(bins)]
+        self.by_class: list[list[tuple[float, int]]] = [[] for _ in self.classes]
+        for k in range(len(bins)):
+            self.by_class[self.class_of[k]].append(self.key[k])
+        for lst in self.by_class:
+            lst.sort()
+        self.where: dict[int, int] = {}  # sample index -> bin
+
+    def finish(self, b: int) -> float:
+        """When bin b ends."""
+        return self.bins[b].finish_s
+
+    def makespan(self) -> tuple[float, int]:
+        """The latest finish and its bin."""
+        return max((lst[-1] for lst in self.by_class if lst), default=(0.0, -1))
+
+    def best_bin(self, item: int, exclude: int = -1) -> tuple[float, int]:
+        """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
+        m, length, lo = self.inst.overhead, self.tokens[item], self.min_degree[item]
+        best = (math.inf, -1)
+        for c, (size, _) in enumerate(self.classes):
+            if size < lo:
+                continue
+            t = self.times[c][item]
+            first = None
+            for finish, b in self.by_class[c][:SCAN]:
+                if b == exclude:
+                    continue
+                if first is None:
+                    first = finish
+                    cand = (finish + t + (0.0 if self.room[b] >= length else m), b)
+                    if self.room[b] >= length:
+                        break
+                elif finish >= first + m:
+                    break
+                elif self.room[b] >= length:
+                    cand = min(cand, (finish + t, b))
+                    break
+            if first is not None and cand < best:
+                best = cand
+        return best
+
+    def add(self, item: int, b: int) -> None:
+        """Put the sample into bin b (best-fit microbatch)."""
+        c = self.class_of[b]
+        add_to_group(self.bins[b], item, self.tokens[item], self.times[c][item], self.inst.overhead)
+        self.where[item] = b
+        self._refresh(b)
+
+    def remove(self, item: int) -> float:
+        """Take the sample out of its bin (an emptied microbatch goes, with its overhead); return the saving."""
+        b = self.where.pop(item)
+        g = self.bins[b]
+        k = next(k for k, mb in enumerate(g.microbatches) if item in mb)
+        before = g.finish_s
+        g.microbatches[k].remove(item)
+        g.rooms[k] += self.tokens[item]
+        g.finish_s -= self.times[self.class_of[b]][item]
+        if not g.microbatches[k]:
+            del g.microbatches[k], g.rooms[k]
+            g.finish_s -= self.inst.overhead
+        self._refresh(b)
+        return before - g.finish_s
+
+    def saving_out(self, item: int) -> float:
+        """How much earlier the sample's bin would finish without it."""
+        b = self.where[item]
+        g = self.bins[b]
+        alone = any(len(mb) == 1 and mb[0] == item for mb in g.microbatches)
+        return self.times[self.class_of[b]][item] + (self.inst.overhead if alone else 0.0)
+
+    def _refresh(self, b: int) -> None:
+        lst = self.by_class[self.class_of[b]]
+        del lst[bisect.bisect_left(lst, self.key[b])]
+        self.key[b] = (self.bins[b].finish_s, b)
+        bisect.insort(lst, self.key[b])
+        self.room[b] = max(self.bins[b].rooms, default=0)
+
+
+def fill(inst: Instance, bins: list[DraftGroup], items: np.ndarray, *, floor_s: float = 0.0, max_moves: int = 200) -> BinSet:
+    """Assign `items` to `bins` (LPT), then move samples off the latest bin while the makespan drops.
+
+    `floor_s` is a finish time the bins need not beat (e.g. a wide group that ends later anyway).
+    """
+    binset = BinSet(inst, bins)
+    order = items[np.lexsort((inst.ids[items], -inst.tokens[items], -inst.work[items]))]
+    for i in order.tolist():
+        finish, b = binset.best_bin(i)
+        assert b >= 0, f"no bin can hold sample index {i}"  # build() makes such samples wide
+        binset.add(i, b)
+    improve(binset, floor_s=floor_s, max_moves=max_moves)
+    return binset
+
+
+def improve(binset: BinSet, *, floor_s: float, max_moves: int) -> None:
+    """Move one sample at a time off the latest bin to where the pair's later finish is earliest."""
+    members: dict[int, list[int]] = {}
+    for item, b in binset.where.items():
+        members.setdefault(b, []).append(item)
+    for _ in range(max_moves):
+        makespan, worst = binset.makespan()
+        if worst < 0 or makespan <= floor_s:
+            return
+        best = None
+        for item in sorted(members.get(worst, ())):
+            cost, target = binset.best_bin(item, exclude=worst)
+            after = max(makespan - binset.saving_out(item), cost)
+            if target >= 0 and after < makespan - 1e-12 and (best is None or after < best[0]):
+                best = (after, item, target)
+        if best is None:
+            return
+        _, item, target = best
+        binset.remove(item)
+        members[worst].remove(item)
+        binset.add(item, target)
+        members.setdefault(target, []).append(item)

@@ -1,0 +1,126 @@
+"""Draft groups on a per-rank timeline: where wide samples go and which rank runs become bins.
+
+The domain is cut into cells of `cell` contiguous ranks that never straddle a node. Samples that need more
+ranks than a cell (or would take too long on one) are *wide*: each becomes a group of its own degree,
+placed skyline-style on the window of ranks that frees up first. What is left of every cell, once its
+ranks finish their wide groups, splits into runs of ranks that are free at the same moment; each run is a
+*bin* that later runs a sequence of packed microbatches as one group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_dhp.solver.dhp.instance import Instance
+
+
+@dataclass
+class DraftGroup:
+    """A contiguous group under construction: ranks [first, first + size), its microbatches and timing."""
+
+    first: int
+    size: int
+    phase: int
+    start_s: float
+    cap: int
+    """Per-rank token cap M: a microbatch holds at most size x cap tokens."""
+    microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
+    rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
+    finish_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.finish_s = max(self.finish_s, self.start_s)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The group's domain positions."""
+        return tuple(range(self.first, self.first + self.size))
+
+
+@dataclass
+class Timeline:
+    """When each rank is free and which phase its next group takes."""
+
+    ready: np.ndarray
+    phase: np.ndarray
+    wide: list[DraftGroup] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_ranks: int) -> Timeline:
+        """All ranks free at time 0, phase 0."""
+        return cls(np.zeros(num_ranks), np.zeros(num_ranks, dtype=np.int64))
+
+
+def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int) -> np.ndarray:
+    """Starts of the windows a wide group may take: one end on a cell boundary, inside a node if it fits one."""
+    starts = np.arange(num_ranks - size + 1)
+    aligned = (starts % cell == 0) | ((starts + size) % cell == 0) | (starts + size == num_ranks)
+    if size <= gpus_per_node:
+        aligned &= starts // gpus_per_node == (starts + size - 1) // gpus_per_node
+    return starts[aligned]
+
+
+def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
+    """max(values[s:s+size]) for every s in starts, through a sparse table (O(N log N))."""
+    span, table = 1, values
+    while span * 2 <= size:
+        table = np.maximum(table[:-span], table[span:])
+        span *= 2
+    return np.maximum(table[starts], table[starts + size - span])
+
+
+def place_wide(inst: Instance, timeline: Timeline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
+    """Place wide samples, widest first, each on the window where it can start (and so end) earliest."""
+    n, gpn, cap, m = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap, inst.overhead
+    prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
+    order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
+    for k in order:
+        i, d = int(items[k]), int(degrees[k])
+        starts = window_starts(n, d, cell, gpn)
+        begin = window_max(timeline.ready, d, starts)
+        waste = d * begin - (prefix[starts + d] - prefix[starts])
+        best = int(np.lexsort((starts, waste, begin))[0])
+        s, begin_s = int(starts[best]), float(begin[best])
+        t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
+        last = timeline.wide[-1] if timeline.wide else None
+        if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
+            add_to_group(last, i, int(inst.tokens[i]), t, m)  # the same ranks again: extend their group
+        else:
+            phase = int(timeline.phase[s : s + d].max())
+            group = DraftGroup(s, d, phase, begin_s, cap)
+            add_to_group(group, i, int(inst.tokens[i]), t, m)
+            timeline.wide.append(group)
+            timeline.phase[s : s + d] = phase + 1
+        timeline.ready[s : s + d] = timeline.wide[-1].finish_s
+        prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
+
+
+def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float, overhead_s: float) -> None:
+    """Best-fit the item into an open microbatch of the group, or open a new one (paying the overhead)."""
+    fits = [(room, k) for k, room in enumerate(group.rooms) if room >= tokens]
+    if fits:
+        k = min(fits)[1]
+        group.microbatches[k].append(item)
+        group.rooms[k] -= tokens
+    else:
+        group.microbatches.append([item])
+        group.rooms.append(group.size * group.cap - tokens)
+        time_s += overhead_s
+    group.finish_s += time_s
+
+
+def open_bins(timeline: Timeline, num_ranks: int, cell: int, cap: int) -> list[DraftGroup]:
+    """Every maximal run of ranks inside one cell that is free at the same time, as an empty group."""
+    bins: list[DraftGroup] = []
+    for c0 in range(0, num_ranks, cell):
+        c1 = min(c0 + cell, num_ranks)
+        r = c0
+        while r < c1:
+            e = r + 1
+            while e < c1 and timeline.ready[e] == timeline.ready[r] and timeline.phase[e] == timeline.phase[r]:
+                e += 1
+            bins.append(DraftGroup(r, e - r, int(timeline.phase[r]), float(timeline.ready[r]), cap))
+            r = e
+    return bins

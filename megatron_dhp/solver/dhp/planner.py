@@ -1,0 +1,144 @@
+"""`dhp`: this project's planner.
+
+For each candidate cell size (the divisors of the node size), samples that need more ranks than a cell, or
+would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
+everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
+rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
+explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver.dhp.fill import fill
+from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.dhp.layout import DraftGroup, Timeline, open_bins, place_wide
+from megatron_dhp.workload.sample import Batch
+
+
+@dataclass
+class Draft:
+    """A candidate plan before conversion: its groups and the step time they give."""
+
+    groups: list[DraftGroup]
+    makespan_s: float
+
+
+def cell_sizes(num_ranks: int, gpus_per_node: int) -> list[int]:
+    """Cell sizes worth trying: divisors of the node size that fit the domain, and a smaller domain whole."""
+    sizes = {d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and d <= num_ranks}
+    if num_ranks < gpus_per_node:
+        sizes.add(num_ranks)
+    return sorted(sizes)
+
+
+def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarray:
+    """Fewest ranks (>= memory minimum) that run each sample within the target; else its fastest degree."""
+    n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+    degrees = np.empty(len(items), dtype=np.int64)
+    ds = np.arange(1, n + 1)
+    step = max(1, 2**20 // n)  # bounded memory: items x N per chunk
+    for begin in range(0, len(items), step):
+        chunk = items[begin : begin + step]
+        t = inst.model.sample_time(inst.tokens[chunk, None], inst.work[chunk, None], ds[None, :], ds[None, :] <= gpn)
+        t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + inst.overhead, np.inf)
+        within = t <= target_s
+        first = np.argmax(within, axis=1)
+        degrees[begin : begin + len(chunk)] = np.where(within.any(axis=1), first, np.argmin(t, axis=1)) + 1
+    return degrees
+
+
+def is_wide_for(inst: Instance, cell: int, target_s: float) -> np.ndarray:
+    """Samples that need more ranks than a cell holds, or would run past the target on one cell."""
+    return (inst.min_degree > cell) | (inst.times(cell, True) + inst.overhead > target_s)
+
+
+@dataclass
+class Candidate:
+    """A cell size with its wide samples, their degrees, and an area bound on the step it can reach."""
+
+    cell: int
+    wide: np.ndarray
+    degrees: np.ndarray
+    bound_s: float
+
+    @classmethod
+    def make(cls, inst: Instance, cell: int, target_s: float, degrees_of: np.ndarray) -> Candidate:
+        """Split samples into wide and cell ones; bound the step by rank-seconds / N and the longest sample.
+
+        `degrees_of` holds the wide degree of every sample that is wide for some candidate.
+        """
+        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.overhead
+        t_cell = inst.times(cell, True)
+        is_wide = is_wide_for(inst, cell, target_s)
+        wide = np.flatnonzero(is_wide)
+        degrees = degrees_of[wide]
+        t_wide = inst.model.sample_time(inst.tokens[wide], inst.work[wide], degrees, degrees <= gpn)
+        area = float((cell * t_cell[~is_wide]).sum()) + float((degrees * t_wide).sum())
+        area_bound = (area + m * float(inst.tokens.sum()) / inst.cap) / n
+        longest = m + max(float(t_wide.max(initial=0.0)), float(t_cell[~is_wide].max(initial=0.0)))
+        return cls(cell, wide, degrees, max(area_bound, longest))
+
+
+def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int) -> Draft:
+    """One candidate: wide groups first, then the cells' bins filled and rebalanced.
+
+    Wide groups can split cells into runs smaller than some samples need; those samples become wide too
+    and the layout is redone (at most a few rounds: the wide set only grows).
+    """
+    n, cell = inst.num_ranks, cand.cell
+    wide = cand.wide
+    while True:
+        timeline = Timeline.empty(n)
+        place_wide(inst, timeline, wide, degrees_of[wide], cell)
+        bins = open_bins(timeline, n, cell, inst.cap)
+        rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
+        homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
+        if not len(homeless):
+            break
+        degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
+        wide = np.union1d(wide, homeless)
+    binset = fill(inst, bins, rest, floor_s=float(timeline.ready.max()), max_moves=max_moves)
+    groups = timeline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+    return Draft(groups, max(g.finish_s for g in groups))
+
+
+@dataclass
+class DhpPlanner:
+    """Groups of any size per step, minimising the simulated step time under the cost model."""
+
+    cells: tuple[int, ...] | None = None
+    """Cell sizes to try (default: every divisor of gpus_per_node)."""
+    max_moves: int = 200
+    """Local-search moves per candidate."""
+    gap: float = 5e-3
+    """Skip a candidate whose area bound is within this fraction of the best step found so far."""
+    name: str = "dhp"
+
+    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+        """Build candidates in order of their area bound and return the one with the shortest step."""
+        inst = Instance.from_batch(batch, model)
+        target = model.lower_bound(batch.samples)
+        domain = model.domain
+        cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
+        maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
+        degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
+        degrees_of[maybe_wide] = wide_degrees(inst, maybe_wide, target)
+        candidates = sorted((Candidate.make(inst, c, target, degrees_of) for c in cells), key=lambda c: (c.bound_s, -c.cell))
+        best: Draft | None = None
+        for cand in candidates:
+            if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
+                break
+            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
+            if best is None or draft.makespan_s < best.makespan_s:
+                best = draft
+        return [
+            PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
+                      phase=g.phase)
+            for g in best.groups
+        ]

@@ -1,0 +1,131 @@
+"""Functions the multi-process tests run on every spawned rank (importable by name, results picklable).
+
+Each launch shares one process start-up across many checks; the tests in `test_distributed.py` assert on
+the returned values.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.dispatch import dispatch, local_slice
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.model import TinyGPTConfig
+from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed, random_samples
+from megatron_dhp.workload.sample import Batch
+
+COMMS = ("allgather", "ring", "ulysses")
+LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)
+SAMPLE_SEED = 11
+
+
+def batch() -> Batch:
+    return Batch.from_lengths(LENGTHS)
+
+
+def plans_of_four() -> dict[str, Plan]:
+    """Hand-written plans on a domain of 4 that between them use group sizes 1, 2, 3 and 4."""
+    b = batch().samples
+    return {
+        "sizes 3+1 then 4": Plan("t", 4, 4, b, (
+            PlanGroup((0, 1, 2), ((0, 1, 2), (3,), (4, 5))),
+            PlanGroup((3,), ((6, 7), (8,))),
+            PlanGroup((0, 1, 2, 3), ((9, 10, 11),), phase=1),
+        )),
+        "sizes 2+2 non-contiguous, then 3 + idle 1, barrier": Plan("t", 4, 4, b, (
+            PlanGroup((1, 3), ((0, 3), (5,))),
+            PlanGroup((2, 0), ((1, 2, 4),)),
+            PlanGroup((3, 0, 1), ((6, 7, 8, 9), (10, 11)), phase=1),
+            PlanGroup((2,), (), phase=1),
+        ), phase_barrier=True),
+    }
+
+
+def domain_of_four_checks() -> dict:
+    """TP 1 on 4 ranks: exactness per plan and variant, token coverage, pool reuse and LRU, plan divergence."""
+    warnings.filterwarnings("ignore")
+    init_distributed(tensor_parallel=1, timeout=timedelta(seconds=60))
+    out: dict = {"rank": dist.get_rank()}
+    check = SelfCheck(seed=5)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    plans = plans_of_four()
+
+    out["exact"] = {(name, comm): check.check(plan, samples, comm) for name, plan in plans.items() for comm in COMMS}
+
+    created = check.pool.created
+    check.check(plans["sizes 3+1 then 4"], samples, "allgather")
+    out["warm_created"], out["cold_created"], out["hits"] = check.pool.created, created, check.pool.hits
+
+    plan = plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"]
+    inputs = dispatch(local_slice(samples, check.domain.position, 4), check.domain, plan=plan)
+    out["slots"] = [
+        (sid, int(pos), int(tok), int(lab), float(mask))
+        for mb in inputs.microbatches
+        for sid, seg_start in zip(mb.layout.sample_ids, mb.layout.local_cu_seqlens[:-1].tolist())
+        for pos, tok, lab, mask, seg, real in zip(
+            mb.position_ids, mb.input_ids, mb.labels, mb.loss_mask, mb.layout.segments, mb.layout.real()
+        )
+        if real and int(seg) == mb.layout.sample_ids.index(sid)
+    ]
+
+    out["divergent"] = _expect_error(check, samples, _divergent(plans["sizes 3+1 then 4"]))
+    out["mislabelled"] = _expect_error(check, samples, _mislabelled(plans["sizes 3+1 then 4"]))
+    out["after_errors"] = check.check(plans["sizes 3+1 then 4"], samples, "ring")
+
+    small = GroupPool(check.domain, max_groups=3)
+    check.pool = small
+    for name in ("sizes 3+1 then 4", "sizes 2+2 non-contiguous, then 3 + idle 1, barrier"):
+        small.prepare(plans[name])
+    out["lru"] = (small.created, small.released, len(small))
+    out["lru_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ulysses")
+    out["lru_after"] = (small.created, small.released, len(small))
+
+    two_heads = SelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
+    out["two_heads"] = [two_heads.check(p, samples, "ulysses") for p in plans.values()]
+    dist.destroy_process_group()
+    return out
+
+
+def tensor_parallel_checks() -> dict:
+    """TP 2 on 4 ranks (two domains of 2): exactness for every variant on a plan with sizes 1 and 2."""
+    warnings.filterwarnings("ignore")
+    init_distributed(tensor_parallel=2, timeout=timedelta(seconds=60))
+    check = SelfCheck(seed=7)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    b = batch().samples
+    plan = Plan("t", 2, 2, b, (
+        PlanGroup((0,), ((0, 1, 2), (3,))),
+        PlanGroup((1,), ((4, 5, 6),)),
+        PlanGroup((0, 1), ((7, 8), (9, 10, 11)), phase=1),
+    ))
+    out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMMS}}
+    dist.destroy_process_group()
+    return out
+
+
+def _expect_error(check: SelfCheck, samples: list, plan_for_rank) -> str:
+    plan = plan_for_rank(check.domain.position)
+    try:
+        dispatch(local_slice(samples, check.domain.position, check.domain.size), check.domain, plan=plan)
+    except DhpError as e:
+        return str(e)
+    return "no error"
+
+
+def _divergent(plan: Plan):
+    """Position 2 holds the same plan with its last two microbatches merged: a different fingerprint."""
+    other = replace(plan, groups=(replace(plan.groups[0], microbatches=((0, 1, 2), (3, 4, 5))), *plan.groups[1:]))
+    return lambda position: other if position == 2 else plan
+
+
+def _mislabelled(plan: Plan):
+    """Position 1 holds a plan whose sample 3 has the wrong length: it rejects locally, everyone stops."""
+    samples = tuple(replace(s, tokens=s.tokens + 1) if s.id == 3 else s for s in plan.samples)
+    other = replace(plan, samples=samples)
+    return lambda position: other if position == 1 else plan

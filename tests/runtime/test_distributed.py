@@ -1,0 +1,96 @@
+"""Multi-process gloo runs of the whole runtime against the single-process oracle.
+
+Two launches (4 ranks with TP 1, 4 ranks with TP 2) share their start-up across all the checks; each is
+bounded by a deadline, so a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from megatron_dhp.runtime.launch import launch
+from megatron_dhp.runtime.selfcheck import TOLERANCE, random_samples
+from tests.runtime import dist_workers
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict]:
+    return launch(dist_workers.domain_of_four_checks, 4, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def tp2() -> list[dict]:
+    return launch(dist_workers.tensor_parallel_checks, 4, timeout_s=300)
+
+
+def assert_exact(result):
+    assert result.max_loss_diff <= TOLERANCE and result.max_grad_diff <= TOLERANCE, result
+    assert result.tokens_computed == result.batch_tokens == sum(dist_workers.LENGTHS), result
+    assert result.loss_tokens_computed == result.batch_loss_tokens, result
+    assert result.ok
+
+
+@pytest.mark.parametrize("comm", dist_workers.COMMS)
+@pytest.mark.parametrize("plan", list(dist_workers.plans_of_four()))
+def test_loss_and_every_gradient_match_single_process(four, plan, comm):
+    sizes = {g.size for p in dist_workers.plans_of_four().values() for g in p.groups}
+    assert sizes == {1, 2, 3, 4}
+    for rank in four:
+        assert_exact(rank["exact"][(plan, comm)])
+
+
+def test_ulysses_with_fewer_heads_than_ranks(four):
+    # 2 heads, 1 kv head: a group of 3 or 4 leaves some ranks without a head
+    for result in four[0]["two_heads"]:
+        assert_exact(result)
+
+
+def test_every_token_dispatched_exactly_once_with_its_labels(four):
+    samples = {s.id: s for s in random_samples(dist_workers.batch(), vocab_size=128, seed=dist_workers.SAMPLE_SEED)}
+    slots = [slot for rank in four for slot in rank["slots"]]
+    counts = Counter((sid, pos) for sid, pos, *_ in slots)
+    assert set(counts) == {(sid, p) for sid, s in samples.items() for p in range(s.length)}
+    assert set(counts.values()) == {1}
+    for sid, pos, token, label, mask in slots:
+        s = samples[sid]
+        assert (token, label, mask) == (int(s.input_ids[pos]), int(s.labels[pos]), float(s.loss_mask[pos]))
+
+
+def test_warm_run_creates_no_group(four):
+    for rank in four:
+        assert rank["warm_created"] == rank["cold_created"] == 5  # (0,1,2) (0,1,2,3) (1,3) (0,2) (0,1,3)
+        assert rank["hits"] >= 2
+
+
+def test_lru_cap_releases_and_recreates(four):
+    for rank in four:
+        assert rank["lru"] == (5, 2, 3)  # 2 + 3 distinct groups over two plans, cap 3: the first two go
+        assert rank["lru_after"] == (7, 4, 3)  # they come back, evicting the two least recently used
+        assert_exact(rank["lru_exact"])
+
+
+def test_rank_with_a_different_plan_stops_every_rank_with_a_clear_error(four):
+    messages = [rank["divergent"] for rank in four]
+    assert all("ranks hold different plans" in m and "fingerprint" in m for m in messages), messages
+    assert "rank 2 has fingerprint" in messages[2] and "ranks [0, 1, 3] have" in messages[2]
+    assert "ranks [2] have" in messages[0]
+
+
+def test_rank_rejecting_the_plan_stops_every_rank(four):
+    messages = [rank["mislabelled"] for rank in four]
+    assert "sample 3 has 26 tokens but the plan says 27" in messages[1]
+    assert all("ranks [1] rejected the plan" in m for i, m in enumerate(messages) if i != 1), messages
+
+
+def test_job_keeps_working_after_the_errors(four):
+    for rank in four:
+        assert_exact(rank["after_errors"])
+
+
+@pytest.mark.parametrize("comm", dist_workers.COMMS)
+def test_tensor_parallel_two_matches_single_process(tp2, comm):
+    assert sorted(rank["domain"] for rank in tp2) == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    for rank in tp2:
+        assert_exact(rank["exact"][comm])

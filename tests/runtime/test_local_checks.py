@@ -1,0 +1,99 @@
+"""User errors the runtime must catch without any process group (so: before any collective)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.dispatch import TokenSample, dispatch
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.workload.sample import Sample
+
+
+def domain_of(size: int, rank: int = 0) -> DynamicDomain:
+    ranks = tuple(range(size))
+    return DynamicDomain(global_ranks=ranks, rank=rank, all_domains=(ranks,))
+
+
+def sample(i: int, n: int) -> TokenSample:
+    return TokenSample(i, torch.arange(n), torch.arange(n), torch.ones(n))
+
+
+def test_plan_for_another_world_size_is_rejected_before_any_collective():
+    assert not dist.is_initialized()  # any collective would fail with torch's own error, not DhpError
+    plan = Plan("p", 3, 3, (Sample(0, 4),), (PlanGroup((0, 1, 2), ((0,),)),))
+    with pytest.raises(DhpError, match="plan is for a domain of 3 ranks but this domain has 4"):
+        dispatch([sample(0, 4)], domain_of(4), plan=plan)
+
+
+def test_dispatch_needs_exactly_one_plan_source():
+    with pytest.raises(DhpError, match="exactly one of plan= or planner="):
+        dispatch([], domain_of(2))
+
+
+def test_token_sample_shapes_are_checked():
+    with pytest.raises(DhpError, match="labels has shape"):
+        TokenSample(3, torch.arange(4), torch.arange(5), torch.ones(4))
+    with pytest.raises(DhpError, match="non-empty 1-D"):
+        TokenSample(3, torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(0))
+
+
+def test_domain_is_validated():
+    with pytest.raises(DhpError, match="distinct and increasing"):
+        DynamicDomain(global_ranks=(2, 0), rank=0, all_domains=((2, 0),))
+    with pytest.raises(DhpError, match="not in its domain"):
+        DynamicDomain(global_ranks=(0, 2), rank=1, all_domains=((0, 2), (1, 3)))
+    d = DynamicDomain(global_ranks=(1, 3), rank=3, all_domains=((0, 2), (1, 3)))
+    assert d.size == 2 and d.position == 1
+
+
+def test_pool_lookups_without_prepare():
+    pool = GroupPool(domain_of(4, rank=1))
+    assert pool.get((1,)) is None  # a one-rank group needs no communicator
+    with pytest.raises(DhpError, match="was not prepared"):
+        pool.get((1, 2))
+    with pytest.raises(DhpError, match="position 1 is not in group"):
+        pool.get((0, 2))
+    with pytest.raises(DhpError, match="max_groups"):
+        GroupPool(domain_of(2), max_groups=0)
+
+
+def test_attention_and_spec_reject_what_they_cannot_run():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention
+    from megatron_dhp.runtime.model import TinyGPTConfig, dhp_layer_spec
+
+    config = TinyGPTConfig().transformer_config()
+    config.attention_dropout = 0.1
+    with pytest.raises(DhpError, match="attention_dropout=0.1"):
+        DynamicCPAttention(config, 1, AttnMaskType.causal, "self")
+    with pytest.raises(DhpError, match="causal self-attention only"):
+        DynamicCPAttention(TinyGPTConfig().transformer_config(), 1, AttnMaskType.no_mask, "self")
+    with pytest.raises(DhpError, match="layer-spec backend 'bogus'"):
+        dhp_layer_spec(backend="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(DhpError, match="'te' layer spec"):
+            dhp_layer_spec(backend="te")
+
+
+def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
+    from megatron_dhp.integration.cpu_compat import apply_cpu_compat
+
+    if torch.cuda.is_available():
+        assert apply_cpu_compat() is False
+        return
+    assert apply_cpu_compat() is True and apply_cpu_compat() is True
+    assert torch.cuda.current_device() == "cpu"
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    assert get_default_causal_mask(3).device.type == "cpu"  # a literal device="cuda" inside megatron-core
+
+
+def test_loss_mask_must_be_binary():
+    with pytest.raises(DhpError, match="loss_mask must hold only 0 and 1"):
+        TokenSample(1, torch.arange(3), torch.arange(3), torch.tensor([1.0, 0.5, 0.0]))

@@ -1,0 +1,111 @@
+"""The `dhp` planner: valid on any domain, deterministic, never below the bound, close to it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dhp.cost import build_cost_model, simulate
+from megatron_dhp.errors import DhpError
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.dhp.planner import cell_sizes
+from megatron_dhp.workload import Batch, LengthSource, Sample
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(1, 80))
+    gpn = draw(st.sampled_from([1, 2, 4, 8]))
+    cap = draw(st.sampled_from([512, 2048, 8192]))
+    count = draw(st.integers(1, 60))
+    lengths = draw(st.lists(st.integers(1, n * cap), min_size=count, max_size=count))
+    short = draw(st.lists(st.integers(1, cap), min_size=count, max_size=count))
+    mix = draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    images = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    samples = []
+    for i, (long_len, short_len, is_long, k) in enumerate(zip(lengths, short, mix, images)):
+        tokens = long_len if is_long else short_len
+        imgs = tuple([max(1, tokens // 8)] * k) if tokens >= 8 * k else ()
+        samples.append(Sample(i, tokens, imgs))
+    overlap = draw(st.booleans())
+    return n, gpn, cap, overlap, Batch(tuple(samples))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
+    n, gpn, cap, overlap, batch = problem
+    config = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=gpn, max_tokens_per_rank=cap, overlap_comm=overlap)
+    model = build_cost_model(config)
+    plan = run_planner(build_planner("dhp"), batch, model)
+    plan.validate()
+    assert plan.predicted_step_time_s >= plan.lower_bound_s * (1 - 1e-9)
+    assert plan.predicted_step_time_s == pytest.approx(simulate(plan, model).step_time_s)
+
+
+@pytest.mark.parametrize("dist", ["wlbllm", "bimodal", "multimodal", "giant"])
+def test_deterministic(gpt7b, dist):
+    batch = LengthSource.from_args(dist=dist).draw(global_batch=256, seed=5, capacity=64 * 8192)
+    a = run_planner(build_planner("dhp"), batch, gpt7b)
+    b = run_planner(build_planner("dhp"), batch, gpt7b)
+    assert a.to_dict(timings=False) == b.to_dict(timings=False)
+    assert a.fingerprint() == b.fingerprint()
+
+
+@pytest.mark.parametrize("dist,limit", [("wlbllm", 1.02), ("bimodal", 1.02), ("multimodal", 1.02), ("giant", 1.01)])
+def test_close_to_the_lower_bound(gpt7b, dist, limit):
+    # Quality is measured in bench/plan_quality.py; this only guards against a planner that regresses badly.
+    batch = LengthSource.from_args(dist=dist).draw(global_batch=512, seed=0, capacity=64 * 8192)
+    plan = run_planner(build_planner("dhp"), batch, gpt7b)
+    assert plan.predicted_step_time_s <= limit * plan.lower_bound_s
+
+
+def test_groups_of_any_size_and_phases(gpt7b):
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, capacity=64 * 8192)
+    plan = run_planner(build_planner("dhp"), batch, gpt7b)
+    sizes = {g.size for g in plan.groups}
+    assert any(d & (d - 1) for d in sizes), sizes  # at least one non-power-of-two group
+    assert plan.num_phases >= 2
+    for g in plan.groups:  # contiguous ranges, inside a node whenever they fit in one
+        assert list(g.ranks) == list(range(g.ranks[0], g.ranks[-1] + 1))
+        if g.size <= 8:
+            assert g.ranks[0] // 8 == g.ranks[-1] // 8
+
+
+def test_giant_gets_just_enough_ranks(gpt7b):
+    batch = Batch((Sample(0, 470_000),) + tuple(Sample(i, 1000) for i in range(1, 200)))
+    plan = run_planner(build_planner("dhp"), batch, gpt7b)
+    giant = next(g for g in plan.groups if 0 in g.sample_ids)
+    assert giant.size == 58 and giant.microbatches == ((0,),)  # ceil(470000 / 8192): comm grows with d
+    assert plan.predicted_step_time_s == pytest.approx(plan.lower_bound_s)
+
+
+def test_single_rank_and_single_sample(gpt7b_config):
+    model = build_cost_model(gpt7b_config.with_overrides(world_size=1))
+    plan = run_planner(build_planner("dhp"), Batch.from_lengths([100, 8192, 5]), model)
+    assert [g.ranks for g in plan.groups] == [(0,)] and sorted(plan.groups[0].sample_ids) == [0, 1, 2]
+    plan = run_planner(build_planner("dhp"), Batch.from_lengths([7]), build_cost_model(gpt7b_config))
+    plan.validate()
+
+
+def test_infeasible_sample_is_a_clear_error(gpt7b):
+    with pytest.raises(DhpError, match="sample 3 has 524289 tokens but the whole domain holds at most 524288"):
+        run_planner(build_planner("dhp"), Batch.from_lengths([5, 6, 7, 524_289]), gpt7b)
+
+
+def test_cell_sizes():
+    assert cell_sizes(64, 8) == [1, 2, 4, 8]
+    assert cell_sizes(6, 8) == [1, 2, 4, 6]
+    assert cell_sizes(3, 4) == [1, 2, 3]
+
+
+def test_uses_cheap_cells_when_communication_is_not_hidden(gpt7b_config):
+    # Without overlap every extra rank pays communication: short samples should stay on one rank.
+    model = build_cost_model(dataclasses.replace(gpt7b_config, overlap_comm=False))
+    lengths = np.random.default_rng(0).integers(500, 4000, 256)
+    plan = run_planner(build_planner("dhp"), Batch.from_lengths(lengths), model)
+    assert {g.size for g in plan.groups} == {1}
