@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_planner_args(p)
     from megatron_dhp.solver import PLANNERS
 
-    p.add_argument("--planner", default="static", choices=sorted(PLANNERS), help="planner (default static)")
+    p.add_argument("--planner", default="dhp", choices=sorted(PLANNERS), help="planner (default dhp)")
     p.add_argument("--batch-index", type=int, default=0, help="which batch of the seeded sequence to plan")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(run=run)

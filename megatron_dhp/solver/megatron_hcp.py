@@ -17,6 +17,7 @@ sizes, while a power-of-two N plans every batch that fits N x M.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -56,7 +57,10 @@ class MegatronHCPPlanner:
 
     def __post_init__(self) -> None:
         # megatron.core takes seconds to import: pay that once here rather than inside a timed solve.
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+        # Its warnings about missing TransformerEngine/apex say nothing about planning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
         self._scheduler_cls = BalancedCPScheduler
 
