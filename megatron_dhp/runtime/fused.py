@@ -34,7 +34,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.math import merge_partials
 from megatron_dhp.runtime.layout import padded_length, zigzag_positions
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
 """The kernel sources (present in a source checkout, which the JIT build needs)."""
 _MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -185,7 +185,7 @@ def _load_kernels() -> Any | None:
         else:
             from torch.utils.cpp_extension import load
 
-            sources = sorted(CSRC.glob("*.cu")) + [CSRC / "binding.cpp"]
+            sources = sorted(_CSRC.glob("*.cu")) + [_CSRC / "binding.cpp"]
             load(
                 name="megatron_dhp_csrc",
                 sources=[str(s) for s in sources],
