@@ -122,7 +122,8 @@ def test_lse_merge_matches_merge_partials(dtype, k, dim):
     g = torch.randn(got.shape, generator=gen).to(dtype).cuda()
     leaves = outs + lses
     for a, b in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=10 * tol[1])
+        # lse gradients are differences of fp32 dot products over dh: allow their rounding
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=1e-4)
 
 
 def test_ring_style_merge_equals_full_attention():
@@ -135,7 +136,7 @@ def test_ring_style_merge_equals_full_attention():
     blocks = [torch.arange(i, 64, 3, device="cuda") for i in range(3)]
     parts = [block_attention(q, k[b], v[b], visible(pos, pos[b], seg, seg[b]), 0.2) for b in blocks]
     merged = lse_merge([o for o, _ in parts], [lse for _, lse in parts])
-    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
 
 
 def test_out_of_range_index_is_a_device_assert():
