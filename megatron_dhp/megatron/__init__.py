@@ -4,7 +4,8 @@ In the order a run meets them (file names of the upstream checkout; `patches/` h
 
 - `with_dhp_args` (pretrain_gpt.py): the `--dhp*` flags, as Megatron's extra_args_provider.
 - `validate_dhp_args` (right after Megatron's own validate_args): combinations that cannot work.
-- `layer_spec` (gpt_builders.py): attention and RoPE over each microbatch's dynamic group.
+- `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19's pretrain_gpt.py): attention and RoPE
+  over each microbatch's dynamic group.
 - `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
   iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator).
 - `dhp_forward_backward` (training.py, train and evaluate): the schedule of one planned step.
@@ -23,6 +24,7 @@ _EXPORTS = {
     "forward_step": "forward",
     "dhp_forward_backward": "schedule",
     "layer_spec": "hooks",
+    "layer_spec_provider": "hooks",
     "setup": "hooks",
 }
 

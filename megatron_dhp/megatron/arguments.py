@@ -120,6 +120,9 @@ def _conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
     if getattr(args, "iterations_to_skip", None):
         problems.append("--iterations-to-skip with --dhp: skipped iterations read the loader outside the "
                         "megatron-dhp schedule; remove the skip list")
+    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
+        problems.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --dhp: every step has other shapes and "
+                        "groups, which a captured graph cannot follow; use --cuda-graph-impl none")
     if config.overlap_planning and args.rampup_batch_size:
         problems.append("--rampup-batch-size with overlap_planning: the step planned ahead would have the "
                         "wrong size; set overlap_planning: false in the --dhp-config YAML")
@@ -128,6 +131,9 @@ def _conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
 
 
 def _layer_spec_conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
+    if str(getattr(args, "attention_backend", "")).endswith("local"):
+        return ["--attention-backend local with --dhp: it replaces the core attention megatron-dhp puts in the "
+                "layer spec; leave --attention-backend at its default (auto)"]
     if config.layer_spec == "local":
         if args.attention_dropout:
             return [f"--attention-dropout {args.attention_dropout} with layer_spec local: megatron-dhp's attention "

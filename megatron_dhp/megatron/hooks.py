@@ -1,4 +1,4 @@
-"""The two entries a Megatron-LM run calls: the layer spec at model build, `setup` once the data exists.
+"""The entries a Megatron-LM run calls: the layer spec at model build, `setup` once the data exists.
 
 Everything else megatron-dhp needs in a run hangs off these; the patches in patches/ only call them.
 """
@@ -6,7 +6,9 @@ Everything else megatron-dhp needs in a run hangs off these; the patches in patc
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,6 +29,26 @@ from megatron_dhp.runtime.model import with_dynamic_cp
 def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
     """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group."""
     return with_dynamic_cp(spec, backend=dhp_config_from_args(args).layer_spec)
+
+
+def layer_spec_provider(spec: ModuleSpec | Callable | None, args: argparse.Namespace) -> Callable:
+    """`layer_spec` for megatron-core >= 0.19, where `GPTModelConfig.transformer_layer_spec` is resolved late.
+
+    The returned callable resolves Megatron's own choice (the default spec when `spec` is None) first.
+    """
+
+    def provide(config: object, vp_stage: int | None = None) -> ModuleSpec:
+        if spec is None:
+            from megatron.training.models.gpt import default_layer_spec
+
+            base = default_layer_spec(config, vp_stage)
+        elif isinstance(spec, ModuleSpec):
+            base = spec
+        else:
+            base = spec(config, vp_stage=vp_stage) if "vp_stage" in inspect.signature(spec).parameters else spec(config)
+        return layer_spec(base, args)
+
+    return provide
 
 
 def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iterator: object,
