@@ -2,7 +2,7 @@
 
 Megatron's `forward_backward_no_pipelining` runs a fixed number of microbatches; a planned step runs as
 many as the plan gives this rank (none, for a rank the plan leaves idle), puts a domain barrier between
-phases when the plan asks for one, and must reduce gradients only after the last barrier. This function is
+phases when the plan asks for one, and must then reduce gradients only after the last barrier. This function is
 that loop around Megatron's own per-microbatch `forward_step` / `backward_step`, so loss functions,
 gradient scaling, timers and `finalize_model_grads` behave as upstream.
 """
@@ -95,13 +95,15 @@ def dhp_forward_backward(
         if not forward_only:
             _backward(output, config, model)
 
+    barriers = inputs.plan.phase_barrier
     with (config.no_sync_func or contextlib.nullcontext)():
-        for item in work[:-1]:
+        for item in work if barriers else work[:-1]:
             run(item)
-    # Outside no_sync, the last backward starts the gradient reduction while it runs.
-    run(work[-1])
-    if work[-1] is BARRIER and config.no_sync_func is not None and not forward_only:
-        # The last microbatch ran under no_sync because barriers followed it; reduce only now, after them.
+    if not barriers:
+        run(work[-1])  # outside no_sync: the last backward starts the gradient reduction while it runs
+    elif config.no_sync_func is not None and not forward_only:
+        # A reduction must not start before a barrier on the same ranks, and every rank must issue the
+        # buckets in one order: all ranks start it here, after their last barrier, in bucket order.
         model.start_grad_sync()
 
     if config.finalize_model_grads_func is not None and not forward_only:

@@ -161,13 +161,13 @@ class Harness:
 
 
 class HandPlanner:
-    """A stand-in for `StepPlanner` that returns `make(batch)`: plans no planner here produces."""
+    """A stand-in for `StepPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
 
-    def __init__(self, make) -> None:
-        self.make = make
+    def __init__(self, *makers) -> None:
+        self.makers = list(makers)
 
     def plan(self, batch: Batch) -> Plan:
-        return self.make(batch)
+        return self.makers.pop(0)(batch)
 
     def prefetch(self, batch: Batch) -> None:
         pass
@@ -235,16 +235,20 @@ def hooks_checks() -> dict:
     _, loss = h.run(valid, forward_only=True)
     out["eval"] = h.compare(100, loss, grads=False)
 
-    # --- hand plans: barriers between phases with overlapped gradient reduction, and a rank with no work
+    # --- hand plans with overlapped gradient reduction: a rank with no work, then barriers between phases.
+    # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
+    # by barriers, so it runs under no_sync and its reduction must be started after them.
     set_runtime(None)
     runtime.planner.close()
-    for name, make, step in (("barrier", barrier_plan, 3), ("idle", idle_plan, 4)):
-        g = Harness(seed=4, overlap_grad_reduce=True, steps=range(step, step + 1))
-        hand = replace(runtime, planner=HandPlanner(partial(make, n=runtime.domain.size)))
-        set_runtime(hand)
-        reports, loss = g.run(wrap_data_iterator(g.train, hand, lookahead=False))
+    n = runtime.domain.size
+    g = Harness(seed=4, overlap_grad_reduce=True, steps=range(3, 5))
+    hand = replace(runtime, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n)))
+    set_runtime(hand)
+    it = wrap_data_iterator(g.train, hand, lookahead=False)
+    for name, step in (("idle", 3), ("barrier", 4)):
+        reports, loss = g.run(it)
         out[name] = (g.compare(step, loss), len(reports))
-        set_runtime(None)
+    set_runtime(None)
 
     # --- tensor parallel 2: TP rank 1 has no loader and receives its rank 0's sequences
     parallel_state.destroy_model_parallel()
