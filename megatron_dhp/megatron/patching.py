@@ -97,9 +97,10 @@ def _conflict_message(checkout: Checkout, stderr: str, revert: bool) -> str:
     if revert:
         return (f"cannot revert {checkout.patch.name} in {checkout.path}: {where} has changed since the patch was "
                 f"applied; restore it with git -C {checkout.path} checkout {checkout.tag} -- {where}")
-    return (f"{checkout.patch.name} does not apply to {checkout.path}: {where} differs from Megatron-LM "
-            f"{checkout.tag}; start from a clean checkout of the tag (git -C {checkout.path} checkout {checkout.tag} "
-            f"-- {where}) or add the calls of {checkout.patch} to {where} by hand")
+    problem = "is missing" if f"{where}: No such file or directory" in stderr else f"differs from Megatron-LM {checkout.tag}"
+    return (f"{checkout.patch.name} does not apply to {checkout.path}: {where} {problem}; start from a clean "
+            f"checkout of the tag (git -C {checkout.path} checkout {checkout.tag} -- {where}) or add the calls of "
+            f"{checkout.patch} to {where} by hand")
 
 
 def _package_version(info: Path) -> tuple[int, int, int]:
