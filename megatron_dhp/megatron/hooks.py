@@ -97,7 +97,7 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig) -> in
 
 
 def _positions_per_node(domain: DynamicDomain, config: DhpConfig) -> int:
-    """Domain positions on one node: GPUs per node over the ranks of other TP coordinates between them."""
+    """How many positions of this domain share a node (its ranks sit at stride TP, so fewer than the GPUs)."""
     gpus = config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     first_node = domain.global_ranks[0] // gpus
     return sum(1 for rank in domain.global_ranks if rank // gpus == first_node)

@@ -2,9 +2,9 @@
 
 Megatron's `forward_backward_no_pipelining` runs a fixed number of microbatches; a planned step runs as
 many as the plan gives this rank (none, for a rank the plan leaves idle), puts a domain barrier between
-phases when the plan asks for one, and must then reduce gradients only after the last barrier. This function is
-that loop around Megatron's own per-microbatch `forward_step` / `backward_step`, so loss functions,
-gradient scaling, timers and `finalize_model_grads` behave as upstream.
+phases when the plan asks for one, and must then reduce gradients only after the last barrier. This
+function is that loop around Megatron's own per-microbatch `forward_step` / `backward_step`, so loss
+functions, gradient scaling, timers and `finalize_model_grads` behave as upstream.
 """
 
 from __future__ import annotations
