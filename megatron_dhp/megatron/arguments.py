@@ -131,15 +131,15 @@ def _conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
 
 
 def _layer_spec_conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
+    problems = []
     if str(getattr(args, "attention_backend", "")).endswith("local"):
-        return ["--attention-backend local with --dhp: it replaces the core attention megatron-dhp puts in the "
-                "layer spec; leave --attention-backend at its default (auto)"]
+        problems.append("--attention-backend local with --dhp: it replaces the core attention megatron-dhp puts in "
+                        "the layer spec; leave --attention-backend at its default (auto)")
     if config.layer_spec == "local":
         if args.attention_dropout:
-            return [f"--attention-dropout {args.attention_dropout} with layer_spec local: megatron-dhp's attention "
-                    "has no dropout; set --attention-dropout 0"]
-        return []
-    problems = []
+            problems.append(f"--attention-dropout {args.attention_dropout} with layer_spec local: megatron-dhp's "
+                            "attention has no dropout; set --attention-dropout 0")
+        return problems
     if args.transformer_impl != "transformer_engine":
         problems.append(f"layer_spec te needs --transformer-impl transformer_engine (got {args.transformer_impl}); "
                         "or set layer_spec: local")
