@@ -123,3 +123,31 @@ def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
         get_runtime()
     with pytest.raises(DhpError, match="not a planned-step iterator"):
         step_iterator(iter([]))
+
+
+def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
+    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once."""
+    import sys
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
+    from megatron_dhp.runtime.model import with_dynamic_cp
+
+    class TEDotProductAttention:
+        cp_stream = None
+
+    stub = types.ModuleType("megatron.core.extensions.transformer_engine")
+    stub.TEDotProductAttention = TEDotProductAttention
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", stub)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "a stream")
+    te_spec = get_gpt_layer_local_spec()
+    te_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    spec = with_dynamic_cp(te_spec, backend="te")
+    assert TEDotProductAttention.cp_stream == "a stream"
+    assert spec.submodules.self_attention.module is DynamicCPSelfAttention
+    assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention  # TE keeps its own
+    with pytest.raises(DhpError, match="layer spec 'te' needs TEDotProductAttention as core attention"):
+        with_dynamic_cp(get_gpt_layer_local_spec(), backend="te")
