@@ -16,7 +16,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dhp", "megatron_dhp.*"]),
     package_data={"megatron_dhp": ["workload/data/*"]},
-    data_files=[("share/megatron-dhp/configs", [str(p) for p in sorted(Path("configs").glob("*.yaml"))])],
+    data_files=[
+        ("share/megatron-dhp/configs", [str(p) for p in sorted(Path("configs").glob("*.yaml"))]),
+        ("share/megatron-dhp/patches", [str(p) for p in sorted(Path("patches").glob("*.patch"))]),
+    ],
     install_requires=[
         # Bounded so that a CPU machine with the local torch 2.13 CPU wheel does not pull a CUDA build.
         "torch>=2.6,<2.14",

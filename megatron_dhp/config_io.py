@@ -6,9 +6,12 @@ types they take. An unknown key names the closest valid one; a missing required 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import re
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -120,3 +123,31 @@ def to_mapping(obj: object) -> dict:
             value = list(value)
         out[f.name] = value
     return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string right under its annotation), read from the class source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def markdown_table(cls: type) -> str:
+    """The keys of a config dataclass as a Markdown table (key, default, meaning): docs kept with the code."""
+    docs = field_docs(cls)
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.init and not f.name.startswith("_"):
+            default = "(required)" if f.default is dataclasses.MISSING else _yaml_scalar(f.default)
+            rows.append(f"| `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows)
+
+
+def _yaml_scalar(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)

@@ -18,6 +18,7 @@ COMMANDS = {
     "simulate": "megatron_dhp.cli.simulate_cmd",
     "dists": "megatron_dhp.cli.dists_cmd",
     "selftest": "megatron_dhp.cli.selftest_cmd",
+    "apply-patches": "megatron_dhp.cli.apply_patches_cmd",
     "train": "megatron_dhp.cli.train_cmd",
     "profile": "megatron_dhp.cli.profile_cmd",
     "demo": "megatron_dhp.cli.demo_cmd",

@@ -34,6 +34,25 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-per-rank", type=int, metavar="M", help="per-rank token cap (overrides the YAML)")
 
 
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """Options some planners take (each planner receives only those its constructor accepts)."""
+    g = p.add_argument_group("planner options")
+    g.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="time limit of each MILP a planner solves (flexsp-milp; default 10)")
+
+
+def planner_context(args: argparse.Namespace, longest: int) -> dict:
+    """The keyword context `build_planner` hands to every planner: only the options that were given."""
+    if args.time_limit is not None and not args.time_limit > 0:
+        from megatron_dhp.errors import DhpError
+
+        raise DhpError(f"--time-limit {args.time_limit} must be a positive number of seconds")
+    context: dict = {"dataset_max_tokens": longest}
+    if args.time_limit is not None:
+        context["time_limit_s"] = args.time_limit
+    return context
+
+
 def load_cost(args: argparse.Namespace) -> CostConfig:
     """The YAML named by --cost with the domain flags applied."""
     return CostConfig.load(args.cost).with_overrides(

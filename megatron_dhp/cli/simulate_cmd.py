@@ -9,10 +9,12 @@ import numpy as np
 
 from megatron_dhp.cli.common import (
     add_cost_args,
+    add_planner_args,
     add_workload_args,
     dataset_max_tokens,
     draw_batches,
     load_cost,
+    planner_context,
 )
 
 
@@ -25,9 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "step / lower bound and solver time side by side.")
     add_workload_args(p, default_dist="wlbllm", default_batch=512)
     add_cost_args(p)
+    add_planner_args(p)
     p.add_argument("--batches", type=int, default=5, metavar="K", help="batches to draw (default 5)")
-    p.add_argument("--planners", default=",".join(PLANNERS),
-                   help=f"comma-separated planners (default {','.join(PLANNERS)})")
+    fast = [n for n in PLANNERS if n != "flexsp-milp"]
+    p.add_argument("--planners", default=",".join(fast),
+                   help=f"comma-separated planners out of {', '.join(PLANNERS)} (default {','.join(fast)}; "
+                        "flexsp-milp solves MILPs for up to --time-limit seconds each)")
     p.add_argument("--plot", metavar="PNG", help="write a per-rank Gantt of batch 0 and a bar chart of the planners")
     p.add_argument("--json", metavar="FILE", help="write the per-batch results as JSON")
     p.set_defaults(run=run)
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_dhp.cost import build_cost_model, simulate
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.solver import build_planner, run_planner
+    from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 
     if args.batches < 1:
         raise DhpError(f"--batches {args.batches} must be at least 1")
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_cost_model(config)
     source, batches = draw_batches(args, config, args.batches)
     longest = dataset_max_tokens(source, batches, config.domain.capacity)
-    planners = [build_planner(n, dataset_max_tokens=longest) for n in names]
+    planners = [build_planner(n, **planner_context(args, longest)) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
@@ -59,32 +64,46 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("planning", total=len(batches) * len(planners))
         for k, batch in enumerate(batches):
             for planner in planners:
-                plan = run_planner(planner, batch, model)
-                results[planner.name].append({
-                    "batch": k, "step_time_s": plan.predicted_step_time_s, "lower_bound_s": plan.lower_bound_s,
-                    "ratio": plan.predicted_step_time_s / plan.lower_bound_s, "solve_time_ms": plan.solve_time_ms,
-                    "summary": plan.summary(),
-                })
-                if k == 0:
-                    first_plans[planner.name] = plan
+                try:
+                    plan = run_planner(planner, batch, model)
+                except PlannerUnsupported as e:  # the planner's source cannot plan this batch: "n/a"
+                    results[planner.name].append({"batch": k, "unsupported": str(e)})
+                else:
+                    results[planner.name].append({
+                        "batch": k, "step_time_s": plan.predicted_step_time_s, "lower_bound_s": plan.lower_bound_s,
+                        "ratio": plan.predicted_step_time_s / plan.lower_bound_s,
+                        "solve_time_ms": plan.solve_time_ms, "summary": plan.summary(),
+                    })
+                    if k == 0:
+                        first_plans[planner.name] = plan
                 progress.advance(task)
 
     d = config.domain
     table = Table(title=f"{source.name}: {len(batches)} batches of {len(batches[0])} samples, "
                         f"N={d.world_size} ({d.gpus_per_node}/node), M={d.max_tokens_per_rank}, cost {args.cost}")
-    for col in ("planner", "step s (mean)", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95"):
-        table.add_column(col, justify="right")
+    for col in ("planner", "step s (mean)", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "n/a"):
+        table.add_column(col, justify="right", no_wrap=col == "planner")
     mean_ratio = {}
     for n in names:
-        rows = results[n]
+        rows = [r for r in results[n] if "unsupported" not in r]
+        skipped = f"{len(results[n]) - len(rows)}/{len(batches)}"
+        if not rows:
+            table.add_row(n, *["n/a"] * 5, skipped)
+            continue
         ratio = np.array([r["ratio"] for r in rows])
         solve = np.array([r["solve_time_ms"] for r in rows])
         mean_ratio[n] = float(ratio.mean())
         table.add_row(n, f"{np.mean([r['step_time_s'] for r in rows]):.3f}", f"{ratio.mean():.3f}",
-                      f"{ratio.max():.3f}", f"{np.percentile(solve, 50):.1f}", f"{np.percentile(solve, 95):.1f}")
+                      f"{ratio.max():.3f}", f"{np.percentile(solve, 50):.1f}", f"{np.percentile(solve, 95):.1f}",
+                      skipped)
     console.print(table)
     for n in names:
-        console.print(first_plans[n].summary(), highlight=False)
+        if n in first_plans:
+            console.print(first_plans[n].summary(), highlight=False)
+        unsupported = [r for r in results[n] if "unsupported" in r]
+        if unsupported:
+            batches_na = ", ".join(str(r["batch"]) for r in unsupported)
+            console.print(f"{n}: n/a on batch {batches_na}: {unsupported[0]['unsupported']}", highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": source.name, "cost": config.to_dict(), "results": results}, f, indent=1)

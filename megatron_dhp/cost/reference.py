@@ -13,6 +13,7 @@ overhead lambda on groups of more than one rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -34,12 +35,11 @@ class ReferenceCostModel:
         c = self.config
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
         work = c.attn_s_per_token2 * tokens**2 + c.linear_s_per_token * tokens
-        if c.enc_attn_s_per_token2 or c.enc_linear_s_per_token:
-            work += np.fromiter(
-                (sum(c.enc_attn_s_per_token2 * p * p + c.enc_linear_s_per_token * p for p in s.images) for s in samples),
-                dtype=np.float64,
-                count=len(samples),
-            )
+        counts = np.fromiter((len(s.images) for s in samples), dtype=np.int64, count=len(samples))
+        if counts.any() and (c.enc_attn_s_per_token2 or c.enc_linear_s_per_token):
+            images = np.fromiter(chain.from_iterable(s.images for s in samples), dtype=np.float64, count=int(counts.sum()))
+            per_image = c.enc_attn_s_per_token2 * images**2 + c.enc_linear_s_per_token * images
+            work += np.bincount(np.repeat(np.arange(len(samples)), counts), weights=per_image, minlength=len(samples))
         return work
 
     def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
@@ -115,14 +115,17 @@ class ReferenceCostModel:
         non-decreasing in d for both overlap modes (compute total is fixed, communication grows), so the
         first term takes d = ceil(L / M).
         """
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
+        return self.lower_bound_arrays(tokens, self.sample_work(samples))
+
+    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
+        """`lower_bound` from the samples' token counts and `sample_work`, for callers that have them."""
         n, m, cap = self.domain.world_size, self.microbatch_overhead_s, self.domain.max_tokens_per_rank
-        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-        work = self.sample_work(samples)
-        lo = self.min_degree(tokens.astype(np.int64))
+        lo = self.min_degree(tokens)
         if np.any(lo > n):
-            raise ValueError("lower_bound needs every sample to fit the domain; check with fits_domain first")
+            raise ValueError("lower_bound needs every sample to fit the domain; check with fit_to_domain first")
+        tokens = np.asarray(tokens, dtype=np.float64)
         area = lo * self.sample_time(tokens, work, lo, self.best_placement_intra(lo))
         bound_area = (float(area.sum()) + m * float(tokens.sum()) / cap) / n
         best_t, _ = self.best_time(tokens, work, lo=lo, hi=n)
-        bound_longest = m + float(best_t.max())
-        return max(bound_area, bound_longest)
+        return max(bound_area, m + float(best_t.max()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -104,13 +105,22 @@ def apply_cpu_compat() -> bool:
     mc_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
 
+    redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
+    _APPLIED = True
+    return True
+
+
+def redirect_cuda_literals(module_names: Iterable[str]) -> None:
+    """Give each module a `torch` whose tensor factories put `device="cuda"` tensors on the CPU.
+
+    For code beyond megatron-core that a CPU run also imports (e.g. Megatron-LM's `megatron.training`).
+    Missing modules are skipped.
+    """
     cpu_torch = _CpuTorch()
-    for name in _MODULES_WITH_CUDA_LITERALS:
+    for name in module_names:
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
         if getattr(module, "torch", None) is torch:
             module.torch = cpu_torch
-    _APPLIED = True
-    return True

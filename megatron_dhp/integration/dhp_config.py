@@ -26,16 +26,19 @@ class DhpConfig:
     max_tokens_per_rank: int = 8192
     """Memory cap M: the most tokens one rank holds in a microbatch; a longer sample gets more ranks."""
     comm: str = "allgather"
-    """Context-parallel communication inside a group: allgather (K/V), ring (P2P) or ulysses (all-to-all)."""
+    """Context-parallel communication inside a group: allgather (K/V), ring (P2P) or ulysses (all-to-all).
+    Applies to layer_spec local; TransformerEngine's attention follows its own cp_comm_type."""
     attention_backend: str = "auto"
     """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
     layer_spec: str = "local"
-    """megatron-core layer spec: local (plugin attention, any device) or te (TransformerEngine, GPU)."""
+    """Core attention: local (megatron-dhp's, any device, with any linear layers) or te
+    (TransformerEngine's, GPU; Megatron-LM needs --transformer-impl transformer_engine)."""
     cost: str = "gpt7b-64"
     """Cost model: a preset name from configs/ or a YAML path (e.g. from `megatron-dhp profile`). Its
     world_size, gpus_per_node and max_tokens_per_rank are replaced by the live job's."""
     gpus_per_node: int | None = None
-    """Ranks per node for intra-node placement (default: LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    """GPUs per node, which decides the groups that stay on one node's fast links (default:
+    LOCAL_WORLD_SIZE, as torchrun sets it)."""
     overlap_planning: bool = True
     """Plan step t+1 in a background thread while step t trains."""
     log_plans: bool = True

@@ -15,6 +15,7 @@ A plan whose world size differs from the domain is rejected before any collectiv
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanError
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.fused import gather_rows, scatter_rows
 from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -165,18 +167,24 @@ def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> No
 def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> StepInputs:
     """Send every token to the rank that computes it and pack this rank's microbatches. Collective."""
     me = domain.position
-    by_id = {s.id: s for s in local}
     lengths = {s.id: s.tokens for s in gathered.batch.samples}
-    rows = {sid: torch.stack([t.to(torch.int64) for t in (s.input_ids, s.labels, s.loss_mask)], 1) for sid, s in by_id.items()}
+    # this rank's samples back to back, one row (input id, label, loss mask) per token
+    fields = [torch.stack([t.to(torch.int64) for t in (s.input_ids, s.labels, s.loss_mask)], 1) for s in local]
+    rows = torch.cat([torch.empty(0, 3, dtype=torch.int64), *fields])
+    first_row = dict(zip((s.id for s in local), itertools.accumulate((s.length for s in local), initial=0)))
 
-    send_parts: list[list[torch.Tensor]] = [[] for _ in range(domain.size)]
+    # the send buffer is one gather: per destination, the real rows of each shard it computes from here
+    picks, send_rows = [torch.empty(0, dtype=torch.int64)], []
     for dest in range(domain.size):
+        count = 0
         for layout, _, _ in _microbatches_of(plan, dest, lengths):
             for sid, n in zip(layout.sample_ids, layout.lengths):
                 if gathered.owners[sid] == me:
                     held = zigzag_positions(n, layout.group_size, layout.rank)
-                    send_parts[dest].append(rows[sid][held[held < n]])
-    send = [torch.cat(p) if p else torch.empty(0, 3, dtype=torch.int64) for p in send_parts]
+                    picks.append(first_row[sid] + held[held < n])
+                    count += picks[-1].numel()
+        send_rows.append(count)
+    send = gather_rows(rows, torch.cat(picks))
 
     mine = _microbatches_of(plan, me, lengths)
     owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
@@ -186,13 +194,12 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     )
     real = torch.cat([layout.real() for layout, _, _ in mine] or [torch.empty(0, dtype=torch.bool)])
     recv_counts = torch.bincount(sources[real], minlength=domain.size).tolist()
-    received = _all_to_all(torch.cat(send), [p.shape[0] for p in send], recv_counts, domain)
+    received = _all_to_all(send, send_rows, recv_counts, domain)
 
-    slots = torch.zeros(real.numel(), 3, dtype=torch.int64)
+    # received rows come grouped by source rank, each group in this rank's slot order; padding slots stay 0
     real_slots = torch.nonzero(real).view(-1)
-    # received rows come grouped by source rank, each group in this rank's slot order
     order = torch.argsort(sources[real], stable=True)
-    slots[real_slots[order]] = received
+    slots = scatter_rows(received, real_slots[order], real.numel())
     return StepInputs(
         plan=plan,
         microbatches=tuple(_pack(mine, slots)),

@@ -6,6 +6,7 @@ dynamic group) and its core attention. Everything else is megatron-core as shipp
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -29,21 +31,54 @@ def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSp
     variant is the config's `cp_comm_type`, `p2p` or `all_gather` for THD; untested here, no GPU). In
     both, the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
     """
+    _check_backend(backend)
     if backend == "local":
-        spec = get_gpt_layer_local_spec(**spec_kwargs)
-        spec.submodules.self_attention.submodules.core_attention = DynamicCPAttention
-    elif backend == "te":
-        spec = _te_spec(**spec_kwargs)
+        return with_dynamic_cp(get_gpt_layer_local_spec(**spec_kwargs), backend=backend)
+    _require_te()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return with_dynamic_cp(get_gpt_layer_with_transformer_engine_spec(**spec_kwargs), backend=backend)
+
+
+def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
+    """A copy of a GPT layer spec (megatron's local or TE one, or a user's) with dynamic-CP attention.
+
+    The self-attention module becomes `DynamicCPSelfAttention`; `local` also swaps the core attention for
+    `DynamicCPAttention` (whatever the linear layers are), `te` keeps `TEDotProductAttention`.
+    """
+    _check_backend(backend)
+    spec = copy.deepcopy(spec)
+    attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    if not isinstance(attention, ModuleSpec) or not (
+        isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)
+    ):
+        raise DhpError(
+            f"dynamic CP needs a GPT layer spec whose self_attention is megatron's SelfAttention, got "
+            f"{getattr(attention, 'module', attention)!r}; use a standard (non-MLA, non-MoE-block) GPT layer spec"
+        )
+    if backend == "local":
+        attention.submodules.core_attention = DynamicCPAttention
     else:
-        raise DhpError(f"layer-spec backend {backend!r} is unknown; use 'local' or 'te'")
-    spec.submodules.self_attention.module = DynamicCPSelfAttention
+        te_attention = _require_te()
+        if not (isinstance(attention.submodules.core_attention, type)
+                and issubclass(attention.submodules.core_attention, te_attention)):
+            raise DhpError(
+                f"layer spec 'te' needs TEDotProductAttention as core attention, the spec has "
+                f"{attention.submodules.core_attention!r}; build it with --transformer-impl transformer_engine"
+            )
+    attention.module = DynamicCPSelfAttention
     return spec
 
 
-def _te_spec(**spec_kwargs: object) -> ModuleSpec:
+def _check_backend(backend: str) -> None:
+    if backend not in ("local", "te"):
+        raise DhpError(f"layer-spec backend {backend!r} is unknown; use 'local' or 'te'")
+
+
+def _require_te() -> type:
+    """TE's core attention class, with the CP stream that static CP 1 never allocates."""
     try:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     except ImportError as e:
         raise DhpError(f"the 'te' layer spec needs TransformerEngine ({e}); install it or use backend='local'") from None
     if not torch.cuda.is_available():
@@ -52,7 +87,7 @@ def _te_spec(**spec_kwargs: object) -> ModuleSpec:
     # static CP 1, so it would stay None and TE would fail on the first dynamic group (Megatron-LM #6821).
     if TEDotProductAttention.cp_stream is None:
         TEDotProductAttention.cp_stream = torch.cuda.Stream()
-    return get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    return TEDotProductAttention
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,23 @@ def microbatch_context(mb: MicrobatchInputs, pool: GroupPool, *, comm: str, back
     return CPContext(layout=mb.layout, group=pool.get(mb.group_ranks), comm=comm, backend=backend)
 
 
-def forward_microbatch(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext) -> torch.Tensor:
-    """Run one microbatch through a megatron GPT as THD; returns the sum of its masked per-token losses."""
+def per_token_losses(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext) -> torch.Tensor:
+    """Run one microbatch through a megatron GPT as THD; returns its per-token losses, [1, t], unmasked."""
     device = next(model.parameters()).device
     params = DhpPackedSeqParams.for_microbatch(ctx, device=device)
-    per_token = model(
+    return model(
         mb.input_ids[None].to(device),
         mb.position_ids[None].to(device),
         None,
         labels=mb.labels[None].to(device),
         packed_seq_params=params,
     )
-    return (per_token.view(-1) * mb.loss_mask.to(device)).sum()
+
+
+def forward_microbatch(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext) -> torch.Tensor:
+    """Run one microbatch through a megatron GPT as THD; returns the sum of its masked per-token losses."""
+    per_token = per_token_losses(model, mb, ctx)
+    return (per_token.view(-1) * mb.loss_mask.to(per_token.device)).sum()
 
 
 def run_step(

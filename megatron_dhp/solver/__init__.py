@@ -9,11 +9,20 @@ from __future__ import annotations
 import inspect
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.solver.base import Planner, run_planner
+from megatron_dhp.solver.base import Planner, PlannerUnsupported, run_planner
 from megatron_dhp.solver.dhp import DhpPlanner
+from megatron_dhp.solver.fcp_ref import FCPRefPlanner
+from megatron_dhp.solver.flexsp_milp import FlexSPPlanner
+from megatron_dhp.solver.megatron_hcp import MegatronHCPPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 
-PLANNERS: dict[str, type] = {"dhp": DhpPlanner, "static": StaticPlanner}
+PLANNERS: dict[str, type] = {
+    "dhp": DhpPlanner,
+    "static": StaticPlanner,
+    "megatron-hcp": MegatronHCPPlanner,
+    "fcp-ref": FCPRefPlanner,
+    "flexsp-milp": FlexSPPlanner,
+}
 
 
 def build_planner(name: str, **context: object) -> Planner:
@@ -25,4 +34,16 @@ def build_planner(name: str, **context: object) -> Planner:
     return cls(**{k: v for k, v in context.items() if k in accepted and k != "name"})
 
 
-__all__ = ["PLANNERS", "DhpPlanner", "Planner", "StaticPlanner", "build_planner", "run_planner", "static_cp_size"]
+__all__ = [
+    "PLANNERS",
+    "DhpPlanner",
+    "FCPRefPlanner",
+    "FlexSPPlanner",
+    "MegatronHCPPlanner",
+    "Planner",
+    "PlannerUnsupported",
+    "StaticPlanner",
+    "build_planner",
+    "run_planner",
+    "static_cp_size",
+]

@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
+
 from megatron_dhp.cost.reference import ReferenceCostModel
 from megatron_dhp.cost.simulate import simulate
+from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
 
+class PlannerUnsupported(DhpError):
+    """The planner's source cannot plan this batch on this domain (e.g. upstream has no group of that size).
+
+    Benchmarks report such a batch as "n/a" for that planner instead of patching the planner around it.
+    """
+
+
 class Planner(Protocol):
-    """A planner maps one batch and a cost model to the groups of a step."""
+    """A planner maps one batch and a cost model to the groups of a step.
+
+    A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
+    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`.
+    """
 
     name: str
 
@@ -41,7 +56,14 @@ def run_planner(planner: Planner, batch: Batch, model: ReferenceCostModel) -> Pl
     plan.validate()
     return replace(
         plan,
+        phase_barrier=getattr(planner, "phase_barrier", False),
         predicted_step_time_s=simulate(plan, model).step_time_s,
         lower_bound_s=model.lower_bound(batch.samples),
         solve_time_ms=solve_ms,
     )
+
+
+def contiguous_ranks(sizes: Iterable[int]) -> list[tuple[int, ...]]:
+    """Consecutive rank ranges of the given sizes from rank 0, in order (how FCP and FlexSP lay out groups)."""
+    bounds = np.cumsum([0, *sizes])
+    return [tuple(range(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,9 +1,11 @@
 """flash-attn varlen on the dynamic-CP layout (CUDA only; imported lazily, absent on CPU machines).
 
-Keys that are whole samples in group order are permuted into natural order, so each sample is one causal
-varlen sequence. Queries that are whole samples too (Ulysses) take the same permutation; a rank's own zigzag
-shards (all-gather) are runs of consecutive positions, and a run starting at position a attends the first
-a + len keys of its sample, which flash's bottom-right-aligned causal mask expresses directly.
+Keys that are whole samples in group order are every rank's zigzag shards of the padded samples, one rank
+after another; `fused.zigzag_unpack` puts them back into natural order, so each sample is one causal varlen
+sequence. Queries that are whole samples too (Ulysses) take the same reordering and `zigzag_pack` returns
+their outputs; a rank's own zigzag shards (all-gather) are runs of consecutive positions, and a run
+starting at position a attends the first a + len keys of its sample, which flash's bottom-right-aligned
+causal mask expresses directly.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from megatron_dhp.runtime.fused import gather_rows, zigzag_pack, zigzag_unpack
 
 if TYPE_CHECKING:
     from megatron_dhp.runtime.attention.kernels import Tokens
@@ -28,12 +32,6 @@ def _varlen_kernel() -> Any | None:
 def usable(q: torch.Tensor) -> bool:
     """Whether flash-attn can run on `q`: installed, CUDA tensor, half precision, at least one head."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[1] > 0 and _varlen_kernel() is not None
-
-
-def natural_order(layout: MicrobatchLayout) -> torch.Tensor:
-    """Permutation taking the group's rank-major slots to sample-by-sample, position order."""
-    key = layout.group_segments * (layout.max_seqlen + 1) + layout.group_positions
-    return torch.argsort(key)
 
 
 def query_runs(positions: torch.Tensor, segments: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -61,22 +59,23 @@ def attend(
     """Causal attention with keys = every slot of `layout` in group order; `kernel` defaults to flash-attn."""
     kernel = kernel or _varlen_kernel()
     device = q.device
-    order = natural_order(layout).to(device)
-    k_nat, v_nat = k.index_select(0, order), v.index_select(0, order)
-    cu_k = layout.cu_seqlens_padded.to(device)
+    # the group's slots are the zigzag shards of the padded samples, which need no further padding
+    padded, size = layout.cu_seqlens_padded, layout.group_size
+    k_nat, v_nat = zigzag_unpack(k, padded, size, None), zigzag_unpack(v, padded, size, None)
+    cu_k = padded.to(device)
     if queries.whole_samples is layout:
         out_nat = kernel(
-            q.index_select(0, order), k_nat, v_nat, cu_k, cu_k, layout.max_seqlen, layout.max_seqlen,
+            zigzag_unpack(q, padded, size, None), k_nat, v_nat, cu_k, cu_k, layout.max_seqlen, layout.max_seqlen,
             softmax_scale=scale, causal=True,
         )
-        return torch.empty_like(out_nat).index_copy_(0, order, out_nat)
+        return zigzag_pack(out_nat, padded, size, None)
     runs = query_runs(queries.positions, queries.segments)
-    starts = layout.cu_seqlens_padded.tolist()
+    starts = padded.tolist()
     kv_index = torch.cat([torch.arange(starts[s], starts[s] + p0 + n) for _, n, s, p0 in runs]).to(device)
     cu_q = _cumsum([n for _, n, _, _ in runs], device)
     cu_kv = _cumsum([p0 + n for _, n, _, p0 in runs], device)
     return kernel(
-        q, k_nat.index_select(0, kv_index), v_nat.index_select(0, kv_index), cu_q, cu_kv,
+        q, gather_rows(k_nat, kv_index), gather_rows(v_nat, kv_index), cu_q, cu_kv,
         max(n for _, n, _, _ in runs), max(p0 + n for _, n, _, p0 in runs), softmax_scale=scale, causal=True,
     )
 

@@ -2,7 +2,8 @@
 
 Each rank only ever holds its own K/V block plus the one in flight, and works for any group size >= 2. The
 backward pass is autograd through the differentiable ring shift (gradients travel the ring the other way),
-which is exact; it keeps the received blocks for backward instead of re-fetching them.
+which is exact; it keeps the received blocks for backward instead of re-fetching them. The merge is
+`fused.lse_merge`: one CUDA kernel forward and backward on GPU, `merge_partials` itself on CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 
 from megatron_dhp.runtime.attention.comm import ring_shift
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.math import block_attention, merge_partials, visible
+from megatron_dhp.runtime.attention.math import block_attention, visible
+from megatron_dhp.runtime.fused import lse_merge
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
@@ -30,4 +32,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPCon
         lses.append(lse)
         if step < size - 1:
             kv = ring_shift(kv, group)
-    return merge_partials(outs, lses)
+    return lse_merge(outs, lses)

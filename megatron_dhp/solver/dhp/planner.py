@@ -123,13 +123,15 @@ class DhpPlanner:
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
         inst = Instance.from_batch(batch, model)
-        target = model.lower_bound(batch.samples)
+        target = model.lower_bound_arrays(inst.tokens, inst.work)
         domain = model.domain
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
         maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
         degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
         degrees_of[maybe_wide] = wide_degrees(inst, maybe_wide, target)
-        candidates = sorted((Candidate.make(inst, c, target, degrees_of) for c in cells), key=lambda c: (c.bound_s, -c.cell))
+        # Bounds equal up to rounding tie; larger cells first then (finer balance, fewer bins).
+        candidates = sorted((Candidate.make(inst, c, target, degrees_of) for c in cells),
+                            key=lambda c: (round(c.bound_s / target, 9), -c.cell))
         best: Draft | None = None
         for cand in candidates:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):

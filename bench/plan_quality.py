@@ -1,0 +1,183 @@
+"""Plan quality: every planner on the same batches, under the reference cost model, side by side.
+
+Workloads: the WLB-LLM lengths and four synthetic distributions (`megatron-dhp dists` documents them):
+lognormal-pareto (long tail), bimodal, giant (one sample at 90% of N x M) and multimodal (images and video,
+so the encoder terms matter). Domains: N = 64 and N = 48 (not a power of two), 8 ranks per node, GPT-7B
+coefficients (configs/gpt7b-64.yaml, gpt7b-48.yaml). Global batch 512, 10 batches each.
+
+Prints per workload and domain: mean step time, step / lower bound (mean and max), solver ms (p50, p95),
+and dhp's speed-up over every other planner; then the issue-3 targets, each with the measured value.
+A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is reported as n/a there.
+
+    python bench/plan_quality.py [--batches 10] [--time-limit 10] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from megatron_dhp.cli.common import dataset_max_tokens
+from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.solver import PLANNERS, PlannerUnsupported, build_planner, run_planner
+from megatron_dhp.workload import LengthSource
+
+WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")
+DOMAINS = ("gpt7b-64", "gpt7b-48")
+PEERS = ("megatron-hcp", "fcp-ref", "flexsp-milp")
+
+
+def run(args: argparse.Namespace, console: Console) -> list[dict]:
+    """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""
+    records = []
+    cases = [(d, w) for d in args.domains for w in args.workloads]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning", total=len(cases) * args.batches * len(args.planners))
+        for domain, workload in cases:
+            model = build_cost_model(CostConfig.load(domain))
+            source = LengthSource.from_args(dist=workload)
+            capacity = model.domain.capacity
+            batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
+                       for k in range(args.batches)]
+            context = {"dataset_max_tokens": dataset_max_tokens(source, batches, capacity), "time_limit_s": args.time_limit}
+            planners = [build_planner(name, **context) for name in args.planners]
+            for k, batch in enumerate(batches):
+                for planner in planners:
+                    record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}
+                    try:
+                        plan = run_planner(planner, batch, model)
+                        record.update(step_s=plan.predicted_step_time_s, lb_s=plan.lower_bound_s,
+                                      ratio=plan.predicted_step_time_s / plan.lower_bound_s,
+                                      solve_ms=plan.solve_time_ms, summary=plan.summary())
+                    except PlannerUnsupported as e:
+                        record.update(step_s=None, unsupported=str(e))
+                    records.append(record)
+                    progress.advance(task)
+    return records
+
+
+def print_tables(records: list[dict], args: argparse.Namespace, console: Console) -> None:
+    """One table per (domain, workload)."""
+    by_case = defaultdict(list)
+    for r in records:
+        by_case[(r["domain"], r["workload"])].append(r)
+    for (domain, workload), rows in by_case.items():
+        table = Table(title=f"{workload} on {domain}: {args.batches} batches of {args.global_batch}")
+        for col in ("planner", "step s", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "dhp speed-up", "n/a"):
+            table.add_column(col, justify="right")
+        dhp = {r["batch"]: r["step_s"] for r in rows if r["planner"] == "dhp"}
+        for name in args.planners:
+            mine = [r for r in rows if r["planner"] == name and r["step_s"] is not None]
+            na = sum(1 for r in rows if r["planner"] == name and r["step_s"] is None)
+            if not mine:
+                table.add_row(name, *["n/a"] * 6, str(na))
+                continue
+            ratio = np.array([r["ratio"] for r in mine])
+            solve = np.array([r["solve_ms"] for r in mine])
+            speedup = np.mean([r["step_s"] / dhp[r["batch"]] for r in mine]) if dhp else float("nan")
+            table.add_row(name, f"{np.mean([r['step_s'] for r in mine]):.3f}", f"{ratio.mean():.4f}", f"{ratio.max():.4f}",
+                          f"{np.percentile(solve, 50):.1f}", f"{np.percentile(solve, 95):.1f}", f"{speedup:.3f}x", str(na))
+        console.print(table)
+
+
+def targets(records: list[dict]) -> list[tuple[str, str, bool]]:
+    """The issue-3 targets for dhp: (what, measured, met)."""
+    step = {(r["domain"], r["workload"], r["batch"], r["planner"]): r for r in records if r.get("step_s") is not None}
+    keys = sorted({k[:3] for k in step})
+    dhp = [step[k + ("dhp",)] for k in keys if k + ("dhp",) in step]
+    out = []
+    ratios = np.array([r["ratio"] for r in dhp])
+    out.append(("dhp step / LB, mean over all batches (<= 1.03)", f"{ratios.mean():.4f}", ratios.mean() <= 1.03))
+    out.append(("dhp step / LB, worst batch (<= 1.08)", f"{ratios.max():.4f}", ratios.max() <= 1.08))
+    worst = max((step[k + ("dhp",)]["step_s"] / step[k + (p,)]["step_s"], p)
+                for k in keys for p in PEERS + ("static",) if k + (p,) in step and k + ("dhp",) in step)
+    out.append(("dhp / peer step, worst batch (<= 1.005)", f"{worst[0]:.4f} (vs {worst[1]})", worst[0] <= 1.005))
+    hard = []
+    for k in keys:
+        peers = [step[k + (p,)] for p in PEERS if k + (p,) in step]
+        if peers and k + ("dhp",) in step:
+            best = min(peers, key=lambda r: r["step_s"])
+            if best["ratio"] > 1.05:
+                hard.append(best["step_s"] / step[k + ("dhp",)]["step_s"])
+    if hard:
+        out.append((f"best peer / dhp where best peer > 1.05 LB, mean over {len(hard)} batches (>= 1.05)",
+                    f"{np.mean(hard):.4f}", np.mean(hard) >= 1.05))
+    else:
+        out.append(("best peer / dhp where best peer > 1.05 LB (>= 1.05)", "no such batch", True))
+    static = [step[k + ("static",)]["step_s"] / step[k + ("dhp",)]["step_s"] for k in keys if k + ("static",) in step]
+    out.append(("static / dhp step, mean (>= 1.5)", f"{np.mean(static):.3f}", np.mean(static) >= 1.5))
+    solve = np.array([r["solve_ms"] for r in dhp if r["domain"] == "gpt7b-64"])
+    out.append(("dhp solve ms p50 at (512, 64) (<= 10)", f"{np.percentile(solve, 50):.1f}", np.percentile(solve, 50) <= 10))
+    return out
+
+
+def plot(records: list[dict], args: argparse.Namespace, path: str) -> None:
+    """Grouped bars: mean step / LB per planner for every (domain, workload)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [(d, w) for d in args.domains for w in args.workloads]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(args.planners)
+    for j, name in enumerate(args.planners):
+        means = []
+        for d, w in cases:
+            vals = [r["ratio"] for r in records if (r["domain"], r["workload"], r["planner"]) == (d, w, name) and r.get("step_s")]
+            means.append(np.mean(vals) if vals else np.nan)
+        ax.bar(np.arange(len(cases)) + j * width, means, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, [f"{w}\n{d}" for d, w in cases], fontsize=7)
+    ax.set_ylabel("mean step / lower bound")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="flexsp-milp HiGHS time limit, seconds")
+    parser.add_argument("--planners", default=",".join(["dhp", "static", *PEERS]))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--domains", default=",".join(DOMAINS))
+    parser.add_argument("--json", metavar="FILE", help="write every record and the targets as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="bar chart of mean step / LB")
+    args = parser.parse_args()
+    for key in ("planners", "workloads", "domains"):
+        setattr(args, key, [x for x in getattr(args, key).split(",") if x])
+    unknown = [p for p in args.planners if p not in PLANNERS]
+    if unknown:
+        parser.error(f"unknown planner {unknown[0]!r}; choose from {', '.join(PLANNERS)}")
+
+    console = Console(width=150)
+    records = run(args, console)
+    print_tables(records, args, console)
+    table = Table(title="issue-3 targets for dhp")
+    for col in ("target", "measured", "met"):
+        table.add_column(col)
+    results = targets(records) if "dhp" in args.planners else []
+    for what, value, met in results:
+        table.add_row(what, value, "[green]yes" if met else "[red]no")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"records": records, "targets": [dict(target=w, measured=v, met=bool(m)) for w, v, m in results]}, f, indent=1)
+    if args.plot:
+        plot(records, args, args.plot)
+        console.print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

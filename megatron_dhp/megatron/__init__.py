@@ -1,0 +1,37 @@
+"""Megatron-LM integration: the calls a patched Megatron-LM checkout makes into megatron-dhp.
+
+In the order a run meets them (file names of the upstream checkout; `patches/` holds one patch per tag):
+
+- `with_dhp_args` (pretrain_gpt.py): the `--dhp*` flags, as Megatron's extra_args_provider.
+- `validate_dhp_args` (right after Megatron's own validate_args): combinations that cannot work.
+- `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19's pretrain_gpt.py): attention and RoPE
+  over each microbatch's dynamic group.
+- `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
+  iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator).
+- `dhp_forward_backward` (training.py, train and evaluate): the schedule of one planned step.
+- `forward_step` (pretrain_gpt.py's forward_step): one planned microbatch through the model.
+
+Names resolve on first use, so `megatron-dhp apply-patches` and the flag parser work without megatron-core.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "add_dhp_args": "arguments",
+    "dhp_config_from_args": "arguments",
+    "validate_dhp_args": "arguments",
+    "with_dhp_args": "arguments",
+    "forward_step": "forward",
+    "dhp_forward_backward": "schedule",
+    "layer_spec": "hooks",
+    "layer_spec_provider": "hooks",
+    "setup": "hooks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,0 +1,187 @@
+"""From Megatron's data loader to one planned step per `next()`: sequences, lengths, plan, dispatch.
+
+Megatron's loader gives every data-parallel rank microbatches of `--micro-batch-size` rows (only tensor-
+parallel rank 0 reads it). One step takes the K microbatches Megatron would run (K is the count Megatron
+hands its schedule), cuts rows into sequences, shares them with the other TP ranks, gathers every length
+over the domain, plans, and moves the tokens: the result is this rank's `StepInputs`. The train iterator
+reads and gathers the next step too, so its plan is solved in the background while this step trains.
+
+The iterator sits inside a `RerunDataIterator` (it replaces the one Megatron put around the loader), so
+Megatron's rerun state machine replays whole planned steps: a rerun runs the same microbatches on the same
+groups without touching the loader, the planner or any collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import RerunDataIterator
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.megatron.state import DhpRuntime
+from megatron_dhp.runtime.dispatch import (
+    GatheredBatch,
+    StepInputs,
+    TokenSample,
+    check_plan,
+    check_world,
+    gather_batch,
+    move_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+Sequence = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""One training sequence as (tokens, labels, loss_mask), each [L]."""
+
+
+def sequences(batch: Mapping[str, torch.Tensor], *, split_documents: bool) -> list[Sequence]:
+    """The sequences of one Megatron microbatch, row by row.
+
+    A row is one sequence, as Megatron attends over it, unless the loader marks documents inside it:
+    `cu_seqlens` (packed SFT, inter-document masking) or, with `split_documents`, restarting `position_ids`.
+    """
+    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
+    out = []
+    for row in range(tokens.shape[0]):
+        for start, end in _document_bounds(batch, row, split_documents):
+            out.append((tokens[row, start:end], labels[row, start:end], loss_mask[row, start:end]))
+    return out
+
+
+def _document_bounds(batch: Mapping[str, torch.Tensor], row: int, split_documents: bool) -> list[tuple[int, int]]:
+    length = batch["tokens"].shape[1]
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is not None:
+        # padded entries repeat the last boundary; they mark no document
+        bounds = sorted({min(max(int(b), 0), length) for b in cu_seqlens.reshape(batch["tokens"].shape[0], -1)[row]})
+    elif split_documents:
+        starts = torch.nonzero(batch["position_ids"][row] == 0).view(-1).tolist()
+        bounds = sorted({0, *starts, length})
+    else:
+        bounds = [0, length]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@dataclass(frozen=True)
+class _Pulled:
+    """One step's data on this rank before dispatch: its sequences and the gathered lengths of all."""
+
+    local: list[TokenSample]
+    gathered: GatheredBatch
+
+
+class StepIterator:
+    """Yields this rank's `StepInputs` for each step; Megatron's schedule says how big a step is (`expect`)."""
+
+    def __init__(self, source: Iterator | None, runtime: DhpRuntime, *, lookahead: bool) -> None:
+        self.source = source
+        """Megatron's loader iterator on tensor-parallel rank 0; None on the other TP ranks."""
+        self.runtime = runtime
+        self.lookahead = lookahead
+        self.num_microbatches: int | None = None
+        self._ahead: _Pulled | None = None
+
+    def __iter__(self) -> StepIterator:
+        return self
+
+    def expect(self, num_microbatches: int) -> None:
+        """Set how many loader microbatches make one step (Megatron passes the count to its schedule)."""
+        self.num_microbatches = num_microbatches
+
+    def __next__(self) -> StepInputs:
+        """Read (or take the read-ahead), plan, dispatch. Collective over the world."""
+        current = self._ahead if self._ahead is not None else self._pull()
+        self._ahead = None
+        if current is None:
+            raise StopIteration
+        runtime = self.runtime
+        plan = runtime.planner.plan(current.gathered.batch)
+        if self.lookahead:
+            self._ahead = self._pull()
+            if self._ahead is not None:
+                runtime.planner.prefetch(self._ahead.gathered.batch)
+        check_world(plan, runtime.domain)
+        check_plan(plan, current.gathered, runtime.domain)
+        if runtime.config.log_plans and dist.get_rank() == 0:
+            logger.info("dhp plan: %s", plan.summary())
+        return move_tokens(current.local, plan, current.gathered, runtime.domain)
+
+    def _pull(self) -> _Pulled | None:
+        """The next step's sequences from the loader, on every TP rank, with lengths gathered; None at the end."""
+        if self.num_microbatches is None:
+            raise DhpError("StepIterator.expect(num_microbatches) must run before the first step (the schedule does it)")
+        found = None
+        if self.source is not None:
+            try:
+                batches = [next(self.source) for _ in range(self.num_microbatches)]
+            except StopIteration:
+                batches = None
+            if batches is not None:
+                found = [s for b in batches for s in sequences(b, split_documents=self.runtime.split_documents)]
+        found = _share_over_tensor_parallel(found, self.runtime)
+        if found is None:
+            return None
+        domain, cap = self.runtime.domain, self.runtime.max_sample_tokens
+        # ids unique over the domain without a collective: k-th sequence of position p is k * N + p
+        local = [_token_sample(k * domain.size + domain.position, seq, cap) for k, seq in enumerate(found)]
+        return _Pulled(local, gather_batch(local, domain))
+
+
+def _token_sample(sample_id: int, seq: Sequence, cap: int | None) -> TokenSample:
+    tokens, labels, loss_mask = (t[:cap] for t in seq)
+    return TokenSample(sample_id, tokens.to(torch.int64), labels.to(torch.int64), loss_mask.float())
+
+
+def _share_over_tensor_parallel(found: list[Sequence] | None, runtime: DhpRuntime) -> list[Sequence] | None:
+    """TP rank 0's sequences on every rank of its TP group (one header, lengths and token rows)."""
+    if runtime.tp_group is None:
+        return found
+    device = runtime.domain.device
+    header = torch.tensor([-1 if found is None else len(found)], dtype=torch.int64, device=device)
+    dist.broadcast(header, runtime.tp_source, group=runtime.tp_group)
+    count = int(header)
+    if count < 0:
+        return None
+    if found is not None:
+        lengths = torch.tensor([len(s[0]) for s in found], dtype=torch.int64, device=device)
+        rows = torch.cat([torch.stack([t.to(torch.int64) for t in s], 1) for s in found]).to(device)
+    else:
+        lengths = torch.empty(count, dtype=torch.int64, device=device)
+    dist.broadcast(lengths, runtime.tp_source, group=runtime.tp_group)
+    if found is None:
+        rows = torch.empty(int(lengths.sum()), 3, dtype=torch.int64, device=device)
+    dist.broadcast(rows, runtime.tp_source, group=runtime.tp_group)
+    parts = rows.cpu().split(lengths.tolist())
+    return [(p[:, 0], p[:, 1], p[:, 2]) for p in parts]
+
+
+def wrap_data_iterator(iterator: object, runtime: DhpRuntime, *, lookahead: bool) -> object:
+    """Megatron's data iterator (a `RerunDataIterator`, a list of them, or None) as one of planned steps.
+
+    TP ranks other than 0 get a step iterator even though Megatron gave them None: they take part in every
+    step's collectives and receive their data from TP rank 0.
+    """
+    if isinstance(iterator, list):
+        return [wrap_data_iterator(it, runtime, lookahead=lookahead) for it in iterator]
+    reads_loader = parallel_state.get_tensor_model_parallel_rank() == 0
+    if iterator is None and reads_loader:
+        return None
+    source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
+    return RerunDataIterator(StepIterator(source if reads_loader else None, runtime, lookahead=lookahead))
+
+
+def step_iterator(data_iterator: object) -> StepIterator:
+    """The `StepIterator` inside what Megatron hands the schedule, or a clear error if it was never wrapped."""
+    inner = getattr(data_iterator, "iterable", None)
+    if not isinstance(inner, StepIterator):
+        raise DhpError(
+            "the data iterator given to the megatron-dhp schedule is not a planned-step iterator; wrap Megatron's "
+            "iterators with megatron_dhp.megatron.setup(...) (the patches do this in pretrain())"
+        )
+    return inner

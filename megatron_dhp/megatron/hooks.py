@@ -1,0 +1,103 @@
+"""The entries a Megatron-LM run calls: the layer spec at model build, `setup` once the data exists.
+
+Everything else megatron-dhp needs in a run hangs off these; the patches in patches/ only call them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.planning import StepPlanner, live_cost_config
+from megatron_dhp.megatron.arguments import dhp_config_from_args
+from megatron_dhp.megatron.data import wrap_data_iterator
+from megatron_dhp.megatron.state import DhpRuntime, set_runtime
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.model import with_dynamic_cp
+
+
+def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
+    """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group."""
+    return with_dynamic_cp(spec, backend=dhp_config_from_args(args).layer_spec)
+
+
+def layer_spec_provider(spec: ModuleSpec | Callable | None, args: argparse.Namespace) -> Callable:
+    """`layer_spec` for megatron-core >= 0.19, where `GPTModelConfig.transformer_layer_spec` is resolved late.
+
+    The returned callable resolves Megatron's own choice (the default spec when `spec` is None) first.
+    """
+
+    def provide(config: object, vp_stage: int | None = None) -> ModuleSpec:
+        if spec is None:
+            from megatron.training.models.gpt import default_layer_spec
+
+            base = default_layer_spec(config, vp_stage)
+        elif isinstance(spec, ModuleSpec):
+            base = spec
+        else:
+            base = spec(config, vp_stage=vp_stage) if "vp_stage" in inspect.signature(spec).parameters else spec(config)
+        return layer_spec(base, args)
+
+    return provide
+
+
+def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iterator: object,
+          test_data_iterator: object) -> tuple[object, object, object]:
+    """Start megatron-dhp and return Megatron's three data iterators as iterators of planned steps.
+
+    Call on every rank once the model and Megatron's data iterators exist. Collective.
+    """
+    config = dhp_config_from_args(args)
+    # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
+    domain = DynamicDomain.from_parallel_state(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    cap = _sample_cap(args.seq_length, domain, config)
+    cost = live_cost_config(config, world_size=domain.size, gpus_per_node=_positions_per_node(domain, config))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    runtime = DhpRuntime(
+        config=config,
+        domain=domain,
+        pool=GroupPool(domain, max_groups=config.max_groups),
+        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, domain.size * config.max_tokens_per_rank)),
+        tp_group=tp_group if tp_group.size() > 1 else None,
+        tp_source=parallel_state.get_tensor_model_parallel_src_rank(),
+        split_documents=bool(args.reset_attention_mask),
+        max_sample_tokens=cap,
+    )
+    set_runtime(runtime)
+    # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
+    return (
+        wrap_data_iterator(train_data_iterator, runtime, lookahead=config.overlap_planning),
+        wrap_data_iterator(valid_data_iterator, runtime, lookahead=False),
+        wrap_data_iterator(test_data_iterator, runtime, lookahead=False),
+    )
+
+
+def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig) -> int | None:
+    """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`."""
+    capacity = domain.size * config.max_tokens_per_rank
+    if seq_length <= capacity:
+        return None
+    if config.truncate:
+        return capacity
+    raise DhpError(
+        f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
+        f"{config.max_tokens_per_rank} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
+        f"{-(-seq_length // domain.size)} or set truncate: true"
+    )
+
+
+def _positions_per_node(domain: DynamicDomain, config: DhpConfig) -> int:
+    """How many positions of this domain share a node (its ranks sit at stride TP, so fewer than the GPUs)."""
+    gpus = config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    first_node = domain.global_ranks[0] // gpus
+    return sum(1 for rank in domain.global_ranks if rank // gpus == first_node)

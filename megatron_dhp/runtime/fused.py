@@ -1,0 +1,292 @@
+"""The CUDA kernels of `csrc/` behind one call each, with a pure-torch fallback that gives the same result.
+
+- `zigzag_pack` / `zigzag_unpack`: whole THD samples <-> one rank's (or every rank's) zigzag shards, the
+  layout of `layout.zigzag_positions`; the kernel derives each row's source from cu_seqlens, so no index
+  tensor is built or copied to the device.
+- `gather_rows` / `scatter_rows`: rows by an int64 index, the re-dispatch primitive.
+- `lse_merge`: `attention.math.merge_partials` as one kernel (and one for its backward).
+
+A call takes the kernels when its tensor is on a CUDA device and they are available: built by torch's JIT
+extension loader on first use (cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`),
+or loaded from the library `scripts/build_csrc.sh` builds when `MEGATRON_DHP_CSRC` names it;
+`MEGATRON_DHP_CSRC=0` turns them off, and a failed build warns once and falls back. Everything else, CPU
+tensors above all, takes the torch path; nothing is compiled or loaded at import. Copies are bit-identical
+on both paths; the torch `lse_merge` is `merge_partials` itself, which the kernel matches to float rounding.
+
+Both paths share the autograd rules: pack and unpack are each other's adjoint, a scatter's gradient is a
+gather, a gather's is an `index_add_` (repeated indices accumulate; this step stays in torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention.math import merge_partials
+from megatron_dhp.runtime.layout import padded_length, zigzag_positions
+
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+"""The kernel sources (present in a source checkout, which the JIT build needs)."""
+_MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def zigzag_pack(
+    x: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None, pad_value: float = 0
+) -> torch.Tensor:
+    """Group rank `rank`'s zigzag shards of the whole samples in `x`: [T, ...] -> [sum_i padded_i / d, ...].
+
+    Sample i is rows `cu_seqlens[i]:cu_seqlens[i+1]` of `x`; the result holds, sample by sample, the rows
+    at `layout.zigzag_positions(L_i, group_size, rank)`, padding rows set to `pad_value`. `rank=None`
+    lays out every rank's shards one after another (rank-major: the order of an all-gather over the
+    group). A `cu_seqlens` on the GPU costs a host sync; pass it on the CPU (or as a list).
+    """
+    z = _Zigzag.of(cu_seqlens, group_size, rank)
+    _check_rows(x, z.num_tokens, "x", "the samples of cu_seqlens")
+    return _ZigzagPack.apply(x, z, pad_value)
+
+
+def zigzag_unpack(
+    shard: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None
+) -> torch.Tensor:
+    """The inverse of `zigzag_pack`: every real shard row back to its place in [T, ...].
+
+    Padding rows are ignored; rows of tokens that `rank` does not hold are 0 (with `rank=None` every
+    token is restored, so `zigzag_unpack(zigzag_pack(x, cu, d, None), cu, d, None)` is `x`).
+    """
+    z = _Zigzag.of(cu_seqlens, group_size, rank)
+    _check_rows(shard, len(z.ranks) * z.rows_per_rank, "shard", f"the zigzag layout of {len(z.ranks)} rank(s)")
+    return _ZigzagUnpack.apply(shard, z)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`out[i] = x[index[i]]` for an int64 index into dim 0; repeats allowed, every entry in range."""
+    return _GatherRows.apply(x, _as_index(index, x))
+
+
+def scatter_rows(x: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`out[index[i]] = x[i]` into `num_rows` rows; rows no index names are 0.
+
+    Contract: the entries of `index` are distinct and in `[0, num_rows)`, so each output row is written
+    at most once and the kernel needs no atomics. Range is checked (on the device for CUDA); repeats are
+    not, and leave the row with one of the candidates, unspecified which.
+    """
+    index = _as_index(index, x)
+    if index.numel() != x.shape[0]:
+        raise DhpError(f"scatter_rows: index has {index.numel()} entries for {x.shape[0]} rows")
+    return _ScatterRows.apply(x, index, num_rows)
+
+
+def lse_merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`merge_partials(outs, lses)` (per key block: out [t, h, dh], lse [t, h]) as one kernel where it applies.
+
+    The kernel takes fp32/fp16/bf16 outputs with fp32 log-sum-exps, accumulates in fp32 and has a kernel
+    backward; anything else, and every CPU tensor, goes to `merge_partials` itself.
+    """
+    ops = _kernels(outs[0])
+    if ops is None or outs[0].dim() != 3 or outs[0].dtype not in _MERGE_DTYPES or lses[0].dtype != torch.float32:
+        return merge_partials(list(outs), list(lses))
+    return _LseMerge.apply(torch.stack(list(outs)), torch.stack(list(lses)))
+
+
+@dataclass(frozen=True)
+class _Zigzag:
+    """A zigzag layout as the host knows it: sample lengths, group size, the ranks laid out in order."""
+
+    lengths: tuple[int, ...]
+    group_size: int
+    ranks: range
+
+    @staticmethod
+    def of(cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None) -> _Zigzag:
+        cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise DhpError(f"cu_seqlens must start at 0 and never decrease, got {cu}")
+        if group_size < 1:
+            raise DhpError(f"group_size must be at least 1, got {group_size}")
+        if rank is not None and not 0 <= rank < group_size:
+            raise DhpError(f"rank {rank} is outside a group of {group_size}")
+        ranks = range(group_size) if rank is None else range(rank, rank + 1)
+        return _Zigzag(tuple(b - a for a, b in zip(cu, cu[1:])), group_size, ranks)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the whole-sample tensor."""
+        return sum(self.lengths)
+
+    @functools.cached_property
+    def local_lengths(self) -> tuple[int, ...]:
+        """Shard rows per sample on each rank."""
+        return tuple(padded_length(n, self.group_size) // self.group_size for n in self.lengths)
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Shard rows of one rank."""
+        return sum(self.local_lengths)
+
+    def sources(self) -> torch.Tensor:
+        """The whole-tensor row each shard row holds, -1 for padding: the torch path's index."""
+        starts = list(itertools.accumulate(self.lengths, initial=0))
+        parts = [torch.empty(0, dtype=torch.int64)]
+        for r in self.ranks:
+            for start, n in zip(starts, self.lengths):
+                pos = zigzag_positions(n, self.group_size, r)
+                parts.append(torch.where(pos < n, pos + start, -1))
+        return torch.cat(parts)
+
+    def kernel_args(self, device: torch.device) -> tuple[torch.Tensor, int, int, int, int]:
+        """(tables, group size, first rank, ranks, rows per rank) as the kernels take them."""
+        tables = _device_tables(self.lengths, self.local_lengths, device)
+        return tables, self.group_size, self.ranks.start, len(self.ranks), self.rows_per_rank
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tables(lengths: tuple[int, ...], local_lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 [2, n + 1] on `device`: sample starts in the whole tensor, then in one rank's shard.
+
+    Cached: every layer of a microbatch uses the same layout, and a host-to-device copy stalls the host.
+    """
+    cums = [list(itertools.accumulate(v, initial=0)) for v in (lengths, local_lengths)]
+    return torch.tensor(cums, dtype=torch.int64).to(device)
+
+
+def _check_rows(x: torch.Tensor, rows: int, name: str, what: str) -> None:
+    if x.dim() < 1 or x.shape[0] != rows:
+        raise DhpError(f"{name} has shape {tuple(x.shape)} but {what} take {rows} rows")
+
+
+def _as_index(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if index.dim() != 1 or x.dim() < 1:
+        raise DhpError(f"need a 1-D index into the rows of x, got index {tuple(index.shape)}, x {tuple(x.shape)}")
+    return index.to(device=x.device, dtype=torch.int64)
+
+
+def _kernels(t: torch.Tensor) -> Any | None:
+    """The compiled operators when `t` is on CUDA and they are available, else None (the torch path)."""
+    return _load_kernels() if t.is_cuda else None
+
+
+@functools.cache
+def _load_kernels() -> Any | None:
+    setting = os.environ.get("MEGATRON_DHP_CSRC", "")
+    if setting == "0":
+        return None
+    try:
+        if setting:
+            torch.ops.load_library(setting)
+        else:
+            from torch.utils.cpp_extension import load
+
+            sources = sorted(_CSRC.glob("*.cu")) + [_CSRC / "binding.cpp"]
+            load(
+                name="megatron_dhp_csrc",
+                sources=[str(s) for s in sources],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3"],
+                is_python_module=False,
+            )
+    except Exception as e:  # no compiler, no sources (installed wheel), a failed build: the torch path is exact
+        warnings.warn(f"megatron_dhp CUDA kernels unavailable, using the torch fallback: {e}", stacklevel=3)
+        return None
+    return torch.ops.megatron_dhp
+
+
+def _pack(x: torch.Tensor, z: _Zigzag, pad_value: float) -> torch.Tensor:
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.zigzag_pack(x, *z.kernel_args(x.device), pad_value)
+    src = z.sources().to(x.device)
+    out = x.index_select(0, src.clamp(min=0))
+    out[src < 0] = pad_value
+    return out
+
+
+def _unpack(shard: torch.Tensor, z: _Zigzag) -> torch.Tensor:
+    ops = _kernels(shard)
+    if ops is not None:
+        return ops.zigzag_unpack(shard, *z.kernel_args(shard.device), z.num_tokens)
+    src = z.sources().to(shard.device)
+    real = src >= 0
+    return shard.new_zeros((z.num_tokens, *shard.shape[1:])).index_copy_(0, src[real], shard[real])
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    ops = _kernels(x)
+    return ops.gather_rows(x, index) if ops is not None else x.index_select(0, index)
+
+
+def _scatter(x: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    ops = _kernels(x)
+    if ops is not None:
+        return ops.scatter_rows(x, index, num_rows)
+    return x.new_zeros((num_rows, *x.shape[1:])).index_copy_(0, index, x)
+
+
+class _ZigzagPack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, z: _Zigzag, pad_value: float) -> torch.Tensor:  # noqa: D102
+        ctx.z = z
+        return _pack(x, z, pad_value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
+        return _unpack(grad, ctx.z), None, None
+
+
+class _ZigzagUnpack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, z: _Zigzag) -> torch.Tensor:  # noqa: D102
+        ctx.z = z
+        return _unpack(shard, z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return _pack(grad, ctx.z, 0), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return _gather(x, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.num_rows, *grad.shape[1:])).index_add_(0, index, grad), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(index)
+        return _scatter(x, index, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
+        (index,) = ctx.saved_tensors
+        return _gather(grad, index), None, None
+
+
+class _LseMerge(torch.autograd.Function):
+    """CUDA only: stacked outs [k, t, h, dh] and fp32 lses [k, t, h] -> [t, h, dh]."""
+
+    @staticmethod
+    def forward(ctx, outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(outs, lses)
+        return torch.ops.megatron_dhp.lse_merge(outs, lses)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+        outs, lses = ctx.saved_tensors
+        grad_outs, grad_lses = torch.ops.megatron_dhp.lse_merge_backward(outs, lses, grad.contiguous())
+        return grad_outs, grad_lses

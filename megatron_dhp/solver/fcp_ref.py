@@ -1,0 +1,151 @@
+"""The DHP/FCP paper's two-stage solver as published (BENCHMARK.md section 4, `fcp-ref`).
+
+Re-implemented from the description in shared/reference/dhp_fcp.md section 2.2 (no code copied):
+1. min_cp(L) = ceil(L / M) per sample (ring CP: any degree, no power-of-two rounding).
+2. Memory-aware best-fit decreasing: longest sample first into the existing bin with bin.min_cp >= its
+   min_cp and room (bin.min_cp * M - used >= L) that leaves the least room; else a new bin of its min_cp.
+   Each bin is an atomic group whose samples run as one packed microbatch.
+3. A time table T_b(d) = m + sum_i t(L_i, d) for d in [bin.min_cp, max_cp], from our reference cost model.
+   The DP cannot know where a group will sit, so it assumes the group is intra-node iff d <= gpus_per_node;
+   the plan is then scored on its real contiguous layout by the simulator.
+4. 2-D DP over bins: best[i][j] = min_d max(best[i-1][j-d], T_i(d)), the least makespan of the first i bins
+   on exactly j ranks; the answer is best[K][N] (vectorised over j and d: O(K N D)).
+5. Rank conservation: if no split fills N exactly (only when `max_cp_degree` caps every bin), take the best
+   j < N and grow groups round-robin by one rank until they sum to N.
+6. Groups take contiguous rank ranges in bin order.
+
+Where the published code fails (more bins than ranks, or sum of min_cp > N: its DP has no solution; a
+global batch of 512 long-tailed samples nearly always does), the bins run in several rounds, like the
+paper's system running a large batch as several independently scheduled gradient-accumulation
+microbatches: first-fit decreasing puts the bins into the fewest rounds whose min_cp sum fits N, steps 3-6
+run per round, and round k becomes phase k of the plan (no barrier: a group starts when its ranks are free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
+from megatron_dhp.workload.batches import fit_to_domain
+from megatron_dhp.workload.sample import Batch
+
+
+@dataclass
+class Bin:
+    """An atomic group from the BFD stage: its minimum degree and the batch positions it holds."""
+
+    min_cp: int
+    used: int
+    members: list[int]
+
+
+def bfd_pack(tokens: np.ndarray, min_cp: np.ndarray, cap: int) -> list[Bin]:
+    """Memory-aware best-fit decreasing packing of samples into atomic groups (step 2)."""
+    bins: list[Bin] = []
+    room = np.empty(0, dtype=np.int64)
+    bin_cp = np.empty(0, dtype=np.int64)
+    for i in np.lexsort((np.arange(len(tokens)), -tokens)):  # longest first, ties by position
+        length = int(tokens[i])
+        left = room - length
+        fits = np.flatnonzero((bin_cp >= min_cp[i]) & (left >= 0))
+        if len(fits):
+            b = int(fits[np.argmin(left[fits])])
+            bins[b].members.append(int(i))
+            bins[b].used += length
+            room[b] -= length
+        else:
+            bins.append(Bin(int(min_cp[i]), length, [int(i)]))
+            room = np.append(room, int(min_cp[i]) * cap - length)
+            bin_cp = np.append(bin_cp, int(min_cp[i]))
+    return bins
+
+
+def split_rounds(bins: list[Bin], world_size: int) -> list[list[Bin]]:
+    """First-fit decreasing of bins (BFD order has non-increasing min_cp) into rounds of <= N min ranks."""
+    rounds: list[list[Bin]] = []
+    free: list[int] = []
+    for bin_ in bins:
+        k = next((k for k, left in enumerate(free) if left >= bin_.min_cp), len(rounds))
+        if k == len(rounds):
+            rounds.append([])
+            free.append(world_size)
+        rounds[k].append(bin_)
+        free[k] -= bin_.min_cp
+    return rounds
+
+
+def allocate_degrees(times: np.ndarray, world_size: int) -> list[int]:
+    """Steps 4-5: one degree per bin minimising the largest T_b(d), together using all `world_size` ranks.
+
+    `times[b, d - 1]` is T_b(d), inf where d is not allowed for bin b.
+    """
+    num_bins, max_d = times.shape
+    j = np.arange(world_size + 1)[:, None]
+    d = np.arange(1, max_d + 1)[None, :]
+    prev_j = j - d
+    best = np.where(j[:, 0] == 0, 0.0, np.inf)
+    choice = np.zeros((num_bins, world_size + 1), dtype=np.int64)
+    for b in range(num_bins):
+        cand = np.maximum(np.where(prev_j >= 0, best[np.maximum(prev_j, 0)], np.inf), times[b][None, :])
+        choice[b] = np.argmin(cand, axis=1)
+        best = cand[j[:, 0], choice[b]]
+    if np.isfinite(best[world_size]):
+        used = world_size
+    else:  # every bin at max_cp still leaves ranks over: the best split of fewer ranks, grown below
+        fewer = np.flatnonzero(np.isfinite(best))[::-1]  # the most ranks among equally good splits
+        assert len(fewer), "the caller keeps the bins' minimum degrees within the domain"
+        used = int(fewer[np.argmin(best[fewer])])
+    degrees = [0] * num_bins
+    for b in range(num_bins - 1, -1, -1):
+        degrees[b] = int(choice[b][used]) + 1
+        used -= degrees[b]
+    for k in range(world_size - sum(degrees)):  # rank conservation, round-robin +1 (ring CP takes any size)
+        degrees[k % num_bins] += 1
+    return degrees
+
+
+@dataclass
+class FCPRefPlanner:
+    """DHP/FCP: BFD packing into atomic groups, then a DP over group degrees minimising the makespan.
+
+    `max_cp_degree` caps a group's degree as the published scheduler's option of that name does (its
+    default, 32, was a deployment limit; None here means the whole domain, which ring CP allows).
+    """
+
+    max_cp_degree: int | None = None
+    name: str = "fcp-ref"
+
+    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+        """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
+        domain = model.domain
+        fit_to_domain(batch, domain.capacity)
+        n, cap = domain.world_size, domain.max_tokens_per_rank
+        max_cp = min(self.max_cp_degree or n, n)
+        tokens = batch.lengths
+        min_cp = model.min_degree(tokens)
+        if int(min_cp.max()) > max_cp:
+            s = batch.samples[int(np.argmax(min_cp))]
+            raise PlannerUnsupported(
+                f"fcp-ref: sample {s.id} ({s.tokens} tokens) needs {int(min_cp.max())} ranks of {cap} tokens, "
+                f"above max_cp_degree {max_cp}"
+            )
+        degrees = np.arange(1, max_cp + 1)
+        per_sample = model.sample_time(  # t(L_i, d) for every sample and degree, intra iff d <= gpus_per_node
+            tokens[:, None], model.sample_work(batch.samples)[:, None], degrees[None, :],
+            model.best_placement_intra(degrees)[None, :],
+        )
+        bins = bfd_pack(tokens, min_cp, cap)
+        groups: list[PlanGroup] = []
+        for phase, round_bins in enumerate(split_rounds(bins, n)):
+            table = np.full((len(round_bins), max_cp), model.microbatch_overhead_s)
+            for b, bin_ in enumerate(round_bins):
+                table[b] += per_sample[bin_.members].sum(axis=0)
+                table[b, : bin_.min_cp - 1] = np.inf
+            for ranks, bin_ in zip(contiguous_ranks(allocate_degrees(table, n)), round_bins):
+                ids = tuple(batch.samples[i].id for i in bin_.members)
+                groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
+        return groups

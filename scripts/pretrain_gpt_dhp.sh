@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Pretrain a Llama-3-8B-like GPT with megatron-dhp on NNODES nodes x 8 GPUs (NCCL).
+#
+# Every training step megatron-dhp splits each TP coordinate's data-parallel ranks into context-parallel
+# groups of any size, sized to that step's documents; TP stays 2 and the static CP size stays 1.
+#
+# Once:  scripts/apply_patches.sh /path/to/Megatron-LM      (core_v0.16.1 or core_v0.19.0 checkout)
+#        pip install -e /path/to/megatron-dhp               (or put it on PYTHONPATH)
+# Then on every node (same command, its own NODE_RANK):
+#   NNODES=8 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM=/path/to/Megatron-LM \
+#   DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=meta-llama/Meta-Llama-3-8B \
+#   CHECKPOINT_DIR=/checkpoints/llama3-8b-dhp scripts/pretrain_gpt_dhp.sh [more Megatron flags]
+# DRY_RUN=1 prints the torchrun command instead of running it.
+set -euo pipefail
+
+DHP_ROOT=$(cd "$(dirname "$0")/.." && pwd)
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout patched with scripts/apply_patches.sh}"
+: "${DATA_PATH:?set DATA_PATH to a Megatron .bin/.idx prefix}"
+: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a Hugging Face tokenizer name or path}"
+: "${CHECKPOINT_DIR:?set CHECKPOINT_DIR for checkpoints and logs}"
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+GPUS_PER_NODE=8
+
+# NCCL and CUDA. Megatron overlaps TP communication assuming one hardware queue per device.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+# Fail fast instead of hanging when a rank dies.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# Cluster-specific; uncomment and adapt (InfiniBand HCAs, the interface for bootstrap traffic):
+# export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3
+# export NCCL_SOCKET_IFNAME=eth0
+# megatron-dhp keeps up to max_groups communicators alive (configs/llama3_8b_dhp.yaml); each holds NCCL
+# buffers, so lower max_groups if GPU memory is tight.
+
+DISTRIBUTED_ARGS=(
+  --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+)
+
+# Llama-3-8B shape: 32 layers, hidden 4096, 32 heads in 8 KV groups, SwiGLU 14336, RoPE (base 500000).
+MODEL_ARGS=(
+  --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+  --num-attention-heads 32 --group-query-attention --num-query-groups 8
+  --seq-length 8192 --max-position-embeddings 8192
+  --position-embedding-type rope --rotary-base 500000
+  --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
+  --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0.0 --hidden-dropout 0.0
+  --transformer-impl transformer_engine
+)
+
+PARALLEL_ARGS=(
+  --tensor-model-parallel-size 2     # fixed for the run: weights never move
+  --pipeline-model-parallel-size 1   # the megatron-dhp schedule has no pipelining yet
+  --context-parallel-size 1          # megatron-dhp forms the CP groups itself, every step
+  --cp-comm-type p2p                 # TransformerEngine's CP inside each group (THD: p2p or all_gather)
+  --use-distributed-optimizer
+  --overlap-grad-reduce
+)
+
+TRAINING_ARGS=(
+  --micro-batch-size 1 --global-batch-size 256 --train-iters 100000
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+  --bf16
+  --calculate-per-token-loss         # required by --dhp: the loss is summed per token over the global batch
+)
+
+# Each document is its own sequence (positions restart, no attention across documents): megatron-dhp
+# plans documents, so a row of short documents costs what they cost, not what the full row would.
+DATA_ARGS=(
+  --data-path "$DATA_PATH" --split 99,1,0
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+  --reset-position-ids --reset-attention-mask --eod-mask-loss
+  --no-create-attention-mask-in-dataloader
+)
+
+DHP_ARGS=(
+  --dhp --dhp-config "$DHP_ROOT/configs/llama3_8b_dhp.yaml"
+  # --dhp-cost my_cluster.yaml       # a cost model fitted by megatron-dhp profile
+)
+
+OUTPUT_ARGS=(
+  --log-interval 10 --log-throughput
+  --save-interval 1000 --eval-interval 1000 --eval-iters 10
+  --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --tensorboard-dir "$CHECKPOINT_DIR/tensorboard"
+)
+
+COMMAND=(
+  torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py
+  "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${DHP_ARGS[@]}"
+  "${OUTPUT_ARGS[@]}" "$@"
+)
+if [[ -n "${DRY_RUN:-}" ]]; then
+  printf '%q ' "${COMMAND[@]}"
+  echo
+  exit 0
+fi
+cd "$MEGATRON_LM"
+exec "${COMMAND[@]}"

@@ -1,0 +1,270 @@
+"""What every spawned rank of `test_hooks_distributed.py` runs: the Megatron-LM hooks on a megatron-core GPT.
+
+A rank plays one Megatron-LM process: Megatron's loader (a `RerunDataIterator` over microbatch dicts, on
+tensor-parallel rank 0 only), a megatron `DistributedDataParallel` model with `finalize_model_grads`, and
+the three hooks a patched pretrain() uses: `setup` (domain, pool, planner, wrapped iterators),
+`dhp_forward_backward` (the schedule) and `forward_step`. Every step is checked against the single-process
+oracle on the same documents: loss and every gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.dispatch import TokenSample
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
+from megatron_dhp.runtime.selfcheck import TOLERANCE, init_distributed
+from megatron_dhp.workload.sample import Batch
+
+SEQ_LENGTH = 24
+MICRO_BATCH = 2
+LOADER_MICROBATCHES = 2
+"""K: loader microbatches per rank and step (Megatron's get_num_microbatches())."""
+
+
+def megatron_args(**overrides: object) -> argparse.Namespace:
+    """The parsed Megatron-LM arguments `setup` reads, with DHP on and small sizes."""
+    args = argparse.Namespace(
+        dhp=True, dhp_config=None, dhp_planner=None, dhp_max_tokens_per_rank=8, dhp_comm=None, dhp_cost=None,
+        dhp_log_plans=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
+    )
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def loader_microbatches(step: int, position: int, *, count: int = LOADER_MICROBATCHES, seed: int = 0) -> list[dict]:
+    """What Megatron's loader yields to data-parallel rank `position` at `step`: rows of documents.
+
+    Positions restart at every document, as with --reset-position-ids; loss masks have zeros.
+    """
+    out = []
+    for k in range(count):
+        gen = torch.Generator().manual_seed(hash((seed, step, position, k)) % (1 << 31))
+        tokens = torch.randint(0, TinyGPTConfig().vocab_size, (MICRO_BATCH, SEQ_LENGTH + 1), generator=gen)
+        position_ids = torch.empty(MICRO_BATCH, SEQ_LENGTH, dtype=torch.int64)
+        for row in range(MICRO_BATCH):
+            cuts = sorted(torch.randperm(SEQ_LENGTH - 1, generator=gen)[: int(torch.randint(0, 4, (1,), generator=gen))] + 1)
+            starts = [0, *[int(c) for c in cuts]]
+            for a, b in zip(starts, [*starts[1:], SEQ_LENGTH]):
+                position_ids[row, a:b] = torch.arange(b - a)
+        loss_mask = (torch.rand(MICRO_BATCH, SEQ_LENGTH, generator=gen) > 0.2).float()
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask,
+                    "position_ids": position_ids, "attention_mask": None})
+    return out
+
+
+def documents_of_step(step: int, num_positions: int, **kw: object) -> list[TokenSample]:
+    """Every document of the step's global batch, for the oracle (ids do not matter to it)."""
+    from megatron_dhp.megatron.data import sequences
+
+    docs = [s for p in range(num_positions) for b in loader_microbatches(step, p, **kw)
+            for s in sequences(b, split_documents=True)]
+    return [TokenSample(i, t, lab, m) for i, (t, lab, m) in enumerate(docs)]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: object = None) -> tuple:
+    """pretrain_gpt.py's loss function: the per-token (sum, count, report) form."""
+    losses = output_tensor.view(-1).float()
+    loss = torch.sum(losses * loss_mask.view(-1).float())
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+class Harness:
+    """One rank's Megatron-LM process: model, loader, and the DHP hooks around them."""
+
+    def __init__(self, *, seed: int, overlap_grad_reduce: bool = False, steps: range = range(6)) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.position = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        self.num_positions = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        inner = build_tiny_gpt(seed=seed)
+        self.model = DistributedDataParallel(
+            config=inner.config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000),
+            module=inner,
+        )
+        config = inner.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync if overlap_grad_reduce else None
+        self.reference = build_reference_gpt(TinyGPTConfig(), single_rank_groups(), seed=seed)
+        self.pulled = 0
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            self.train = RerunDataIterator(self._loader(steps))
+            self.valid = RerunDataIterator(self._loader(range(100, 102)))
+        else:
+            self.train = self.valid = None
+
+    def _loader(self, steps: range):
+        for step in steps:
+            for mb in loader_microbatches(step, self.position):
+                self.pulled += 1
+                yield mb
+
+    def run(self, data_iterator: object, *, forward_only: bool = False) -> tuple[list, float]:
+        """One step through the DHP schedule, like train_step: (reports, loss over the global batch)."""
+        from megatron_dhp.megatron import dhp_forward_backward, forward_step
+
+        if not forward_only:
+            self.model.zero_grad_buffer()
+        reports = dhp_forward_backward(
+            forward_step_func=partial(forward_step, loss_func=loss_func),
+            data_iterator=data_iterator,
+            model=[self.model],
+            num_microbatches=LOADER_MICROBATCHES,
+            seq_length=SEQ_LENGTH,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=forward_only,
+        )
+        total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
+        dist.all_reduce(total, group=_domain_group())
+        return reports, float(total[0] / total[1])
+
+    def compare(self, step: int, loss: float, *, grads: bool = True) -> dict:
+        """Max |difference| of loss and of every gradient against the oracle on the step's documents."""
+        ref = reference_step(self.reference, documents_of_step(step, self.num_positions))
+        worst = 0.0
+        if grads:
+            for name, param in self.model.module.named_parameters():
+                worst = max(worst, float((self._full(param) - ref.grads[name]).abs().max()))
+        diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64)
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        return {"loss": loss, "ref": ref.loss, "dloss": float(diffs[0]), "dgrad": float(diffs[1])}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.main_grad.clone() for n, p in self.model.module.named_parameters()}
+
+    def _full(self, param: torch.nn.Parameter) -> torch.Tensor:
+        grad = param.main_grad
+        if not getattr(param, "tensor_model_parallel", False) or self.tp_group.size() == 1:
+            return grad
+        parts = [torch.empty_like(grad) for _ in range(self.tp_group.size())]
+        dist.all_gather(parts, grad.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=param.partition_dim)
+
+
+class HandPlanner:
+    """A stand-in for `StepPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
+
+    def __init__(self, *makers) -> None:
+        self.makers = list(makers)
+
+    def plan(self, batch: Batch) -> Plan:
+        return self.makers.pop(0)(batch)
+
+    def prefetch(self, batch: Batch) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def barrier_plan(batch: Batch, n: int) -> Plan:
+    """Phase 0: every rank alone on a few samples; phase 1: ranks 0..n-2 on the rest, rank n-1 idle; barriers.
+
+    Rank n-1's last microbatch is followed by a barrier, so its gradient reduction must start after it.
+    """
+    ids = [s.id for s in batch.samples]
+    first, rest = ids[: 2 * n], ids[2 * n:]
+    groups = [PlanGroup((r,), tuple((i,) for i in first[r::n])) for r in range(n)]
+    groups.append(PlanGroup(tuple(range(n - 1)), tuple(tuple(rest[i::2]) for i in range(2) if rest[i::2]), phase=1))
+    groups.append(PlanGroup((n - 1,), (), phase=1))
+    return Plan("hand", n, n, batch.samples, tuple(groups), phase_barrier=True)
+
+
+def idle_plan(batch: Batch, n: int) -> Plan:
+    """Rank n-1 gets nothing at all this step; the others share the batch in groups of one and n-1."""
+    ids = [s.id for s in batch.samples]
+    half = len(ids) // 2
+    groups = [PlanGroup((r,), tuple((i,) for i in ids[r:half:n - 1])) for r in range(n - 1)]
+    groups.append(PlanGroup(tuple(range(n - 1)), (tuple(ids[half:]),), phase=1))
+    groups.append(PlanGroup((n - 1,), ()))
+    return Plan("hand", n, n, batch.samples, tuple(groups))
+
+
+def hooks_checks() -> dict:
+    """4 ranks: TP 1 (domain of 4), then TP 2 (two domains of 2) in the same processes."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_dhp.megatron import setup
+    from megatron_dhp.megatron.data import wrap_data_iterator
+    from megatron_dhp.megatron.state import get_runtime, set_runtime
+
+    init_distributed(tensor_parallel=1, timeout=timedelta(seconds=90))
+    initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
+    out: dict = {"rank": dist.get_rank()}
+
+    # --- planned steps with the dhp planner, planning one step ahead, against the oracle
+    h = Harness(seed=3)
+    train, valid, _ = setup(megatron_args(), h.train, h.valid, None)
+    runtime = get_runtime()
+    out["wrapped"] = (type(train).__name__, type(train.iterable).__name__, train.iterable.source is h.train.iterable)
+    out["exact"], out["counts"] = [], []
+    for step in range(3):
+        reports, loss = h.run(train)
+        out["exact"].append(h.compare(step, loss))
+        out["counts"].append((len(reports), runtime.pool.created))
+        if step == 0:
+            # Megatron's rerun state machine replays the step: same microbatches, no loader read, same gradients
+            first, pulled = h.grads(), h.pulled
+            train.rewind()
+            h.run(train)
+            out["replay"] = (max(float((g - first[n]).abs().max()) for n, g in h.grads().items()), h.pulled - pulled)
+            train.advance()
+    out["pulled_after_3"] = h.pulled  # 3 steps + the one read ahead, K loader microbatches each
+    _, loss = h.run(valid, forward_only=True)
+    out["eval"] = h.compare(100, loss, grads=False)
+
+    # --- hand plans with overlapped gradient reduction: a rank with no work, then barriers between phases.
+    # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
+    # by barriers, so it runs under no_sync and its reduction must be started after them.
+    set_runtime(None)
+    runtime.planner.close()
+    n = runtime.domain.size
+    g = Harness(seed=4, overlap_grad_reduce=True, steps=range(3, 5))
+    hand = replace(runtime, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n)))
+    set_runtime(hand)
+    it = wrap_data_iterator(g.train, hand, lookahead=False)
+    for name, step in (("idle", 3), ("barrier", 4)):
+        reports, loss = g.run(it)
+        out[name] = (g.compare(step, loss), len(reports))
+    set_runtime(None)
+
+    # --- tensor parallel 2: TP rank 1 has no loader and receives its rank 0's sequences
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(0)
+    t = Harness(seed=5)
+    train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12), t.train, None, None)
+    out["tp2_domain"] = get_runtime().domain.global_ranks
+    out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
+    get_runtime().planner.close()
+    dist.destroy_process_group()
+    out["tolerance"] = TOLERANCE
+    return out
+
+
+def _domain_group():
+    from megatron_dhp.megatron.state import get_runtime
+
+    return get_runtime().domain.group

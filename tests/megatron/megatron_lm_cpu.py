@@ -1,0 +1,62 @@
+"""Run a Megatron-LM checkout's pretrain_gpt.py on CPU gloo ranks (under torchrun), for tests only.
+
+Megatron-LM's training loop assumes CUDA in a few dozen places that have nothing to do with megatron-dhp:
+the CUDA assert at start-up, fused-kernel compilation, the JIT warm-up, `.cuda()` moves, CUDA streams and
+memory statistics, `device="cuda"` literals and a GPU-architecture probe. This shim answers each on the
+CPU, then runs the script as `__main__`, so a test can compare a --dhp run with an upstream one.
+
+    cd MEGATRON_LM && torchrun --nproc-per-node 4 .../megatron_lm_cpu.py <pretrain_gpt.py flags>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import runpy
+import sys
+
+import torch
+
+# megatron.training modules with device="cuda" literals on the path of a small CPU run
+TRAINING_MODULES = (
+    "megatron.training.training",
+    "megatron.training.utils",
+    "megatron.training.initialize",
+    "megatron.training.global_vars",
+    "megatron.training.theoretical_memory_usage",
+)
+
+
+def answer_cuda_on_cpu() -> None:
+    """Make Megatron-LM's CUDA assumptions hold on a CPU-only machine (megatron-core's shim first)."""
+    from megatron_dhp.integration.cpu_compat import apply_cpu_compat, redirect_cuda_literals
+
+    apply_cpu_compat()
+    torch.cuda.device_count = lambda: 1  # Megatron initialises model parallelism only "with devices"
+    torch.cuda.set_device = lambda *_, **__: None
+    torch.Tensor.cuda = lambda self, *_, **__: self
+    torch.nn.Module.cuda = lambda self, *_, **__: self
+    torch.cuda.Stream = lambda *_, **__: torch.cuda.current_stream()
+    torch.cuda.stream = lambda *_, **__: contextlib.nullcontext()
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(torch.cuda, stat, lambda *_, **__: 0)
+    torch.cuda.empty_cache = lambda: None
+
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    training.set_jit_fusion_options = lambda *_, **__: None  # warms up CUDA kernels
+    fused_kernels.load = lambda *_: None  # compiles CUDA kernels
+    arguments.get_device_arch_version = lambda: 9  # reads the GPU's compute capability
+    redirect_cuda_literals(TRAINING_MODULES)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+    answer_cuda_on_cpu()
+    runpy.run_path("pretrain_gpt.py", run_name="__main__")

@@ -1,0 +1,127 @@
+"""The --dhp flags: parsing in a Megatron-style parser, YAML plus flag overrides, and every rejected combination."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.megatron.arguments import (
+    add_dhp_args,
+    dhp_config_from_args,
+    validate_dhp_args,
+    with_dhp_args,
+)
+
+# What Megatron's own parser and validate_args leave in args for a plain dense GPT run
+MEGATRON_DEFAULTS = dict(
+    context_parallel_size=1, calculate_per_token_loss=True, pipeline_model_parallel_size=1,
+    hybrid_context_parallel=False, sequence_parallel=False, num_experts=None, mtp_num_layers=None,
+    multi_latent_attention=False, use_legacy_models=False, reset_attention_mask=False, reset_position_ids=False,
+    iterations_to_skip=[], rampup_batch_size=None, attention_dropout=0.0, transformer_impl="local",
+    cp_comm_type=["p2p"], cuda_graph_impl="none", attention_backend="AttnBackend.auto",
+)
+
+
+def parse(argv: list[str], **megatron: object) -> argparse.Namespace:
+    """Parse like Megatron does with our extra_args_provider, then fill in Megatron's own arguments."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    args = add_dhp_args(parser).parse_args(argv)
+    for key, value in {**MEGATRON_DEFAULTS, **megatron}.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_flags_parse_into_the_argument_group():
+    parser = add_dhp_args(argparse.ArgumentParser(allow_abbrev=False))
+    groups = [g.title for g in parser._action_groups]
+    assert "dynamic hybrid parallelism (megatron-dhp)" in groups
+    args = parser.parse_args(["--dhp", "--dhp-planner", "static", "--dhp-max-tokens-per-rank", "4096",
+                              "--dhp-comm", "ring", "--dhp-cost", "gpt7b-48", "--dhp-log-plans"])
+    assert (args.dhp, args.dhp_planner, args.dhp_max_tokens_per_rank, args.dhp_comm, args.dhp_cost, args.dhp_log_plans) == (
+        True, "static", 4096, "ring", "gpt7b-48", True)
+    unset = parser.parse_args([])
+    assert unset.dhp is False and unset.dhp_config is None and unset.dhp_log_plans is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dhp-comm", "p2p"])
+
+
+def test_with_dhp_args_keeps_the_other_provider():
+    def other(parser):
+        parser.add_argument("--modelopt-thing", type=int, default=3)
+        return parser
+
+    args = with_dhp_args(other)(argparse.ArgumentParser()).parse_args(["--dhp"])
+    assert args.dhp and args.modelopt_thing == 3
+    assert with_dhp_args(None)(argparse.ArgumentParser()).parse_args([]).dhp is False
+
+
+def test_flags_override_the_yaml(tmp_path):
+    yaml = tmp_path / "dhp.yaml"
+    yaml.write_text("planner: static\nmax_tokens_per_rank: 2048\ncomm: ulysses\nlog_plans: false\noverlap_planning: false\n")
+    config = dhp_config_from_args(parse(["--dhp", "--dhp-config", str(yaml), "--dhp-comm", "ring", "--dhp-log-plans"]))
+    assert (config.planner, config.max_tokens_per_rank, config.comm, config.log_plans, config.overlap_planning) == (
+        "static", 2048, "ring", True, False)
+    assert validate_dhp_args(parse(["--dhp", "--dhp-config", str(yaml)])).comm == "ulysses"
+    assert dhp_config_from_args(parse(["--dhp"])).planner == "dhp"  # no YAML: the defaults
+
+
+@pytest.mark.parametrize(
+    "argv,megatron,match",
+    [
+        ([], dict(context_parallel_size=4), "--context-parallel-size 4 with --dhp.*set --context-parallel-size 1"),
+        ([], dict(calculate_per_token_loss=False), "--dhp needs --calculate-per-token-loss"),
+        ([], dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2 with --dhp.*no pipelining"),
+        ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
+        ([], dict(sequence_parallel=True), "drop --sequence-parallel"),
+        ([], dict(num_experts=8), "--num-experts 8 with --dhp: MoE"),
+        ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
+        ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
+        ([], dict(use_legacy_models=True), "--use-legacy-models"),
+        ([], dict(reset_attention_mask=True), "--reset-attention-mask with --dhp needs --reset-position-ids"),
+        ([], dict(iterations_to_skip=[5]), "--iterations-to-skip"),
+        ([], dict(rampup_batch_size=[16, 16, 1000]), "--rampup-batch-size with overlap_planning"),
+        ([], dict(cuda_graph_impl="local"), "--cuda-graph-impl local with --dhp"),
+        ([], dict(attention_backend="AttnBackend.local"), "--attention-backend local with --dhp"),
+        ([], dict(attention_dropout=0.1), "--attention-dropout 0.1 with layer_spec local"),
+        (["--dhp-planner", "magic"], {}, "planner 'magic' is unknown; choose one of dhp, static"),
+        (["--dhp-max-tokens-per-rank", "0"], {}, "max_tokens_per_rank = 0 must be >= 1"),
+        (["--dhp-cost", "nope"], {}, "cost config 'nope' is neither a file nor a preset"),
+        (["--dhp-config", "missing.yaml"], {}, "dhp config 'missing.yaml' does not exist"),
+    ],
+)
+def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
+    with pytest.raises(DhpError, match=match):
+        validate_dhp_args(parse(["--dhp", *argv], **megatron))
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(DhpError) as e:
+        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False))
+    assert "--context-parallel-size 2" in str(e.value) and "--calculate-per-token-loss" in str(e.value)
+
+
+def test_te_layer_spec_takes_te_with_a_thd_cp_type(tmp_path):
+    te = tmp_path / "te.yaml"
+    te.write_text("layer_spec: te\n")
+    ok = parse(["--dhp", "--dhp-config", str(te)], transformer_impl="transformer_engine", cp_comm_type=["all_gather"],
+               attention_dropout=0.1)
+    assert validate_dhp_args(ok).layer_spec == "te"  # TE has its own dropout
+    with pytest.raises(DhpError, match="layer_spec te needs --transformer-impl transformer_engine"):
+        validate_dhp_args(parse(["--dhp", "--dhp-config", str(te)]))
+    with pytest.raises(DhpError, match="--cp-comm-type a2a with layer_spec te"):
+        validate_dhp_args(parse(["--dhp", "--dhp-config", str(te)], transformer_impl="transformer_engine", cp_comm_type=["a2a"]))
+    with pytest.raises(DhpError, match="--dhp-comm chooses the CP variant of layer_spec local"):
+        validate_dhp_args(parse(["--dhp", "--dhp-config", str(te), "--dhp-comm", "ring"], transformer_impl="transformer_engine"))
+
+
+def test_without_dhp_nothing_is_checked_but_stray_flags_are_named():
+    assert validate_dhp_args(parse([], context_parallel_size=4, calculate_per_token_loss=False)) is None
+    with pytest.raises(DhpError, match="--dhp-config, --dhp-comm given without --dhp"):
+        validate_dhp_args(parse(["--dhp-config", "x.yaml", "--dhp-comm", "ring"]))
+
+
+def test_ulysses_needs_no_head_divisibility_check():
+    # the runtime's Ulysses handles heads that do not divide by the group size (tests/runtime), so it is allowed
+    assert validate_dhp_args(parse(["--dhp", "--dhp-comm", "ulysses"])).comm == "ulysses"

@@ -1,0 +1,71 @@
+"""The presets, the README's key table and flag list, and the two scripts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_dhp.config_io import field_docs, markdown_table
+from megatron_dhp.cost import CostConfig
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.megatron.arguments import add_dhp_args, dhp_config_from_args
+
+REPO = Path(__file__).resolve().parents[2]
+PRESETS = ("llama3_8b_dhp", "gpt7b_64gpu", "multimodal_dhp")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_with_their_cost_model(name):
+    config = DhpConfig.load(REPO / "configs" / f"{name}.yaml")
+    cost = CostConfig.load(config.cost)
+    if name == "multimodal_dhp":
+        assert cost.enc_attn_s_per_token2 > 0 and cost.enc_linear_s_per_token > 0
+
+
+def test_readme_documents_every_key_and_flag():
+    readme = (REPO / "README.md").read_text()
+    assert markdown_table(DhpConfig) in readme, "regenerate the table: megatron_dhp.config_io.markdown_table(DhpConfig)"
+    assert set(field_docs(DhpConfig)) == {f for f in DhpConfig.__dataclass_fields__}  # every field has a docstring
+    flags = [a.option_strings[0] for a in add_dhp_args(argparse.ArgumentParser())._actions if a.option_strings[0] != "-h"]
+    assert flags and all(f"`{f}" in readme for f in flags), [f for f in flags if f"`{f}" not in readme]
+
+
+def launch_command(**env: str) -> list[str]:
+    out = subprocess.run([str(REPO / "scripts" / "pretrain_gpt_dhp.sh"), "--seed", "7"], check=True, capture_output=True,
+                         text=True, env={**os.environ, "DRY_RUN": "1", "MEGATRON_LM": "/mlm", "DATA_PATH": "/data/c",
+                                         "TOKENIZER_MODEL": "tok", "CHECKPOINT_DIR": "/ckpt", **env})
+    return shlex.split(out.stdout)
+
+
+def test_launch_script_is_a_complete_dhp_command():
+    command = launch_command(NNODES="8", NODE_RANK="3", MASTER_ADDR="node0")
+    text = " ".join(command)
+    assert command[0] == "torchrun" and "--nproc-per-node 8 --nnodes 8 --node-rank 3 --master-addr node0" in text
+    for expected in ("--num-layers 32", "--hidden-size 4096", "--num-attention-heads 32", "--num-query-groups 8",
+                     "--ffn-hidden-size 14336", "--position-embedding-type rope", "--swiglu", "--bf16",
+                     "--tensor-model-parallel-size 2", "--context-parallel-size 1", "--calculate-per-token-loss",
+                     f"--dhp --dhp-config {REPO}/configs/llama3_8b_dhp.yaml"):
+        assert expected in text, expected
+    assert command[-2:] == ["--seed", "7"]  # extra arguments reach pretrain_gpt.py
+    args, _ = add_dhp_args(argparse.ArgumentParser()).parse_known_args(command[command.index("pretrain_gpt.py") + 1:])
+    assert dhp_config_from_args(args).layer_spec == "te"
+
+
+def test_launch_script_names_what_is_missing():
+    out = subprocess.run([str(REPO / "scripts" / "pretrain_gpt_dhp.sh")], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "MEGATRON_LM"})
+    assert out.returncode != 0 and "set MEGATRON_LM" in out.stderr
+
+
+def test_apply_patches_script_calls_the_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ""}
+    usage = subprocess.run([str(REPO / "scripts" / "apply_patches.sh")], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    out = subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(tmp_path), "--check"], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 2 and "is not a Megatron-LM checkout" in out.stderr

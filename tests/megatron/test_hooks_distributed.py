@@ -1,0 +1,75 @@
+"""The Megatron-LM hooks together on 4 gloo ranks, against the single-process oracle (fp32, 1e-5).
+
+One launch runs everything (see `dist_workers.hooks_checks`): `setup` wraps Megatron-style loaders, the
+schedule runs planned steps through Megatron's own forward/backward helpers and `finalize_model_grads`, and
+`forward_step` feeds the model; loss and every gradient must equal a single process on the same documents.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dhp.runtime.launch import launch
+from tests.megatron import dist_workers
+
+K = dist_workers.LOADER_MICROBATCHES
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return launch(dist_workers.hooks_checks, 4, timeout_s=500)
+
+
+def assert_exact(result: dict, tolerance: float) -> None:
+    assert result["dloss"] <= tolerance and result["dgrad"] <= tolerance, result
+
+
+def test_iterators_are_planned_steps_inside_rerun_data_iterator(ranks):
+    for r in ranks:
+        assert r["wrapped"] == ("RerunDataIterator", "StepIterator", True)
+
+
+def test_planned_steps_match_a_single_process(ranks):
+    for r in ranks:
+        assert len(r["exact"]) == 3
+        for result in r["exact"]:
+            assert_exact(result, r["tolerance"])
+
+
+def test_each_rank_runs_the_plans_microbatch_count(ranks):
+    # per step, the ranks' microbatch counts differ and are the plan's, not Megatron's K
+    counts = [[c for c, _ in r["counts"]] for r in ranks]
+    assert all(c >= 1 for rank in counts for c in rank)
+    assert any(rank != [K] * 3 for rank in counts)
+
+
+def test_planning_reads_one_step_ahead_and_a_replay_reads_nothing(ranks):
+    for r in ranks:
+        assert r["pulled_after_3"] == 4 * K  # 3 steps + the one planned ahead
+        worst, extra_reads = r["replay"]
+        assert worst == 0.0 and extra_reads == 0
+
+
+def test_evaluation_runs_forward_only_through_the_plan(ranks):
+    for r in ranks:
+        assert_exact(r["eval"], r["tolerance"])
+
+
+def test_barriers_between_phases_with_overlapped_gradient_reduction(ranks):
+    for r in ranks:
+        result, count = r["barrier"]
+        assert_exact(result, r["tolerance"])
+    assert [r["barrier"][1] for r in ranks][-1] == 2  # rank 3 ends in phase 0, before a barrier
+
+
+def test_an_idle_rank_runs_one_empty_microbatch(ranks):
+    for r in ranks:
+        assert_exact(r["idle"][0], r["tolerance"])
+    assert ranks[3]["idle"][1] == 1
+
+
+def test_tensor_parallel_ranks_share_rank_zeros_loader(ranks):
+    assert sorted(r["tp2_domain"] for r in ranks) == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    for r in ranks:
+        for result in r["tp2"]:
+            assert_exact(result, r["tolerance"])

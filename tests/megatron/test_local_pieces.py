@@ -1,0 +1,153 @@
+"""The hooks' single-process pieces: layer spec, loader rows to sequences, the schedule's work list, errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.dispatch import StepInputs
+from megatron_dhp.workload.sample import Batch
+
+
+def dhp_args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"dhp": True, "dhp_config": None, "dhp_planner": None, "dhp_max_tokens_per_rank": None,
+                                 "dhp_comm": None, "dhp_cost": None, "dhp_log_plans": None, **kw})
+
+
+def test_layer_spec_swaps_attention_in_megatron_specs():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_dhp.megatron import layer_spec
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
+
+    base = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+    spec = layer_spec(base, dhp_args())
+    attention = spec.submodules.self_attention
+    assert attention.module is DynamicCPSelfAttention and attention.submodules.core_attention is DynamicCPAttention
+    assert attention.submodules.q_layernorm is base.submodules.self_attention.submodules.q_layernorm  # the rest kept
+    assert base.submodules.self_attention.submodules.core_attention is DotProductAttention  # a copy, not in place
+
+
+def test_layer_spec_rejects_what_it_cannot_convert(tmp_path):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dhp.megatron import layer_spec
+
+    mla = get_gpt_layer_local_spec(multi_latent_attention=True)
+    with pytest.raises(DhpError, match="self_attention is megatron's SelfAttention"):
+        layer_spec(mla, dhp_args())
+    te = tmp_path / "te.yaml"
+    te.write_text("layer_spec: te\n")
+    if not torch.cuda.is_available():
+        with pytest.raises(DhpError, match="'te' layer spec needs"):
+            layer_spec(get_gpt_layer_local_spec(), dhp_args(dhp_config=str(te)))
+
+
+def test_layer_spec_provider_resolves_megatron_019_choices():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dhp.megatron import layer_spec_provider
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
+
+    seen = []
+
+    def by_stage(config, vp_stage=None):
+        seen.append((config, vp_stage))
+        return get_gpt_layer_local_spec()
+
+    for given in (get_gpt_layer_local_spec(), by_stage, lambda config: get_gpt_layer_local_spec()):
+        spec = layer_spec_provider(given, dhp_args())("cfg", vp_stage=1)
+        assert spec.submodules.self_attention.module is DynamicCPSelfAttention
+    assert seen == [("cfg", 1)]
+
+
+def test_rows_become_sequences():
+    from megatron_dhp.megatron.data import sequences
+
+    tokens = torch.arange(20).view(2, 10)
+    batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, 10),
+             "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])}
+    assert [len(s[0]) for s in sequences(batch, split_documents=False)] == [10, 10]
+    docs = sequences(batch, split_documents=True)
+    assert [len(s[0]) for s in docs] == [3, 2, 5, 7, 3]
+    assert docs[2][0].tolist() == [5, 6, 7, 8, 9] and docs[2][1].tolist() == [6, 7, 8, 9, 10]
+    # cu_seqlens (packed SFT / inter-document masking) win, padded entries repeat the last boundary
+    packed = dict(batch, cu_seqlens=torch.tensor([[0, 4, 10, 10, 10], [0, 1, 10, 10, 10]], dtype=torch.int32))
+    assert [len(s[0]) for s in sequences(packed, split_documents=False)] == [4, 6, 1, 9]
+
+
+def _plan(groups, *, barrier=False, n=3) -> Plan:
+    return Plan("t", n, n, Batch.from_lengths([4, 4, 4, 4]).samples, tuple(groups), phase_barrier=barrier)
+
+
+def test_work_items_follow_phases_with_barriers_and_fill_idle_ranks():
+    from megatron_dhp.megatron.schedule import BARRIER, work_items
+    from megatron_dhp.runtime.dispatch import MicrobatchInputs
+    from megatron_dhp.runtime.layout import MicrobatchLayout
+
+    def mb(phase):
+        layout = MicrobatchLayout((0,), (4,), 1, 0)
+        z = torch.zeros(4, dtype=torch.int64)
+        return MicrobatchInputs((0,), phase, layout, z, z, torch.ones(4), z)
+
+    plan = _plan([PlanGroup((0,), ((0,), (1,))), PlanGroup((1, 2), ((2, 3),)), PlanGroup((0, 1, 2), (), phase=1),
+                  PlanGroup((1,), (), phase=2), PlanGroup((0, 2), (), phase=2)])
+    mbs = (mb(0), mb(0))
+    assert work_items(StepInputs(plan, mbs, 16, 16), 0) == list(mbs)
+    barrier = _plan(plan.groups, barrier=True)
+    assert work_items(StepInputs(barrier, mbs, 16, 16), 0) == [*mbs, BARRIER, BARRIER]
+    idle = work_items(StepInputs(barrier, (), 16, 16), 2)
+    assert idle[1:] == [BARRIER, BARRIER] and idle[0].group_ranks == (2,)
+    assert float(idle[0].loss_mask.sum()) == 0 and idle[0].layout.num_slots == 1
+
+
+def test_forward_step_refuses_a_two_value_loss():
+    from megatron_dhp.megatron.forward import _per_token
+
+    with pytest.raises(DhpError, match="returned 2 values; --dhp needs the per-token form"):
+        _per_token(lambda out: (out.sum(), {}))(torch.ones(3))
+    assert len(_per_token(lambda out: (out.sum(), 3, {}))(torch.ones(3))) == 3
+    assert _per_token(lambda out, non_loss_data=False: out)(torch.ones(3), non_loss_data=True).shape == (3,)
+
+
+def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
+    from megatron_dhp.megatron.data import step_iterator
+    from megatron_dhp.megatron.state import get_runtime
+
+    with pytest.raises(DhpError, match="megatron-dhp is not set up"):
+        get_runtime()
+    with pytest.raises(DhpError, match="not a planned-step iterator"):
+        step_iterator(iter([]))
+
+
+def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
+    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once."""
+    import sys
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
+    from megatron_dhp.runtime.model import with_dynamic_cp
+
+    class TEDotProductAttention:
+        cp_stream = None
+
+    stub = types.ModuleType("megatron.core.extensions.transformer_engine")
+    stub.TEDotProductAttention = TEDotProductAttention
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", stub)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "a stream")
+    te_spec = get_gpt_layer_local_spec()
+    te_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    spec = with_dynamic_cp(te_spec, backend="te")
+    assert TEDotProductAttention.cp_stream == "a stream"
+    assert spec.submodules.self_attention.module is DynamicCPSelfAttention
+    assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention  # TE keeps its own
+    with pytest.raises(DhpError, match="layer spec 'te' needs TEDotProductAttention as core attention"):
+        with_dynamic_cp(get_gpt_layer_local_spec(), backend="te")

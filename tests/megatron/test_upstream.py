@@ -1,0 +1,190 @@
+"""megatron-dhp on real Megatron-LM checkouts: the patches, the launch script's flags, CPU training runs.
+
+Point MEGATRON_LM_DIR at a pristine checkout of a supported tag or at a folder holding several (or set
+MEGATRON_LM_DIR_0_16_1 / MEGATRON_LM_DIR_0_19_0); without one a test skips. Every test works on a copy,
+never on the given tree. What imports `megatron.training` runs in a subprocess with the copy first on
+PYTHONPATH, and skips where it cannot import (0.16.1 imports on Python 3.11; 0.19 needs Python 3.12).
+"""
+
+from __future__ import annotations
+
+import os
+import py_compile
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.megatron.patching import SUPPORTED_TAGS, apply, detect, patch_file, patched_files
+from megatron_dhp.runtime.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def upstream_trees() -> dict[str, Path]:
+    """Supported tag -> a checkout of it, from the environment."""
+    candidates = [os.environ.get(f"MEGATRON_LM_DIR_{t.removeprefix('core_v').replace('.', '_')}") for t in SUPPORTED_TAGS]
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if root:
+        candidates += [root, *(str(p) for p in sorted(Path(root).iterdir()) if p.is_dir())] if Path(root).is_dir() else [root]
+    found: dict[str, Path] = {}
+    for c in filter(None, candidates):
+        try:
+            found.setdefault(detect(c).tag, Path(c))
+        except DhpError:
+            continue
+    return found
+
+
+TREES = upstream_trees()
+
+
+def tree_of(tag: str) -> Path:
+    if tag not in TREES:
+        pytest.skip(f"no Megatron-LM {tag} checkout: set MEGATRON_LM_DIR (or MEGATRON_LM_DIR_{tag[6:].replace('.', '_')})")
+    return TREES[tag]
+
+
+def copy_of(tree: Path, dest: Path, files: list[str] | None = None) -> Path:
+    """A copy of the whole checkout (without .git), or of just `files` and package_info."""
+    if files is None:
+        shutil.copytree(tree, dest, ignore=shutil.ignore_patterns(".git", ".python-version"))
+        return dest
+    for rel in [*files, "megatron/core/package_info.py"]:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tree / rel, dest / rel)
+    return dest
+
+
+def run_python(code: str, *, cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", **env})
+
+
+def require_megatron_training(tree: Path) -> None:
+    probe = run_python("import megatron.training.training", cwd=tree, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"megatron.training of {tree} does not import here: {probe.stderr.strip().splitlines()[-1]}")
+
+
+@pytest.mark.parametrize("tag", SUPPORTED_TAGS)
+def test_patch_applies_to_a_pristine_tree_idempotently_and_reverts(tag, tmp_path):
+    tree = tree_of(tag)
+    files = patched_files(patch_file(tag))
+    copy = copy_of(tree, tmp_path / "mlm", files)
+    originals = {f: (copy / f).read_text() for f in files}
+    check = apply(copy, check=True)
+    if "already applied" in check:
+        pytest.fail(f"{tree} is already patched; point MEGATRON_LM_DIR at a pristine checkout of {tag}")
+    assert check.endswith("applies cleanly")
+    assert apply(copy).endswith(f"applied ({len(files)} files)")
+    assert apply(copy).endswith("already applied, nothing to do")
+    for f in files:
+        assert "megatron_dhp" in (copy / f).read_text() or "dhp." in (copy / f).read_text()
+        py_compile.compile(str(copy / f), doraise=True)
+    assert apply(copy, revert=True).endswith(f"reverted ({len(files)} files)")
+    assert {f: (copy / f).read_text() for f in files} == originals
+
+
+@pytest.mark.parametrize("tag", SUPPORTED_TAGS)
+def test_patch_conflict_on_a_changed_file(tag, tmp_path):
+    copy = copy_of(tree_of(tag), tmp_path / "mlm", patched_files(patch_file(tag)))
+    script = copy / "pretrain_gpt.py"
+    script.write_text(script.read_text().replace("from model_provider import model_provider",
+                                                 "from model_provider import model_provider  # local edit"))
+    with pytest.raises(DhpError, match=rf"pretrain_gpt\.py differs from Megatron-LM {re.escape(tag)}"):
+        apply(copy)
+
+
+def test_launch_script_flags_pass_megatron_lm_validation(tmp_path):
+    """The flags of scripts/pretrain_gpt_dhp.sh through Megatron-LM's parser, validate_args and ours."""
+    tree = tree_of("core_v0.16.1")
+    require_megatron_training(tree)
+    env = dict(os.environ, DRY_RUN="1", MEGATRON_LM=str(tree), DATA_PATH="/data/x", TOKENIZER_MODEL="t",
+               CHECKPOINT_DIR=str(tmp_path), NNODES="4")
+    command = shlex.split(subprocess.run([str(REPO / "scripts" / "pretrain_gpt_dhp.sh")], env=env, check=True,
+                                         capture_output=True, text=True).stdout)
+    argv = command[command.index("pretrain_gpt.py") + 1:]
+    code = textwrap.dedent(f"""
+        import sys, warnings
+        warnings.filterwarnings("ignore")
+        import megatron.training.arguments as arguments
+        arguments.get_device_arch_version = lambda: 9  # validate_args reads the GPU generation
+        import megatron_dhp.megatron as dhp
+        sys.argv = ["pretrain_gpt.py", *{argv!r}]
+        args = arguments.parse_args(dhp.with_dhp_args(None))
+        arguments.validate_args(args, {{"tokenizer_type": "GPT2BPETokenizer"}})
+        config = dhp.validate_dhp_args(args)
+        print("RESULT", args.data_parallel_size, args.tensor_model_parallel_size, config.layer_spec, config.max_tokens_per_rank)
+    """)
+    out = run_python(code, cwd=tree, WORLD_SIZE="32", RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT 16 2 te 8192" in out.stdout
+
+
+# A tiny GPT on mock data, small enough for 4 CPU ranks; every fusion off (they need CUDA or TE).
+TINY = """
+--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention
+--num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope
+--normalization RMSNorm --swiglu --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0
+--transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
+--no-masked-softmax-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm
+--context-parallel-size 1 --distributed-backend gloo
+--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --clip-grad 0.0 --calculate-per-token-loss
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 --eod-mask-loss
+--log-interval 1 --eval-interval 2 --eval-iters 1
+""".split()
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask"]
+# 64-token rows over at most 32 tokens per rank: every row runs on a context-parallel group
+DHP = ["--dhp", "--dhp-max-tokens-per-rank", "32", "--dhp-log-plans", "--no-create-attention-mask-in-dataloader"]
+
+
+@pytest.fixture(scope="module")
+def patched_016(tmp_path_factory) -> Path:
+    """A full copy of the 0.16.1 checkout with the patch applied and megatron-core's compiled dataset helper."""
+    tree = tree_of("core_v0.16.1")
+    require_megatron_training(tree)
+    copy = copy_of(tree, tmp_path_factory.mktemp("patched") / "mlm")
+    apply(copy)
+    import megatron.core.datasets as installed
+    import megatron.core.package_info as installed_version
+
+    helper = next(Path(installed.__file__).parent.glob("helpers_cpp*.so"), None)
+    if helper is None or installed_version.__version__ != "0.16.1":
+        pytest.skip("needs megatron-core 0.16.1 installed with its compiled dataset helper (helpers_cpp)")
+    shutil.copy2(helper, copy / "megatron" / "core" / "datasets" / helper.name)
+    return copy
+
+
+def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
+    """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+               str(Path(__file__).with_name("megatron_lm_cpu.py")), *flags]
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    log = out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)]
+    losses += [float(x) for x in re.findall(r"validation loss at iteration \d+.*?lm loss value: ([0-9.E+-]+)", log)]
+    return losses, log.count("dhp plan: ")
+
+
+@pytest.mark.parametrize("tp,documents", [(1, True), (2, False)], ids=["tp1-documents", "tp2-rows"])
+def test_pretrain_gpt_with_dhp_trains_like_upstream(patched_016, tp, documents):
+    """The patched pretrain_gpt.py with --dhp against itself without: same losses over 3 steps and evaluation.
+
+    With documents, upstream masks attention between them from the loader's masks while megatron-dhp runs
+    each document as its own sequence; with TP 2, the second TP rank reads no loader and is sent its data.
+    """
+    flags = [*TINY, "--tensor-model-parallel-size", str(tp), *(DOCUMENTS if documents else [])]
+    upstream, plans_upstream = train_on_cpu(patched_016, flags)
+    dhp, plans = train_on_cpu(patched_016, [*flags, *DHP])
+    assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
+    assert plans == 6  # one plan per training step and per evaluation step
+    assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
