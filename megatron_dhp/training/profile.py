@@ -41,7 +41,7 @@ TERMS = ("microbatch_overhead_s", "cp_microbatch_overhead_s", "sample_overhead_s
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One microbatch shape: `samples` samples of `length` tokens on groups of `group_size` ranks."""
+    """One microbatch shape: `samples` samples of about `length` tokens on groups of `group_size` ranks."""
 
     length: int
     group_size: int
@@ -201,7 +201,7 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
         p = too_big[0]
         raise DhpError(f"grid point of {p.samples} x {p.length} tokens on {p.group_size} ranks does not fit "
                        f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
-    return fit_report(config, grid, run_on_ranks(_measure_rank, config, grid, reps), reps=reps)
+    return fit_report(config, grid, run_on_ranks(measure, config, grid, reps), reps=reps)
 
 
 def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float], *, reps: int) -> ProfileReport:
@@ -220,7 +220,3 @@ def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float]
                      f"{time.strftime('%Y-%m-%d')}"),
     )
     return ProfileReport(grid, list(measured), predict(grid, c).tolist(), cost)
-
-
-def _measure_rank(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float]:
-    return measure(config, grid, reps)
