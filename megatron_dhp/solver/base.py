@@ -52,11 +52,11 @@ def run_planner(planner: Planner, batch: Batch, model: ReferenceCostModel) -> Pl
         samples=batch.samples,
         groups=tuple(groups),
         max_tokens_per_rank=domain.max_tokens_per_rank,
+        phase_barrier=getattr(planner, "phase_barrier", False),
     )
     plan.validate()
     return replace(
         plan,
-        phase_barrier=getattr(planner, "phase_barrier", False),
         predicted_step_time_s=simulate(plan, model).step_time_s,
         lower_bound_s=model.lower_bound(batch.samples),
         solve_time_ms=solve_ms,

@@ -32,14 +32,16 @@ def problems(draw):
         imgs = tuple([max(1, tokens // 8)] * k) if tokens >= 8 * k else ()
         samples.append(Sample(i, tokens, imgs))
     overlap = draw(st.booleans())
-    return n, gpn, cap, overlap, Batch(tuple(samples))
+    extras = draw(st.sampled_from([{}, {"sample_overhead_s": 0.003, "cp_microbatch_overhead_s": 0.02}]))
+    return n, gpn, cap, overlap, extras, Batch(tuple(samples))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
-    n, gpn, cap, overlap, batch = problem
-    config = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=gpn, max_tokens_per_rank=cap, overlap_comm=overlap)
+    n, gpn, cap, overlap, extras, batch = problem
+    config = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=gpn, max_tokens_per_rank=cap,
+                                 overlap_comm=overlap, **extras)
     model = build_cost_model(config)
     plan = run_planner(build_planner("dhp"), batch, model)
     plan.validate()
@@ -109,3 +111,12 @@ def test_uses_cheap_cells_when_communication_is_not_hidden(gpt7b_config):
     lengths = np.random.default_rng(0).integers(500, 4000, 256)
     plan = run_planner(build_planner("dhp"), Batch.from_lengths(lengths), model)
     assert {g.size for g in plan.groups} == {1}
+
+
+def test_sees_the_latency_of_multi_rank_microbatches(gpt7b_config):
+    # With a large per-microbatch latency on groups of > 1 rank, short samples are better off alone.
+    lengths = np.random.default_rng(1).integers(200, 3000, 64)
+    base = build_cost_model(dataclasses.replace(gpt7b_config, world_size=8))
+    slow = build_cost_model(dataclasses.replace(gpt7b_config, world_size=8, cp_microbatch_overhead_s=5.0))
+    assert {g.size for g in run_planner(build_planner("dhp"), Batch.from_lengths(lengths), base).groups} == {8}
+    assert {g.size for g in run_planner(build_planner("dhp"), Batch.from_lengths(lengths), slow).groups} == {1}

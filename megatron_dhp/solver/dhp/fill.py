@@ -36,6 +36,7 @@ class BinSet:
         self.classes = sorted(set(keys))
         self.class_of = [self.classes.index(k) for k in keys]
         self.times = [inst.times(s, intra).tolist() for s, intra in self.classes]
+        self.class_overhead = [inst.overhead(s) for s, _ in self.classes]
         self.room = [max(b.rooms, default=0) for b in bins]
         self.key = [(b.finish_s, k) for k, b in enumerate(bins)]
         self.by_class: list[list[tuple[float, int]]] = [[] for _ in self.classes]
@@ -55,11 +56,12 @@ class BinSet:
 
     def best_bin(self, item: int, exclude: int = -1) -> tuple[float, int]:
         """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
-        m, length, lo = self.inst.overhead, self.tokens[item], self.min_degree[item]
+        length, lo = self.tokens[item], self.min_degree[item]
         best = (math.inf, -1)
         for c, (size, _) in enumerate(self.classes):
             if size < lo:
                 continue
+            m = self.class_overhead[c]
             t = self.times[c][item]
             first = None
             for finish, b in self.by_class[c][:SCAN]:
@@ -82,7 +84,7 @@ class BinSet:
     def add(self, item: int, b: int) -> None:
         """Put the sample into bin b (best-fit microbatch)."""
         c = self.class_of[b]
-        add_to_group(self.bins[b], item, self.tokens[item], self.times[c][item], self.inst.overhead)
+        add_to_group(self.bins[b], item, self.tokens[item], self.times[c][item])
         self.where[item] = b
         self._refresh(b)
 
@@ -97,7 +99,7 @@ class BinSet:
         g.finish_s -= self.times[self.class_of[b]][item]
         if not g.microbatches[k]:
             del g.microbatches[k], g.rooms[k]
-            g.finish_s -= self.inst.overhead
+            g.finish_s -= g.overhead_s
         self._refresh(b)
         return before - g.finish_s
 
@@ -106,7 +108,7 @@ class BinSet:
         b = self.where[item]
         g = self.bins[b]
         alone = any(len(mb) == 1 and mb[0] == item for mb in g.microbatches)
-        return self.times[self.class_of[b]][item] + (self.inst.overhead if alone else 0.0)
+        return self.times[self.class_of[b]][item] + (g.overhead_s if alone else 0.0)
 
     def _refresh(self, b: int) -> None:
         lst = self.by_class[self.class_of[b]]

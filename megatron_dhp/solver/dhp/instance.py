@@ -43,10 +43,9 @@ class Instance:
         """M, the per-rank token cap."""
         return self.model.domain.max_tokens_per_rank
 
-    @property
-    def overhead(self) -> float:
-        """m, the fixed cost of one microbatch."""
-        return self.model.microbatch_overhead_s
+    def overhead(self, size: int) -> float:
+        """The fixed cost of one microbatch on a group of `size` ranks (m, plus any multi-rank latency)."""
+        return self.model.microbatch_overhead(size)
 
     def times(self, size: int, intra: bool) -> np.ndarray:
         """t(L, size) of every sample on a group of `size` ranks, cached per (size, placement)."""

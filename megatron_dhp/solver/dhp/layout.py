@@ -26,6 +26,8 @@ class DraftGroup:
     start_s: float
     cap: int
     """Per-rank token cap M: a microbatch holds at most size x cap tokens."""
+    overhead_s: float
+    """What opening one more microbatch on this group costs."""
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
     rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
     finish_s: float = 0.0
@@ -73,7 +75,7 @@ def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
 
 def place_wide(inst: Instance, timeline: Timeline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
     """Place wide samples, widest first, each on the window where it can start (and so end) earliest."""
-    n, gpn, cap, m = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap, inst.overhead
+    n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap
     prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
@@ -86,18 +88,18 @@ def place_wide(inst: Instance, timeline: Timeline, items: np.ndarray, degrees: n
         t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
         last = timeline.wide[-1] if timeline.wide else None
         if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
-            add_to_group(last, i, int(inst.tokens[i]), t, m)  # the same ranks again: extend their group
+            add_to_group(last, i, int(inst.tokens[i]), t)  # the same ranks again: extend their group
         else:
             phase = int(timeline.phase[s : s + d].max())
-            group = DraftGroup(s, d, phase, begin_s, cap)
-            add_to_group(group, i, int(inst.tokens[i]), t, m)
+            group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
+            add_to_group(group, i, int(inst.tokens[i]), t)
             timeline.wide.append(group)
             timeline.phase[s : s + d] = phase + 1
         timeline.ready[s : s + d] = timeline.wide[-1].finish_s
         prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
 
 
-def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float, overhead_s: float) -> None:
+def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> None:
     """Best-fit the item into an open microbatch of the group, or open a new one (paying the overhead)."""
     fits = [(room, k) for k, room in enumerate(group.rooms) if room >= tokens]
     if fits:
@@ -107,13 +109,14 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float, overh
     else:
         group.microbatches.append([item])
         group.rooms.append(group.size * group.cap - tokens)
-        time_s += overhead_s
+        time_s += group.overhead_s
     group.finish_s += time_s
 
 
-def open_bins(timeline: Timeline, num_ranks: int, cell: int, cap: int) -> list[DraftGroup]:
+def open_bins(inst: Instance, timeline: Timeline, cell: int) -> list[DraftGroup]:
     """Every maximal run of ranks inside one cell that is free at the same time, as an empty group."""
     bins: list[DraftGroup] = []
+    num_ranks = inst.num_ranks
     for c0 in range(0, num_ranks, cell):
         c1 = min(c0 + cell, num_ranks)
         r = c0
@@ -121,6 +124,6 @@ def open_bins(timeline: Timeline, num_ranks: int, cell: int, cap: int) -> list[D
             e = r + 1
             while e < c1 and timeline.ready[e] == timeline.ready[r] and timeline.phase[e] == timeline.phase[r]:
                 e += 1
-            bins.append(DraftGroup(r, e - r, int(timeline.phase[r]), float(timeline.ready[r]), cap))
+            bins.append(DraftGroup(r, e - r, int(timeline.phase[r]), float(timeline.ready[r]), inst.cap, inst.overhead(e - r)))
             r = e
     return bins

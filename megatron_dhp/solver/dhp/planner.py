@@ -46,7 +46,8 @@ def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarr
     for begin in range(0, len(items), step):
         chunk = items[begin : begin + step]
         t = inst.model.sample_time(inst.tokens[chunk, None], inst.work[chunk, None], ds[None, :], ds[None, :] <= gpn)
-        t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + inst.overhead, np.inf)
+        overhead = np.array([inst.overhead(int(d)) for d in ds])
+        t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + overhead[None, :], np.inf)
         within = t <= target_s
         first = np.argmax(within, axis=1)
         degrees[begin : begin + len(chunk)] = np.where(within.any(axis=1), first, np.argmin(t, axis=1)) + 1
@@ -55,7 +56,7 @@ def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarr
 
 def is_wide_for(inst: Instance, cell: int, target_s: float) -> np.ndarray:
     """Samples that need more ranks than a cell holds, or would run past the target on one cell."""
-    return (inst.min_degree > cell) | (inst.times(cell, True) + inst.overhead > target_s)
+    return (inst.min_degree > cell) | (inst.times(cell, True) + inst.overhead(cell) > target_s)
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Candidate:
 
         `degrees_of` holds the wide degree of every sample that is wide for some candidate.
         """
-        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.overhead
+        # Only the base overhead m: a multi-rank latency would only add time, so the bound stays a bound.
+        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.model.microbatch_overhead_s
         t_cell = inst.times(cell, True)
         is_wide = is_wide_for(inst, cell, target_s)
         wide = np.flatnonzero(is_wide)
@@ -96,7 +98,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     while True:
         timeline = Timeline.empty(n)
         place_wide(inst, timeline, wide, degrees_of[wide], cell)
-        bins = open_bins(timeline, n, cell, inst.cap)
+        bins = open_bins(inst, timeline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
         if not len(homeless):
