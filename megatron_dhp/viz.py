@@ -21,6 +21,8 @@ def _pyplot():
 def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
     """One row per rank; each group a block over its ranks coloured by its size, microbatches as ticks."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     sizes = sorted({g.size for g in plan.groups})
     cmap = plt.get_cmap("viridis", max(len(sizes), 2))
     colour = {d: cmap(i) for i, d in enumerate(sizes)}
@@ -41,6 +43,7 @@ def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
     ax.legend(handles, [str(d) for d in sizes], title="group size", fontsize=6, title_fontsize=7,
               loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 + len(sizes) // 12)
     ax.set_ylim(plan.world_size - 0.5, -0.5)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(0, timeline.step_time_s * 1.02)
     ax.set_ylabel("rank")
     ratio = f" = {timeline.step_time_s / plan.lower_bound_s:.3f} x lower bound (red)" if plan.lower_bound_s else ""

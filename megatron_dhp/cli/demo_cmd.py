@@ -21,8 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_train_args(p)
     p.add_argument("--planners", default="static,dhp", metavar="A,B",
                    help="planners to compare, the first is the baseline (default static,dhp)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="profile this machine first and plan with the fitted cost model (adds about a minute)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile this machine first and plan with the fitted cost model, so that predicted "
+                        "step times are this machine's (default; adds under a minute); --no-calibrate uses "
+                        "the config's cost model")
     p.add_argument("--out", default="demo_out", metavar="DIR", help="folder for the plot and JSON (default demo_out)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines (progress bars and the table only)")
     p.set_defaults(run=run)
@@ -70,16 +72,18 @@ def run(args: argparse.Namespace) -> int:
     first = result.runs[base]
     table = Table(title=f"{first.world_size} ranks, {len(first.records)} steps, same batches and weights "
                         f"(static CP for this data: {first.static_cp})")
-    for col in ("planner", "step time median", "speed-up", "tokens/s", "fwd+bwd pred / meas", "loss at last step"):
+    for col in ("planner", "step time median", "speed-up", "tokens/s", "fwd+bwd pred / meas", "pred within 15%",
+                "loss at last step"):
         table.add_column(col, justify="right")
     for name, run_ in result.runs.items():
         records = run_.records
         speedup = "1.00x (baseline)" if name == base else f"{result.speedup(base, name):.2f}x"
         pred = sorted(r.predicted_s for r in records)[len(records) // 2]
         meas = sorted(r.measured_s for r in records)[len(records) // 2]
+        close = sum(abs(r.predicted_s - r.measured_s) <= 0.15 * r.measured_s for r in records)
         table.add_row(name, f"{run_.median_step_s:.3f}s", speedup,
                       f"{sorted(r.tokens_per_s for r in records)[len(records) // 2]:,.0f}",
-                      f"{pred:.3f}s / {meas:.3f}s", f"{records[-1].loss:.6f}")
+                      f"{pred:.3f}s / {meas:.3f}s", f"{close}/{len(records)} steps", f"{records[-1].loss:.6f}")
     console.print(table)
     for name in others:
         a, b = first.records[-1].loss, result.runs[name].records[-1].loss
