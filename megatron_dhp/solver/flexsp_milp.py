@@ -8,7 +8,8 @@
    boundary is its longest sample); B starts at 16 and grows until padded tokens <= (real + N M) / 2. With
    B at the number of distinct lengths bucketing is exact: FlexSP's per-sequence MILP is this same model.
 3. The MILP of `flexsp_model` over buckets x power-of-two slots, HiGHS (FlexSP uses SCIP) under
-   `time_limit_s` per MILP, warm-started from the homogeneous greedy solution.
+   `time_limit_s` per MILP, warm-started from the homogeneous greedy solution, each in a process stopped at
+   a hard deadline (HiGHS does not always honour its limit).
 4. Concrete samples fill the solved per-bucket counts in a seeded random order (FlexSP draws at random);
    groups take contiguous rank ranges in ascending size order, as FlexSP lays them out.
 
@@ -125,8 +126,8 @@ class FlexSPPlanner:
         return groups
 
     def _best_count(self, inst: _Instance, counts: range) -> list[_Microbatch] | None:
-        """Solve every microbatch of every count on a pool of one HiGHS per core (FlexSP uses a process pool;
-        HiGHS releases the GIL while solving) and keep the count with the least summed makespan."""
+        """Solve every microbatch of every count, one HiGHS process per core at a time (FlexSP uses a process
+        pool), and keep the count with the least summed makespan."""
         tasks = [(c, k, chunk) for c in counts for k, chunk in enumerate(inst.blast(c))]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             solved = list(pool.map(lambda task: self._solve_microbatch(inst, task[1], task[2]), tasks))

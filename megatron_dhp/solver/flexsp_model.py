@@ -15,11 +15,19 @@ the optimum: the area cut sum_p sp_p time_p <= N M (each used slot runs within M
 from ~30% of the optimum to within a fraction of a percent, and symmetry breaking among the interchangeable
 slots of one size (used slots first, loads non-increasing). FlexSP warm-starts SCIP with homogeneous greedy
 solutions (`addSol`); HiGHS takes one start, the best of them.
+
+Each MILP runs in a child process (FlexSP, too, solves in a process pool) killed at a hard deadline: HiGHS
+does not check its time limit everywhere (presolve's strengthenInequalities inside a RENS sub-MIP looped for
+over 15 minutes on a 10 s limit here; ERGO-Code/HiGHS#2226), and a planner must not hang. A MILP cut off
+there keeps the homogeneous warm start, as one with no incumbent does.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import logging
+import multiprocessing
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,7 +210,57 @@ def _highs_model(problem: BucketProblem, col: _Columns, rows: _Rows, highspy) ->
     return lp
 
 
+def hard_deadline_s(time_limit_s: float) -> float:
+    """How long a MILP may run before its process is killed: twice HiGHS's own limit, plus start-up."""
+    return 2 * time_limit_s + 5.0
+
+
+@functools.cache
+def _solver_processes() -> multiprocessing.context.BaseContext:
+    """Fresh solver processes forked from a server that has imported this module (safe in a threaded or
+    CUDA-initialised parent, and a fork costs milliseconds)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def solve_bucket_milp(problem: BucketProblem, time_limit_s: float) -> SlotSolution | None:
+    """`solve_in_process` in a child process under `hard_deadline_s`; past it, the warm start."""
+    ctx = _solver_processes()
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_solve_child, args=(send, problem, time_limit_s), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(hard_deadline_s(time_limit_s)):
+            logging.getLogger(__name__).warning(
+                "HiGHS ran past %.0f s on a %.0f s time limit; its process was stopped and the homogeneous warm "
+                "start kept", hard_deadline_s(time_limit_s), time_limit_s)
+            return homogeneous_greedy(problem)
+        ok, value = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"the HiGHS solver process died (exit code {child.exitcode})") from None
+    finally:
+        child.kill()
+        child.join()
+        receive.close()
+    if not ok:
+        raise RuntimeError(f"the HiGHS solver process failed: {value}")
+    return value
+
+
+def _solve_child(send, problem: BucketProblem, time_limit_s: float) -> None:
+    """Child process: solve and send `(True, solution)`, or `(False, error text)`."""
+    try:
+        send.send((True, solve_in_process(problem, time_limit_s)))
+    except Exception as e:  # reported by the parent
+        send.send((False, f"{type(e).__name__}: {e}"))
+    finally:
+        send.close()
+
+
+def solve_in_process(problem: BucketProblem, time_limit_s: float) -> SlotSolution | None:
     """The MILP's best solution within the time limit (warm-started), or None if there is none."""
     import highspy
 

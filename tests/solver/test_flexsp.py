@@ -132,3 +132,26 @@ def test_non_power_of_two_domain(planners):
     for phase in range(plan.num_phases):
         sizes = [g.size for g in plan.groups if g.phase == phase]
         assert sum(sizes) == 48 and len(sizes) >= 2 and all(s & (s - 1) == 0 for s in sizes)
+
+
+def _small_problem() -> BucketProblem:
+    times = np.array([[0.4, 0.25, 0.15], [0.1, 0.06, 0.04]])
+    return BucketProblem(np.array([2, 6]), np.array([1500, 200]), times, np.array([2, 4, 8]), 8, 1000, 0.01)
+
+
+def test_a_milp_past_its_hard_deadline_keeps_the_warm_start(monkeypatch, caplog):
+    """HiGHS may ignore its time limit; the process is stopped and the homogeneous warm start returned."""
+    import megatron_dhp.solver.flexsp_model as flexsp_model
+
+    problem = _small_problem()
+    monkeypatch.setattr(flexsp_model, "hard_deadline_s", lambda limit: 0.0)
+    solution = solve_bucket_milp(problem, time_limit_s=5.0)
+    warm = homogeneous_greedy(problem)
+    assert solution.sizes == warm.sizes and (solution.counts == warm.counts).all() and not solution.optimal
+    assert "its process was stopped" in caplog.text
+
+
+def test_a_failing_solver_process_is_an_error_not_a_hang():
+    bad = BucketProblem(np.array([2, 6]), np.array([1500, 200]), np.zeros((1, 1)), np.array([2, 4, 8]), 8, 1000, 0.0)
+    with pytest.raises(RuntimeError, match="solver process failed"):
+        solve_bucket_milp(bad, time_limit_s=5.0)
