@@ -10,6 +10,10 @@ and dhp's speed-up over every other planner; then the issue-3 targets, each with
 A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is reported as n/a there.
 
     python bench/plan_quality.py [--batches 10] [--time-limit 10] [--json out.json] [--plot out.png]
+    python bench/plan_quality.py --from-json fast.json flexsp.json   # tables and targets of stored runs
+
+`--from-json` joins the records of earlier `--json` runs (e.g. the fast planners on 10 batches and
+flexsp-milp, minutes per batch, on the first few of the same batches) and prints them as one run.
 """
 
 from __future__ import annotations
@@ -59,7 +63,33 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
                         record.update(step_s=None, unsupported=str(e))
                     records.append(record)
                     progress.advance(task)
+            if args.json:  # a long run (flexsp-milp) keeps what it has measured if it is stopped
+                save_json(args.json, records, [])
     return records
+
+
+def save_json(path: str, records: list[dict], results: list[tuple[str, str, bool]]) -> None:
+    """Every record and the targets, for `--from-json`."""
+    with open(path, "w") as f:
+        json.dump({"records": records, "targets": [dict(target=w, measured=v, met=bool(m)) for w, v, m in results]}, f, indent=1)
+
+
+def load_records(paths: list[str]) -> list[dict]:
+    """The records of several `--json` runs, one per (domain, workload, batch, planner); a planner that two
+    runs both hold must agree (dhp is deterministic, so its step times must match exactly)."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                records = json.load(f)["records"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: {path} is not a plan_quality --json file ({e}); rerun with --json {path}") from None
+        for r in records:
+            key = (r["domain"], r["workload"], r["batch"], r["planner"])
+            if r["planner"] == "dhp" and key in merged and merged[key]["step_s"] != r["step_s"]:
+                raise SystemExit(f"error: dhp planned {key[:3]} differently in {path}; were the runs made with different seeds?")
+            merged.setdefault(key, r)
+    return list(merged.values())
 
 
 def print_tables(records: list[dict], args: argparse.Namespace, console: Console) -> None:
@@ -68,7 +98,8 @@ def print_tables(records: list[dict], args: argparse.Namespace, console: Console
     for r in records:
         by_case[(r["domain"], r["workload"])].append(r)
     for (domain, workload), rows in by_case.items():
-        table = Table(title=f"{workload} on {domain}: {args.batches} batches of {args.global_batch}")
+        batches = len({r["batch"] for r in rows})
+        table = Table(title=f"{workload} on {domain}: {batches} batches of {args.global_batch}")
         for col in ("planner", "step s", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "dhp speed-up", "n/a"):
             table.add_column(col, justify="right")
         dhp = {r["batch"]: r["step_s"] for r in rows if r["planner"] == "dhp"}
@@ -76,7 +107,8 @@ def print_tables(records: list[dict], args: argparse.Namespace, console: Console
             mine = [r for r in rows if r["planner"] == name and r["step_s"] is not None]
             na = sum(1 for r in rows if r["planner"] == name and r["step_s"] is None)
             if not mine:
-                table.add_row(name, *["n/a"] * 6, str(na))
+                if na:
+                    table.add_row(name, *["n/a"] * 6, str(na))
                 continue
             ratio = np.array([r["ratio"] for r in mine])
             solve = np.array([r["solve_ms"] for r in mine])
@@ -84,6 +116,26 @@ def print_tables(records: list[dict], args: argparse.Namespace, console: Console
             table.add_row(name, f"{np.mean([r['step_s'] for r in mine]):.3f}", f"{ratio.mean():.4f}", f"{ratio.max():.4f}",
                           f"{np.percentile(solve, 50):.1f}", f"{np.percentile(solve, 95):.1f}", f"{speedup:.3f}x", str(na))
         console.print(table)
+
+
+def markdown_summary(records: list[dict], planners: list[str]) -> str:
+    """The README table: per (workload, domain), dhp's mean step / LB and its mean speed-up over each peer
+    (over the batches that peer planned; n/a where it planned none)."""
+    step = {(r["domain"], r["workload"], r["batch"], r["planner"]): r for r in records if r.get("step_s") is not None}
+    peers = [p for p in planners if p != "dhp"]
+    lines = ["| workload | N | dhp step / LB | " + " | ".join(f"dhp vs {p}" for p in peers) + " |",
+             "|---|---|---|" + "---|" * len(peers)]
+    for domain, workload in dict.fromkeys((r["domain"], r["workload"]) for r in records):
+        dhp = {k[2]: v for k, v in step.items() if k[:2] == (domain, workload) and k[3] == "dhp"}
+        cells = []
+        for p in peers:
+            ratios = [v["step_s"] / dhp[k[2]]["step_s"] for k, v in step.items()
+                      if k[:2] == (domain, workload) and k[3] == p and k[2] in dhp]
+            cells.append(f"{np.mean(ratios):.3f}x ({len(ratios)})" if ratios else "n/a")
+        n = CostConfig.load(domain).world_size
+        mean = np.mean([v["ratio"] for v in dhp.values()])
+        lines.append(f"| {workload} | {n} | {mean:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, bool]]:
@@ -154,6 +206,8 @@ def main() -> None:
     parser.add_argument("--domains", default=",".join(DOMAINS))
     parser.add_argument("--json", metavar="FILE", help="write every record and the targets as JSON")
     parser.add_argument("--plot", metavar="PNG", help="bar chart of mean step / LB")
+    parser.add_argument("--markdown", action="store_true", help="also print the README summary table")
+    parser.add_argument("--from-json", nargs="+", metavar="FILE", help="report the records of earlier --json runs instead of planning")
     args = parser.parse_args()
     for key in ("planners", "workloads", "domains"):
         setattr(args, key, [x for x in getattr(args, key).split(",") if x])
@@ -162,7 +216,14 @@ def main() -> None:
         parser.error(f"unknown planner {unknown[0]!r}; choose from {', '.join(PLANNERS)}")
 
     console = Console(width=150)
-    records = run(args, console)
+    if args.from_json:
+        records = load_records(args.from_json)
+        present = {r["planner"] for r in records}
+        args.planners = [p for p in PLANNERS if p in present]
+        args.domains = list(dict.fromkeys(r["domain"] for r in records))
+        args.workloads = list(dict.fromkeys(r["workload"] for r in records))
+    else:
+        records = run(args, console)
     print_tables(records, args, console)
     table = Table(title="issue-3 targets for dhp")
     for col in ("target", "measured", "met"):
@@ -171,9 +232,10 @@ def main() -> None:
     for what, value, met in results:
         table.add_row(what, value, "[green]yes" if met else "[red]no")
     console.print(table)
+    if args.markdown:
+        print(markdown_summary(records, args.planners))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"records": records, "targets": [dict(target=w, measured=v, met=bool(m)) for w, v, m in results]}, f, indent=1)
+        save_json(args.json, records, results)
     if args.plot:
         plot(records, args, args.plot)
         console.print(f"wrote {args.plot}")
