@@ -14,7 +14,7 @@ gloo collectives block), relative to each measurement so that short microbatches
 where c = gamma / bw is what the data determine about communication, and s (`sample_overhead_s`) and
 lambda (`cp_microbatch_overhead_s`) are the cost model's two optional terms: per-sample work every rank of
 a group repeats, and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
-non-negative by dropping a term that would go negative and fitting the rest again.
+non-negative by an exact non-negative least-squares fit (`fit`).
 """
 
 from __future__ import annotations
@@ -148,19 +148,30 @@ def _point_plan(point: GridPoint, n: int, config: TrainConfig):
 
 
 def fit(grid: list[GridPoint], measured: list[float], *, terms: tuple[str, ...] = TERMS) -> dict[str, float]:
-    """Non-negative relative least squares of `measured` on the grid's features; unused terms are 0."""
+    """Non-negative relative least squares of `measured` on the grid's features; unused terms are 0.
+
+    Exact: the non-negative optimum is the least-squares fit on some subset of the terms whose coefficients
+    all come out non-negative, the one with the smallest residual, and six terms make 63 subsets to try.
+    (Dropping the most negative term and refitting can drop one the data need, e.g. b when gloo's
+    collectives also grow with L.)"""
     x = np.stack([p.features() for p in grid])
     y = np.asarray(measured, dtype=np.float64)
-    active = [i for i, name in enumerate(TERMS) if name in terms]
-    while True:
-        w = x[:, active] / y[:, None]
-        coef, *_ = np.linalg.lstsq(w, np.ones_like(y), rcond=None)
-        if (coef >= 0).all() or len(active) == 1:
-            break
-        active.pop(int(np.argmin(coef)))
+    w = x / y[:, None]
+    target = np.ones_like(y)
+    usable = [i for i, name in enumerate(TERMS) if name in terms]
+    best: tuple[float, list[int], np.ndarray] | None = None
+    for mask in range(1, 1 << len(usable)):
+        active = [i for j, i in enumerate(usable) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(w[:, active], target, rcond=None)
+        if (coef < 0).any():
+            continue
+        residual = float(np.sum((w[:, active] @ coef - target) ** 2))
+        if best is None or residual < best[0] - 1e-15:
+            best = (residual, active, coef)
     out = dict.fromkeys(TERMS, 0.0)
-    for i, c in zip(active, coef):
-        out[TERMS[i]] = max(float(c), 0.0)
+    if best is not None:
+        for i, c in zip(best[1], best[2]):
+            out[TERMS[i]] = float(c)
     return out
 
 
