@@ -130,7 +130,7 @@ class SelfCheck:
         ref = reference_step(self.reference, samples)
         worst, worst_name = 0.0, ""
         for name, param in self.model.module.named_parameters():
-            diff = float((self._full_grad(param).cpu() - ref.grads[name]).abs().max())
+            diff = float((full_grad(param, self.tp_group).cpu() - ref.grads[name]).abs().max())
             if diff > worst:
                 worst, worst_name = diff, name
         diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64, device=device)
@@ -149,11 +149,12 @@ class SelfCheck:
             batch_loss_tokens=inputs.num_loss_tokens,
         )
 
-    def _full_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The reduced gradient of `param`, its tensor-parallel shards concatenated."""
-        grad = param.main_grad
-        if not getattr(param, "tensor_model_parallel", False) or self.tp_group.size() == 1:
-            return grad
-        parts = [torch.empty_like(grad) for _ in range(self.tp_group.size())]
-        dist.all_gather(parts, grad.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=param.partition_dim)
+
+def full_grad(param: torch.nn.Parameter, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The reduced gradient of `param` with its tensor-parallel shards concatenated (collective over TP)."""
+    grad = param.main_grad
+    if not getattr(param, "tensor_model_parallel", False) or tp_group.size() == 1:
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(tp_group.size())]
+    dist.all_gather(parts, grad.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=param.partition_dim)

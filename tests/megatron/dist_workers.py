@@ -22,7 +22,7 @@ from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
-from megatron_dhp.runtime.selfcheck import TOLERANCE, init_distributed
+from megatron_dhp.runtime.selfcheck import TOLERANCE, full_grad, init_distributed
 from megatron_dhp.workload.sample import Batch
 
 SEQ_LENGTH = 24
@@ -143,21 +143,13 @@ class Harness:
         worst = 0.0
         if grads:
             for name, param in self.model.module.named_parameters():
-                worst = max(worst, float((self._full(param) - ref.grads[name]).abs().max()))
+                worst = max(worst, float((full_grad(param, self.tp_group) - ref.grads[name]).abs().max()))
         diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         return {"loss": loss, "ref": ref.loss, "dloss": float(diffs[0]), "dgrad": float(diffs[1])}
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {n: p.main_grad.clone() for n, p in self.model.module.named_parameters()}
-
-    def _full(self, param: torch.nn.Parameter) -> torch.Tensor:
-        grad = param.main_grad
-        if not getattr(param, "tensor_model_parallel", False) or self.tp_group.size() == 1:
-            return grad
-        parts = [torch.empty_like(grad) for _ in range(self.tp_group.size())]
-        dist.all_gather(parts, grad.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=param.partition_dim)
 
 
 class HandPlanner:
