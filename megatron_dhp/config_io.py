@@ -150,4 +150,6 @@ def markdown_table(cls: type) -> str:
 def _yaml_scalar(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value == "":
+        return '""'
     return "null" if value is None else str(value)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from megatron_dhp.cost.simulate import Timeline
 from megatron_dhp.plan.plan import Plan
 
@@ -24,8 +26,9 @@ def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
     from matplotlib.ticker import MaxNLocator
 
     sizes = sorted({g.size for g in plan.groups})
-    cmap = plt.get_cmap("viridis", max(len(sizes), 2))
-    colour = {d: cmap(i) for i, d in enumerate(sizes)}
+    # One colour per power-of-two size class (1, 2, 3-4, 5-8, 9-16, ...), the same in every panel.
+    palette = plt.get_cmap("tab10")
+    colour = {d: palette(int(np.ceil(np.log2(d))) % 10) for d in sizes}
     for span in timeline.spans:
         g = plan.groups[span.group_index]
         if span.end_s <= span.start_s:
@@ -39,9 +42,11 @@ def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
                 ax.plot([t, t], [lo - 0.45, hi + 0.45], color="white", linewidth=0.3, alpha=0.8)
     if plan.lower_bound_s:
         ax.axvline(plan.lower_bound_s, color="red", linestyle="--", linewidth=1)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[d]) for d in sizes]
-    ax.legend(handles, [str(d) for d in sizes], title="group size", fontsize=6, title_fontsize=7,
-              loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=1 + len(sizes) // 12)
+    classes = sorted({int(np.ceil(np.log2(d))) for d in sizes})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette(k % 10)) for k in classes]
+    labels = ["1" if k == 0 else "2" if k == 1 else f"{2 ** (k - 1) + 1}-{2 ** k}" for k in classes]
+    ax.legend(handles, labels, title="group size", fontsize=7, title_fontsize=7, loc="center left",
+              bbox_to_anchor=(1.0, 0.5))
     ax.set_ylim(plan.world_size - 0.5, -0.5)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(0, timeline.step_time_s * 1.02)

@@ -52,8 +52,11 @@ class CostConfig:
     kind: str
     """`reference` (BENCHMARK.md coefficients) or `profiled` (fitted by `megatron-dhp profile`)."""
     world_size: int
+    """N: ranks of the dynamic domain (the DP x CP ranks of one TP/PP coordinate)."""
     gpus_per_node: int
+    """Ranks per node: a group whose ranks share a node communicates at the intra-node bandwidth."""
     max_tokens_per_rank: int
+    """M: the most tokens one rank may hold in a microbatch (sum of L / d <= M)."""
     attn_s_per_token2: float
     """a: attention seconds per token^2 (whole model, forward+backward, one rank)."""
     linear_s_per_token: float
@@ -63,7 +66,9 @@ class CostConfig:
     comm_bytes_per_token: float
     """gamma: bytes a context-parallel group moves per token over all layers, forward+backward."""
     intra_node_bytes_per_s: float
+    """Bandwidth of a group inside one node."""
     inter_node_bytes_per_s: float
+    """Bandwidth of a group that spans nodes."""
     overlap_comm: bool
     """Whether communication overlaps compute: t = max(compute, comm) instead of the sum."""
     enc_attn_s_per_token2: float = 0.0
@@ -76,10 +81,10 @@ class CostConfig:
     reference model. d t(L, d) stays non-decreasing in d, so the lower bound stays valid."""
     cp_microbatch_overhead_s: float = 0.0
     """lambda: extra seconds of a microbatch on a group of more than one rank, the fixed latency of its
-    context-parallel collectives (large for gloo on a CPU; 0 in the reference model). Planners do not see
-    it; the simulated step time, and so every plan's prediction, does. The lower bound ignores it and stays
-    valid because it only ever adds time."""
+    context-parallel collectives (large for gloo on a CPU; 0 in the reference model). The simulated step time
+    and the dhp planner include it; the lower bound ignores it and stays valid because it only adds time."""
     description: str = ""
+    """Free text: where the numbers come from."""
 
     def __post_init__(self) -> None:
         if self.kind not in COST_KINDS:
