@@ -118,10 +118,15 @@ def print_tables(records: list[dict], args: argparse.Namespace, console: Console
         console.print(table)
 
 
+def planned(records: list[dict]) -> dict[tuple, dict]:
+    """The records of planned batches by (domain, workload, batch, planner); unsupported ones left out."""
+    return {(r["domain"], r["workload"], r["batch"], r["planner"]): r for r in records if r.get("step_s") is not None}
+
+
 def markdown_summary(records: list[dict], planners: list[str]) -> str:
     """The README table: per (workload, domain), dhp's mean step / LB and its mean speed-up over each peer
     (over the batches that peer planned; n/a where it planned none)."""
-    step = {(r["domain"], r["workload"], r["batch"], r["planner"]): r for r in records if r.get("step_s") is not None}
+    step = planned(records)
     peers = [p for p in planners if p != "dhp"]
     lines = ["| workload | N | dhp step / LB | " + " | ".join(f"dhp vs {p}" for p in peers) + " |",
              "|---|---|---|" + "---|" * len(peers)]
@@ -129,8 +134,8 @@ def markdown_summary(records: list[dict], planners: list[str]) -> str:
         dhp = {k[2]: v for k, v in step.items() if k[:2] == (domain, workload) and k[3] == "dhp"}
         cells = []
         for p in peers:
-            ratios = [v["step_s"] / dhp[k[2]]["step_s"] for k, v in step.items()
-                      if k[:2] == (domain, workload) and k[3] == p and k[2] in dhp]
+            ratios = [step[(domain, workload, b, p)]["step_s"] / d["step_s"] for b, d in dhp.items()
+                      if (domain, workload, b, p) in step]
             cells.append(f"{np.mean(ratios):.3f}x ({len(ratios)})" if ratios else "n/a")
         n = CostConfig.load(domain).world_size
         mean = np.mean([v["ratio"] for v in dhp.values()])
@@ -140,7 +145,7 @@ def markdown_summary(records: list[dict], planners: list[str]) -> str:
 
 def targets(records: list[dict]) -> list[tuple[str, str, bool]]:
     """The issue-3 targets for dhp: (what, measured, met)."""
-    step = {(r["domain"], r["workload"], r["batch"], r["planner"]): r for r in records if r.get("step_s") is not None}
+    step = planned(records)
     keys = sorted({k[:3] for k in step})
     dhp = [step[k + ("dhp",)] for k in keys if k + ("dhp",) in step]
     out = []
