@@ -6,7 +6,7 @@ import pytest
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner, live_cost_config
+from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.workload import Batch
 
 
@@ -44,6 +44,15 @@ def test_live_cost_config_takes_the_job_domain():
     cost = live_cost_config(DhpConfig(max_tokens_per_rank=1024), world_size=6, gpus_per_node=3)
     assert (cost.world_size, cost.gpus_per_node, cost.max_tokens_per_rank) == (6, 3, 1024)
     assert cost.attn_s_per_token2 == 5.128e-9  # the rest from the gpt7b-64 preset
+
+
+def test_node_size_counts_the_domains_ranks_on_a_node_of_gpus(monkeypatch):
+    tp2_domain = tuple(range(0, 32, 2))  # 32 GPUs, TP 2: one domain of 16 ranks at stride 2
+    assert domain_node_size(DhpConfig(gpus_per_node=8), tp2_domain, 32) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert domain_node_size(DhpConfig(), tp2_domain, 32) == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert domain_node_size(DhpConfig(), (1, 3), 4) == 2  # one machine: the whole world
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -8,6 +8,7 @@ step t+1 is solved in a background thread while step t trains, so the solver nev
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from megatron_dhp.cost import CostConfig, build_cost_model
@@ -17,12 +18,19 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.workload.sample import Batch
 
 
-def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int | None = None) -> CostConfig:
+def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int) -> CostConfig:
     """The configured cost model with the live job's domain: its size, node size and token cap."""
-    node = gpus_per_node or config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return CostConfig.load(config.cost).with_overrides(
-        world_size=world_size, gpus_per_node=node, max_tokens_per_rank=config.max_tokens_per_rank
+        world_size=world_size, gpus_per_node=gpus_per_node, max_tokens_per_rank=config.max_tokens_per_rank
     )
+
+
+def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_size: int) -> int:
+    """How many of the domain's ranks share a node (the cost model's `gpus_per_node`): they sit at stride TP,
+    so a node of `config.gpus_per_node` GPUs (default LOCAL_WORLD_SIZE, as torchrun sets it) holds fewer."""
+    gpus = config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", job_world_size))
+    first_node = global_ranks[0] // gpus
+    return sum(1 for rank in global_ranks if rank // gpus == first_node)
 
 
 class StepPlanner:

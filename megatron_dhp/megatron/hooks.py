@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -17,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner, live_cost_config
+from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.megatron.arguments import dhp_config_from_args
 from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime, set_runtime
@@ -61,7 +60,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
     domain = DynamicDomain.from_parallel_state(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     cap = _sample_cap(args.seq_length, domain, config)
-    cost = live_cost_config(config, world_size=domain.size, gpus_per_node=_positions_per_node(domain, config))
+    cost = live_cost_config(config, world_size=domain.size, gpus_per_node=domain_node_size(config, domain.global_ranks, dist.get_world_size()))
     tp_group = parallel_state.get_tensor_model_parallel_group()
     runtime = DhpRuntime(
         config=config,
@@ -95,9 +94,3 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig) -> in
         f"{-(-seq_length // domain.size)} or set truncate: true"
     )
 
-
-def _positions_per_node(domain: DynamicDomain, config: DhpConfig) -> int:
-    """How many positions of this domain share a node (its ranks sit at stride TP, so fewer than the GPUs)."""
-    gpus = config.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    first_node = domain.global_ranks[0] // gpus
-    return sum(1 for rank in domain.global_ranks if rank // gpus == first_node)

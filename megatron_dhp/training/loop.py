@@ -12,7 +12,6 @@ end of the slowest rank's last backward. Gradient sync and the optimizer are tim
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.planning import StepPlanner, live_cost_config
+from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.dispatch import (
@@ -134,9 +133,8 @@ class Trainer:
                 f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
 
     def _cost_config(self, config: TrainConfig) -> CostConfig:
-        """The configured cost model on this job's domain; a node holds LOCAL_WORLD_SIZE / TP domain ranks."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        node = config.dhp.gpus_per_node or max(1, local // config.train.tp)
+        """The configured cost model on this job's domain."""
+        node = domain_node_size(config.dhp, self.domain.global_ranks, dist.get_world_size())
         return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node)
 
     def resume(self, directory: str) -> int:
