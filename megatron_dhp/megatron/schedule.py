@@ -23,10 +23,7 @@ from megatron_dhp.megatron.forward import DhpMicrobatch
 from megatron_dhp.megatron.state import get_runtime
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.layout import MicrobatchLayout
-from megatron_dhp.runtime.step import microbatch_context
-
-BARRIER = None
-"""A work item that is a domain-wide barrier between two phases."""
+from megatron_dhp.runtime.step import PHASE_BARRIER, execution_order, microbatch_context
 
 # megatron-core 0.16 passes the model type to backward_step; 0.19 dropped the argument
 _BACKWARD_TAKES_MODEL_TYPE = "model_type" in inspect.signature(schedules.backward_step).parameters
@@ -66,14 +63,14 @@ def dhp_forward_backward(
     inputs = next(data_iterator)
     runtime.pool.prepare(inputs.plan)  # world-collective; a replayed or cached plan creates nothing
     work = work_items(inputs, runtime.domain.position)
-    count = sum(item is not BARRIER for item in work)
+    count = sum(item is not PHASE_BARRIER for item in work)
     store: list = []
     total_tokens = torch.zeros([], dtype=torch.int, device=_device())
     index = 0
 
     def run(item: MicrobatchInputs | None) -> None:
         nonlocal total_tokens, index
-        if item is BARRIER:
+        if item is PHASE_BARRIER:
             dist.barrier(group=runtime.domain.group)
             return
         ctx = microbatch_context(item, runtime.pool, comm=runtime.config.comm, backend=runtime.config.attention_backend)
@@ -119,21 +116,12 @@ def dhp_forward_backward(
 
 
 def work_items(inputs: StepInputs, position: int) -> list[MicrobatchInputs | None]:
-    """This rank's microbatches in execution order, with a `BARRIER` between phases if the plan has them.
+    """This rank's microbatches in execution order, with a `PHASE_BARRIER` between phases if the plan has them.
 
     A rank the plan leaves idle runs one one-token microbatch with no loss instead, so that every rank
     reports a loss entry and runs the same per-step code as the others (it adds nothing to the gradients).
     """
-    microbatches = list(inputs.microbatches) or [_idle_microbatch(position)]
-    plan = inputs.plan
-    if not plan.phase_barrier:
-        return microbatches
-    work: list[MicrobatchInputs | None] = []
-    for phase in range(plan.num_phases):
-        work += [mb for mb in microbatches if mb.phase == phase]
-        if phase < plan.num_phases - 1:
-            work.append(BARRIER)
-    return work
+    return execution_order(inputs.plan, list(inputs.microbatches) or [_idle_microbatch(position)])
 
 
 def _idle_microbatch(position: int) -> MicrobatchInputs:

@@ -9,12 +9,14 @@ single process computing the whole batch would get it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -32,6 +34,23 @@ class StepResult:
     num_tokens: int
     """Real (non-padding) tokens this rank computed; over the domain they add up to the batch's tokens."""
     global_loss_tokens: int
+
+
+PHASE_BARRIER = None
+"""An item of `execution_order`: a barrier over the domain between two phases."""
+
+
+def execution_order(plan: Plan, microbatches: Sequence[MicrobatchInputs]) -> list[MicrobatchInputs | None]:
+    """A rank's microbatches (already in phase order) with a `PHASE_BARRIER` after every phase but the last
+    when the plan separates its phases by barriers, as megatron-core's hybrid CP scheduler does."""
+    if not plan.phase_barrier:
+        return list(microbatches)
+    work: list[MicrobatchInputs | None] = []
+    for phase in range(plan.num_phases):
+        work += [mb for mb in microbatches if mb.phase == phase]
+        if phase < plan.num_phases - 1:
+            work.append(PHASE_BARRIER)
+    return work
 
 
 def microbatch_context(mb: MicrobatchInputs, pool: GroupPool, *, comm: str, backend: str = "auto") -> CPContext:
@@ -81,18 +100,15 @@ def run_step(
             "the model's DDP averages gradients over the domain (calculate_per_token_loss=False), which "
             "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
         )
-    plan = inputs.plan
     loss_sum, loss_tokens = 0.0, 0
-    for phase in range(plan.num_phases):
-        for mb in inputs.microbatches:
-            if mb.phase != phase:
-                continue
-            loss = forward_microbatch(model, mb, microbatch_context(mb, pool, comm=comm, backend=backend))
-            (loss / inputs.num_loss_tokens).backward()
-            loss_sum += float(loss.detach())
-            loss_tokens += int(mb.loss_mask.sum())
-        if plan.phase_barrier and phase < plan.num_phases - 1:
+    for mb in execution_order(inputs.plan, inputs.microbatches):
+        if mb is PHASE_BARRIER:
             dist.barrier(group=domain.group)
+            continue
+        loss = forward_microbatch(model, mb, microbatch_context(mb, pool, comm=comm, backend=backend))
+        (loss / inputs.num_loss_tokens).backward()
+        loss_sum += float(loss.detach())
+        loss_tokens += int(mb.loss_mask.sum())
     if grad_sync and hasattr(model, "finish_grad_sync"):
         model.finish_grad_sync()
     return StepResult(
