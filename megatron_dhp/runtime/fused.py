@@ -158,6 +158,13 @@ def _device_tables(lengths: tuple[int, ...], local_lengths: tuple[int, ...], dev
     return torch.tensor(cums, dtype=torch.int64).to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _device_sources(z: _Zigzag, device: torch.device) -> torch.Tensor:
+    """`z.sources()` on `device` for the torch path, cached like `_device_tables`: every layer of a microbatch
+    packs and unpacks with the same layout, and building the index is a Python loop over ranks and samples."""
+    return z.sources().to(device)
+
+
 def _check_rows(x: torch.Tensor, rows: int, name: str, what: str) -> None:
     if x.dim() < 1 or x.shape[0] != rows:
         raise DhpError(f"{name} has shape {tuple(x.shape)} but {what} take {rows} rows")
@@ -203,7 +210,7 @@ def _pack(x: torch.Tensor, z: _Zigzag, pad_value: float) -> torch.Tensor:
     ops = _kernels(x)
     if ops is not None:
         return ops.zigzag_pack(x, *z.kernel_args(x.device), pad_value)
-    src = z.sources().to(x.device)
+    src = _device_sources(z, x.device)
     out = x.index_select(0, src.clamp(min=0))
     out[src < 0] = pad_value
     return out
@@ -213,7 +220,7 @@ def _unpack(shard: torch.Tensor, z: _Zigzag) -> torch.Tensor:
     ops = _kernels(shard)
     if ops is not None:
         return ops.zigzag_unpack(shard, *z.kernel_args(shard.device), z.num_tokens)
-    src = z.sources().to(shard.device)
+    src = _device_sources(z, shard.device)
     real = src >= 0
     return shard.new_zeros((z.num_tokens, *shard.shape[1:])).index_copy_(0, src[real], shard[real])
 
