@@ -76,11 +76,6 @@ def sequential(config: TrainConfig, planners: tuple[str, ...]) -> dict[str, list
     return {p: train(config.with_overrides(dhp={"planner": p}), show=False).records for p in planners}
 
 
-def within(pred: list[float], records: list[StepRecord], tolerance: float = 0.15) -> int:
-    """Steps whose predicted forward+backward time is within `tolerance` of the measured one."""
-    return sum(abs(p / r.measured_s - 1) <= tolerance for p, r in zip(pred, records))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="demo_cpu", help="train config (default demo_cpu)")
@@ -96,6 +91,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
     from megatron_dhp.training.config import TrainConfig
     from megatron_dhp.training.job import run_on_ranks
+    from megatron_dhp.training.train import steps_within
 
     planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
     config = TrainConfig.load(args.config).with_overrides(train={"steps": args.steps, "nproc": args.nproc},
@@ -131,18 +127,18 @@ def main() -> None:
             "step_median_s": statistics.median(r.wall_s for r in records),
             "step_total_s": sum(r.wall_s for r in records),
             "pred_over_meas_median": statistics.median(p / r.measured_s for p, r in zip(pred, records)),
-            "within_15pct": within(pred, records),
+            "within_15pct": steps_within(pred, records),
             "last_loss": records[-1].loss,
         }
         row = [name, f"{summary[name]['step_median_s']:.3f}s", f"{summary[name]['step_total_s']:.1f}s",
                f"{statistics.median(r.tokens_per_s for r in records):,.0f}",
                f"{statistics.median(r.measured_s for r in records):.3f}s",
-               f"{statistics.median(pred):.3f}s", f"{within(pred, records)}/{len(records)}"]
+               f"{statistics.median(pred):.3f}s", f"{steps_within(pred, records)}/{len(records)}"]
         if in_run:
             fitted = in_run[name]
             summary[name]["in_run_pred_over_meas_median"] = statistics.median(p / r.measured_s for p, r in zip(fitted, records))
-            summary[name]["in_run_within_15pct"] = within(fitted, records)
-            row += [f"{statistics.median(fitted):.3f}s", f"{within(fitted, records)}/{len(records)}"]
+            summary[name]["in_run_within_15pct"] = steps_within(fitted, records)
+            row += [f"{statistics.median(fitted):.3f}s", f"{steps_within(fitted, records)}/{len(records)}"]
         table.add_row(*row, f"{records[-1].loss:.6f}")
     console.print(table)
     base = planners[0]

@@ -80,10 +80,9 @@ def run(args: argparse.Namespace) -> int:
         speedup = "1.00x (baseline)" if name == base else f"{result.speedup(base, name):.2f}x"
         pred = sorted(r.predicted_s for r in records)[len(records) // 2]
         meas = sorted(r.measured_s for r in records)[len(records) // 2]
-        close = sum(abs(r.predicted_s - r.measured_s) <= 0.15 * r.measured_s for r in records)
         table.add_row(name, f"{run_.median_step_s:.3f}s", speedup,
                       f"{sorted(r.tokens_per_s for r in records)[len(records) // 2]:,.0f}",
-                      f"{pred:.3f}s / {meas:.3f}s", f"{close}/{len(records)} steps", f"{records[-1].loss:.6f}")
+                      f"{pred:.3f}s / {meas:.3f}s", f"{run_.steps_within()}/{len(records)} steps", f"{records[-1].loss:.6f}")
     console.print(table)
     for name in others:
         a, b = first.records[-1].loss, result.runs[name].records[-1].loss

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.job import run_on_ranks
 from megatron_dhp.training.loop import StepRecord
+
+
+def steps_within(predicted: Sequence[float], records: Sequence[StepRecord], tolerance: float = 0.15) -> int:
+    """Steps whose predicted forward+backward time is within `tolerance` of the measured one."""
+    return sum(abs(p / r.measured_s - 1) <= tolerance for p, r in zip(predicted, records))
 
 
 @dataclass(frozen=True)
@@ -33,13 +39,16 @@ class TrainResult:
         """(predicted - measured) / measured forward+backward time, per step."""
         return [(r.predicted_s - r.measured_s) / r.measured_s for r in self.records]
 
+    def steps_within(self, tolerance: float = 0.15) -> int:
+        """Steps whose predicted forward+backward time is within `tolerance` of the measured one."""
+        return steps_within([r.predicted_s for r in self.records], self.records, tolerance)
+
     def summary_lines(self) -> list[str]:
         """A few lines for the end of a run: loss, times, how well the cost model predicted."""
         if not self.records:
             return ["no step to run (the checkpoint is already at train.steps)"]
         first, last = self.records[0], self.records[-1]
         errors = [abs(e) for e in self.prediction_errors]
-        within = sum(e <= 0.15 for e in errors)
         median = statistics.median
         return [
             f"{self.planner} on {self.world_size} ranks: steps {first.step}-{last.step}, loss {first.loss:.4f} -> "
@@ -50,7 +59,7 @@ class TrainResult:
             f"optimizer {median(r.optimizer_s for r in self.records):.3f}s, waiting for the plan "
             f"{median(r.plan_wait_s for r in self.records) * 1e3:.1f} ms",
             f"cost model vs measured: median |error| {100 * median(errors):.1f}%, max {100 * max(errors):.1f}%, "
-            f"{within}/{len(errors)} steps within 15%",
+            f"{self.steps_within()}/{len(errors)} steps within 15%",
         ]
 
     def to_dict(self) -> dict:
