@@ -89,13 +89,17 @@ def main() -> None:
     parser.add_argument("--json", help="write every step's record here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
+    from megatron_dhp.errors import DhpError
     from megatron_dhp.training.config import TrainConfig
     from megatron_dhp.training.job import run_on_ranks
     from megatron_dhp.training.train import steps_within
 
     planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
-    config = TrainConfig.load(args.config).with_overrides(train={"steps": args.steps, "nproc": args.nproc},
-                                                          dhp={"cost": args.cost})
+    try:
+        config = TrainConfig.load(args.config).with_overrides(train={"steps": args.steps, "nproc": args.nproc},
+                                                              dhp={"cost": args.cost})
+    except DhpError as e:
+        parser.error(str(e))
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
     mode = "sequential" if args.sequential else "interleaved"
     console.print(f"{mode} runs of {', '.join(planners)}: {args.steps} steps on {config.train.num_ranks} ranks, "
