@@ -61,6 +61,12 @@ class ReferenceCostModel:
         """Whether a group of this size can sit inside one node (its best placement)."""
         return np.asarray(degree) <= self.domain.gpus_per_node
 
+    def time_table(self, tokens: np.ndarray, work: np.ndarray, degrees: np.ndarray) -> np.ndarray:
+        """(samples, degrees): t(L_i, d) of every sample on every group size, each group at its best placement."""
+        degrees = np.asarray(degrees)
+        return self.sample_time(np.asarray(tokens)[:, None], np.asarray(work)[:, None], degrees[None, :],
+                                self.best_placement_intra(degrees)[None, :])
+
     def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
         """The fewest ranks that can hold a sample: ceil(L / M)."""
         return -(-np.asarray(tokens, dtype=np.int64) // self.domain.max_tokens_per_rank)

@@ -134,10 +134,7 @@ class FCPRefPlanner:
                 f"above max_cp_degree {max_cp}"
             )
         degrees = np.arange(1, max_cp + 1)
-        per_sample = model.sample_time(  # t(L_i, d) for every sample and degree, intra iff d <= gpus_per_node
-            tokens[:, None], model.sample_work(batch.samples)[:, None], degrees[None, :],
-            model.best_placement_intra(degrees)[None, :],
-        )
+        per_sample = model.time_table(tokens, model.sample_work(batch.samples), degrees)
         bins = bfd_pack(tokens, min_cp, cap)
         groups: list[PlanGroup] = []
         for phase, round_bins in enumerate(split_rounds(bins, n)):

@@ -104,8 +104,7 @@ class FlexSPPlanner:
         fit_to_domain(batch, model.domain.capacity)
         sizes = _group_sizes(batch, model.domain)
         tokens = batch.lengths
-        times = model.sample_time(tokens[:, None], model.sample_work(batch.samples)[:, None], sizes[None, :],
-                                  model.best_placement_intra(sizes)[None, :])
+        times = model.time_table(tokens, model.sample_work(batch.samples), sizes)
         inst = _Instance(tokens, times, sizes, model, 0 if batch.seed is None else batch.seed)
         first = inst.first_count()
         best = self._best_count(inst, range(first, min(first + EXTRA_MICROBATCH_COUNTS, len(tokens)) + 1))

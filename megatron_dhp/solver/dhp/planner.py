@@ -39,14 +39,14 @@ def cell_sizes(num_ranks: int, gpus_per_node: int) -> list[int]:
 
 def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarray:
     """Fewest ranks (>= memory minimum) that run each sample within the target; else its fastest degree."""
-    n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+    n = inst.num_ranks
     degrees = np.empty(len(items), dtype=np.int64)
     ds = np.arange(1, n + 1)
+    overhead = np.array([inst.overhead(int(d)) for d in ds])
     step = max(1, 2**20 // n)  # bounded memory: items x N per chunk
     for begin in range(0, len(items), step):
         chunk = items[begin : begin + step]
-        t = inst.model.sample_time(inst.tokens[chunk, None], inst.work[chunk, None], ds[None, :], ds[None, :] <= gpn)
-        overhead = np.array([inst.overhead(int(d)) for d in ds])
+        t = inst.model.time_table(inst.tokens[chunk], inst.work[chunk], ds)
         t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + overhead[None, :], np.inf)
         within = t <= target_s
         first = np.argmax(within, axis=1)
