@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{result.paired_speedup(base, name):.2f}x); last-step loss differs by {abs(a - b) / abs(a):.1e} "
                       "(relative)")
     plot = out / "plan.png"
-    step = save_plan_plot(result, config, plot)
+    step = save_plan_plot(result, plot)
     with open(out / "demo.json", "w") as f:
         json.dump({"config": config.to_dict(), "runs": {k: v.to_dict() for k, v in result.runs.items()}}, f, indent=1)
     console.print(f"plan of step {step} under each planner: {plot}; every step's record: {out / 'demo.json'}")

@@ -44,17 +44,15 @@ def run_demo(config: TrainConfig, planners: tuple[str, ...] = ("static", "dhp"),
     return DemoResult(runs)
 
 
-def save_plan_plot(result: DemoResult, config: TrainConfig, path: str | Path) -> int:
+def save_plan_plot(result: DemoResult, path: str | Path) -> int:
     """Draw each planner's plan of the showcase step (Gantt under the run's cost model); returns the step."""
     from megatron_dhp.cost import build_cost_model, simulate
-    from megatron_dhp.integration.planning import live_cost_config
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.viz import save_simulation_figure
 
     index = result.showcase_step(list(result.runs)[-1])
     any_run = next(iter(result.runs.values()))
-    model = build_cost_model(live_cost_config(config.dhp, world_size=any_run.domain_size,
-                                              gpus_per_node=config.dhp.gpus_per_node or any_run.domain_size))
+    model = build_cost_model(any_run.cost)  # the one the runs planned with
     plans = [Plan.from_dict(run.plans[index]) for run in result.runs.values()]
     ratios = {name: statistics.mean(p["predicted_step_time_s"] / p["lower_bound_s"] for p in run.plans)
               for name, run in result.runs.items()}

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.job import run_on_ranks
 from megatron_dhp.training.loop import StepRecord
@@ -28,6 +29,8 @@ class TrainResult:
     """The CP size Megatron's static CP would use for this run's data (the `static` planner's)."""
     plans: list[dict]
     """The plan JSON of every step this run trained, in step order (for plots and comparisons)."""
+    cost: CostConfig
+    """The cost model the run planned and predicted with, on its live domain."""
 
     @property
     def median_step_s(self) -> float:
@@ -99,4 +102,4 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
     else:
         records = trainer.train(on_step=keep_plan)
     return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size, trainer.static_cp,
-                       plans)
+                       plans, trainer.cost)
