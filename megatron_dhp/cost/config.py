@@ -134,9 +134,15 @@ class CostConfig:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
+def shipped_dirs(name: str) -> list[Path]:
+    """Where a folder the project ships (`configs`, `patches`) lives: the source checkout's, then the one
+    `pip install` puts under `share/megatron-dhp/`."""
+    return [Path(__file__).resolve().parents[2] / name, Path(sys.prefix) / "share" / "megatron-dhp" / name]
+
+
 def config_dirs() -> list[Path]:
-    """Where preset YAMLs live: the source checkout's `configs/`, then the installed share folder."""
-    return [Path(__file__).resolve().parents[2] / "configs", Path(sys.prefix) / "share" / "megatron-dhp" / "configs"]
+    """Where preset YAMLs live."""
+    return shipped_dirs("configs")
 
 
 def resolve_config(path_or_preset: str | Path) -> Path:

@@ -66,7 +66,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         config=config,
         domain=domain,
         pool=GroupPool(domain, max_groups=config.max_groups),
-        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, domain.size * config.max_tokens_per_rank)),
+        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity)),
         tp_group=tp_group if tp_group.size() > 1 else None,
         tp_source=parallel_state.get_tensor_model_parallel_src_rank(),
         split_documents=bool(args.reset_attention_mask),

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dhp.cost.config import shipped_dirs
 from megatron_dhp.errors import DhpError
 
 SUPPORTED_TAGS = ("core_v0.16.1", "core_v0.19.0")
@@ -38,7 +38,7 @@ class Checkout:
 
 def patch_file(tag: str) -> Path:
     """patches/TAG.patch from the source checkout, or from the installed share folder."""
-    for folder in (Path(__file__).resolve().parents[2] / "patches", Path(sys.prefix) / "share" / "megatron-dhp" / "patches"):
+    for folder in shipped_dirs("patches"):
         if (folder / f"{tag}.patch").is_file():
             return folder / f"{tag}.patch"
     raise DhpError(f"the patch for {tag} is missing from this megatron-dhp install (looked for patches/{tag}.patch)")
