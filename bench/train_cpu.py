@@ -40,10 +40,10 @@ def interleaved(config: TrainConfig, planners: tuple[str, ...], every: int) -> d
     """One rank: a trainer per planner, stepped in turn, with a calibration round of the profile grid every
     `every` steps; returns each planner's records and plans and the calibration's per-point medians."""
     from megatron_dhp.training.loop import Trainer
-    from megatron_dhp.training.profile import GridTimer, default_grid
+    from megatron_dhp.training.profile import GridTimer, data_grid, default_grid
 
     grid = default_grid(num_ranks=config.train.num_ranks // config.train.tp,
-                        max_tokens_per_rank=config.dhp.max_tokens_per_rank)
+                        max_tokens_per_rank=config.dhp.max_tokens_per_rank) + data_grid(config)
     timer = GridTimer(config, grid)
     timer.round()  # warm-up
     trainers = [Trainer(config.with_overrides(dhp={"planner": p})) for p in planners]

@@ -56,13 +56,15 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
+        from megatron_dhp.cli.profile_cmd import calibration_summary
         from megatron_dhp.training.profile import profile
 
         console.print("calibrating the cost model on this machine ...")
         report = profile(config)
         report.cost.save(out / "profiled_cost.yaml")
         errors = [abs(e) for e in report.errors]
-        console.print(f"fitted {len(errors)} points (max error {100 * max(errors):.1f}%), wrote {out / 'profiled_cost.yaml'}")
+        console.print(f"fitted {len(errors)} points (max error {100 * max(errors):.1f}%); "
+                      f"{calibration_summary(report, planner=config.dhp.planner).rstrip(':')}; wrote {out / 'profiled_cost.yaml'}")
         config = config.with_overrides(dhp={"cost": str(out / "profiled_cost.yaml")})
     result = run_demo(config, planners, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":

@@ -1,8 +1,10 @@
 """`megatron-dhp profile`: calibrate the cost model on this device and write a `kind: profiled` YAML.
 
-Times the configured model's forward+backward over a grid of lengths and group sizes on the job's own
-ranks, fits the reference form by least squares, prints measured, fitted and error per point, and writes
-a YAML that `train --cost`, `plan --cost` and `simulate --cost` accept.
+Times the configured model's forward+backward over a grid of lengths and group sizes (and microbatches
+packed from the config's data) on the job's own ranks, fits the reference form by least squares, prints
+measured, fitted and error per point, trains a few steps with the fit to set the step overhead (printing
+their predicted vs measured time), and writes a YAML that `train --cost`, `plan --cost` and
+`simulate --cost` accept.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_train_args(p)
     p.add_argument("--lengths", metavar="L,L,...",
                    help="sample lengths of the grid (default: powers of two from 64 to the domain's capacity)")
+    p.add_argument("--data-points", type=int, default=4, metavar="K",
+                   help="also K microbatches per group size packed from the config's data, mixed lengths as "
+                        "training runs them (default 4; 0 for the uniform grid only)")
+    p.add_argument("--calibration-steps", type=int, default=12, metavar="K",
+                   help="then train K real steps with the fit, print their predicted vs measured time, and set "
+                        "the step overhead from all but the first 2 (default 12; 0 skips them)")
     p.add_argument("--reps", type=int, default=5, metavar="R", help="timed repetitions per point, median kept (default 5)")
     p.add_argument("--out", default="profiled_cost.yaml", metavar="YAML", help="where to write the cost model")
     p.set_defaults(run=run)
@@ -37,26 +45,30 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.training.profile import default_grid, profile
+    from megatron_dhp.training.profile import data_grid, default_grid, profile
 
     config = load_profile_config(args)
     if args.reps < 1:
         raise DhpError(f"--reps {args.reps} must be at least 1")
+    for flag, value in (("--data-points", args.data_points), ("--calibration-steps", args.calibration_steps)):
+        if value < 0:
+            raise DhpError(f"{flag} {value} must be 0 or more")
     lengths = _parse_lengths(args.lengths)
     ranks = config.train.num_ranks // config.train.tp
     grid = default_grid(num_ranks=ranks, max_tokens_per_rank=config.dhp.max_tokens_per_rank, lengths=lengths)
     if not grid:
         raise DhpError(f"no grid point fits {ranks} ranks of {config.dhp.max_tokens_per_rank} tokens; "
                        "give shorter --lengths")
-    report = profile(config, grid=grid, reps=args.reps)
+    grid += data_grid(config, per_size=args.data_points)
+    report = profile(config, grid=grid, reps=args.reps, steps=args.calibration_steps)
     if os.environ.get("RANK", "0") != "0":
         return 0
     console = make_console()
     table = Table(title=f"forward+backward of one microbatch, median of {args.reps} ({ranks} ranks)")
-    for col in ("length", "group size", "samples", "measured ms", "fitted ms", "error"):
+    for col in ("samples x tokens", "group size", "measured ms", "fitted ms", "error"):
         table.add_column(col, justify="right")
     for point, measured, fitted, error in zip(report.grid, report.measured, report.fitted, report.errors):
-        table.add_row(str(point.length), str(point.group_size), str(point.samples), f"{measured * 1e3:.1f}",
+        table.add_row(point.describe(), str(point.group_size), f"{measured * 1e3:.1f}",
                       f"{fitted * 1e3:.1f}", f"{100 * error:+.1f}%")
     console.print(table)
     c = report.cost
@@ -67,9 +79,20 @@ def run(args: argparse.Namespace) -> int:
                   f"gamma/bw {c.comm_bytes_per_token / c.intra_node_bytes_per_s:.3e} s/token")
     console.print(f"fit error: median {100 * sorted(errors)[len(errors) // 2]:.1f}%, max {100 * max(errors):.1f}% "
                   f"over {len(errors)} points")
+    if report.steps:
+        console.print(calibration_summary(report, planner=config.dhp.planner))
+        for i, (predicted, measured) in enumerate(report.steps, start=3):
+            console.print(f"  step {i}: pred {predicted:.3f}s meas {measured:.3f}s ({100 * (predicted / measured - 1):+.1f}%)")
     c.save(args.out)
     console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)")
     return 0
+
+
+def calibration_summary(report, *, planner: str) -> str:
+    """One line on the calibration steps: sigma and how many steps the finished model predicts within 15 %."""
+    within = sum(abs(p / m - 1) <= 0.15 for p, m in report.steps)
+    return (f"step overhead sigma {report.cost.step_overhead_s * 1e3:.2f} ms from {len(report.steps)} {planner} "
+            f"steps; with it, {within}/{len(report.steps)} steps predicted within 15%:")
 
 
 def load_profile_config(args: argparse.Namespace):

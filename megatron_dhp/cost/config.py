@@ -83,6 +83,10 @@ class CostConfig:
     """lambda: extra seconds of a microbatch on a group of more than one rank, the fixed latency of its
     context-parallel collectives (large for gloo on a CPU; 0 in the reference model). The simulated step time
     and the dhp planner include it; the lower bound ignores it and stays valid because it only adds time."""
+    step_overhead_s: float = 0.0
+    """sigma: fixed seconds of every step before its first microbatch (on a CPU, the first microbatch after
+    the optimizer runs a few ms slower than the rest; 0 in the reference model). Every plan pays it once, so
+    the simulated step time and the lower bound both include it and no planner decision changes."""
     description: str = ""
     """Free text: where the numbers come from."""
 
@@ -113,8 +117,8 @@ class CostConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict:
-        """Every field, as the YAML keys (description, s and lambda only when set: reference files stay as they were)."""
-        optional = ("description", "sample_overhead_s", "cp_microbatch_overhead_s")
+        """Every field, as the YAML keys (description, s, lambda and sigma only when set: reference files stay as they were)."""
+        optional = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s")
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in optional or getattr(self, f.name)}
 
     # ------------------------------------------------------------------ YAML

@@ -5,9 +5,9 @@ For a sample of length L on a group of d ranks:
     comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw
     t(L, d)       = max(compute, comm) if overlap_comm else compute + comm
 where bw is the intra-node bandwidth when all the group's ranks sit on one node. A microbatch costs
-m + sum t and is feasible only if sum L / d <= M. Two optional terms, 0 in the reference model and set by
-`megatron-dhp profile` where a device needs them: a per-sample overhead s added to t, and a per-microbatch
-overhead lambda on groups of more than one rank.
+m + sum t and is feasible only if sum L / d <= M. Three optional terms, 0 in the reference model and set by
+`megatron-dhp profile` where a device needs them: a per-sample overhead s added to t, a per-microbatch
+overhead lambda on groups of more than one rank, and a per-step overhead sigma before the first microbatch.
 """
 
 from __future__ import annotations
@@ -115,17 +115,18 @@ class ReferenceCostModel:
 
     # ------------------------------------------------------------------ lower bound
     def lower_bound(self, samples: Sequence[Sample]) -> float:
-        """LB = max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))).
+        """LB = sigma + max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))).
 
         d ranges over feasible degrees (ceil(L / d) <= M, d <= N) with the best placement. d t(L, d) is
         non-decreasing in d for both overlap modes (compute total is fixed, communication grows), so the
         first term takes d = ceil(L / M).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
-        return self.lower_bound_arrays(tokens, self.sample_work(samples))
+        return self.config.step_overhead_s + self.lower_bound_arrays(tokens, self.sample_work(samples))
 
     def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
-        """`lower_bound` from the samples' token counts and `sample_work`, for callers that have them."""
+        """The groups' part of `lower_bound` (without sigma) from the samples' token counts and `sample_work`,
+        for planners that compare it with their own makespans."""
         n, m, cap = self.domain.world_size, self.microbatch_overhead_s, self.domain.max_tokens_per_rank
         lo = self.min_degree(tokens)
         if np.any(lo > n):

@@ -2,7 +2,8 @@
 
 Phases run in order. A group starts at the latest finish time of its ranks so far and its ranks finish at
 start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2). A plan
-with `phase_barrier` also makes every rank wait for all ranks at each phase change.
+with `phase_barrier` also makes every rank wait for all ranks at each phase change. Every rank starts at the
+cost model's step overhead sigma (0 unless profiled).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def group_microbatch_times(plan: Plan, group_index: int, model: ReferenceCostMod
 
 def simulate(plan: Plan, model: ReferenceCostModel) -> Timeline:
     """Replay the plan's groups phase by phase under the cost model."""
-    finish = np.zeros(plan.world_size)
+    finish = np.full(plan.world_size, model.config.step_overhead_s)
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
     order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)

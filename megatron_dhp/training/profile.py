@@ -1,7 +1,8 @@
 """Calibration: time the model's forward+backward on this device and fit the cost model's coefficients.
 
 Every grid point is a microbatch shape, k samples of about L tokens on groups of d ranks, run three times back
-to back at 3/4, 7/8 and all of L. All ranks work at once (n // d disjoint groups of d; the remaining ranks
+to back at 3/4, 7/8 and all of L; a few points are microbatches packed from the job's own data (mixed
+lengths, as training runs them). All ranks work at once (n // d disjoint groups of d; the remaining ranks
 idle), as they do in training, so the timing includes the contention of a busy machine. Each point is timed
 like the train loop's "meas": from a barrier to the slowest group rank's end of backward, the median of a
 few repetitions; repetitions go round the whole grid after a warm-up round.
@@ -15,6 +16,10 @@ where c = gamma / bw is what the data determine about communication, and s (`sam
 lambda (`cp_microbatch_overhead_s`) are the cost model's two optional terms: per-sample work every rank of
 a group repeats, and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
 non-negative by an exact non-negative least-squares fit (`fit`).
+
+Then the job trains a few real steps planned with that fit, and the cost model's third optional term, the
+step overhead sigma, becomes the median of measured minus predicted over them (`step_overhead`): what a step
+adds to its microbatches. Those steps are printed predicted against measured, the check of the whole model.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,21 +41,40 @@ LENGTH_FACTORS = (0.75, 0.875, 1.0)
 microbatches follow one another with new shapes each time, and a lone microbatch would pay warm-up that a
 step does not (allocator, caches)."""
 
+SAMPLE_COUNTS = (1, 2, 4, 8, 16)
+"""Samples per microbatch at each grid length (where they fit): one rank's points then separate the linear
+term b from the per-sample s and the fixed m, and a group's points separate b / d from communication."""
+
 TERMS = ("microbatch_overhead_s", "cp_microbatch_overhead_s", "sample_overhead_s", "attn_s_per_token2",
          "linear_s_per_token", "comm_s_per_token")
 
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One microbatch shape: `samples` samples of about `length` tokens on groups of `group_size` ranks."""
+    """One microbatch shape: `samples` samples of about `length` tokens on groups of `group_size` ranks, or,
+    when `drawn` is set, samples of those lengths (a microbatch packed from the job's own data)."""
 
     length: int
     group_size: int
     samples: int = 1
+    drawn: tuple[int, ...] = ()
+    """The sample lengths of a data point (then `length` is the longest and `samples` their count)."""
+
+    @classmethod
+    def from_data(cls, lengths: Sequence[int], group_size: int) -> GridPoint:
+        """A point of the given sample lengths, as the job's data packs them."""
+        return cls(max(lengths), group_size, len(lengths), tuple(int(L) for L in lengths))
 
     def microbatches(self) -> list[list[int]]:
         """The lengths of the point's microbatches, in the order they run."""
-        return [[max(1, round(self.length * f))] * self.samples for f in LENGTH_FACTORS]
+        lengths = self.drawn or (self.length,) * self.samples
+        return [[max(1, round(L * f)) for L in lengths] for f in LENGTH_FACTORS]
+
+    def describe(self) -> str:
+        """The point's samples in a few characters: `4 x 128`, or `5 of 27-191 (data)`."""
+        if self.drawn:
+            return f"{self.samples} of {min(self.drawn)}-{self.length} (data)"
+        return f"{self.samples} x {self.length}"
 
     def features(self) -> np.ndarray:
         """The point's row of the fit (per microbatch, averaged): coefficients of m, lambda, s, a, b, c."""
@@ -60,13 +85,41 @@ class GridPoint:
 
 
 def default_grid(*, num_ranks: int, max_tokens_per_rank: int, lengths: tuple[int, ...] = ()) -> list[GridPoint]:
-    """Lengths (default: powers of two from 64 to the domain's capacity) x group sizes 1..n that fit, each
-    alone and packed 4 and 16 to a microbatch where that fits, so that m, s and the token terms separate."""
+    """Lengths (default: powers of two from 64 to the domain's capacity) x group sizes 1..n, each packed
+    `SAMPLE_COUNTS` to a microbatch where that fits, so that m, s and the token terms separate."""
     cap = max_tokens_per_rank
     if not lengths:
         lengths = tuple(2**i for i in range(6, 40) if 2**i <= num_ranks * cap)
-    return [GridPoint(L, d, k) for d in range(1, num_ranks + 1) for L in lengths for k in (1, 4, 16)
+    return [GridPoint(L, d, k) for d in range(1, num_ranks + 1) for L in lengths for k in SAMPLE_COUNTS
             if -(-k * L // d) <= cap]
+
+
+def data_grid(config: TrainConfig, *, per_size: int = 4) -> list[GridPoint]:
+    """`per_size` microbatches for each group size, packed from the job's first batches in data order.
+
+    Training microbatches mix lengths (a few long samples and many short ones, none a round number); uniform
+    points alone leave the fit to extrapolate to them, and on a CPU it then predicted such microbatches
+    about 7 % short. Packing is the planners': samples in order while sum ceil(L / d) stays within the cap."""
+    from megatron_dhp.training.data import TokenPipeline
+
+    if per_size < 1:
+        return []
+    ranks = config.train.num_ranks // config.train.tp
+    cap = config.dhp.max_tokens_per_rank
+    pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size, capacity=ranks * cap,
+                             truncate=config.dhp.truncate)
+    lengths = [int(L) for k in range(max(1, config.train.steps)) for L in pipeline.batch(k).lengths]
+    points = []
+    for d in range(1, ranks + 1):
+        packed: list[int] = []
+        for L in (L for L in lengths if -(-L // d) <= cap):
+            if packed and sum(-(-x // d) for x in packed) + -(-L // d) > cap:
+                points.append(GridPoint.from_data(packed, d))
+                packed = []
+                if sum(p.group_size == d for p in points) == per_size:
+                    break
+            packed.append(L)
+    return points
 
 
 class GridTimer:
@@ -125,6 +178,34 @@ def measure(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float
     for _ in range(reps + 1):
         timer.round()
     return timer.medians(skip=1)
+
+
+CALIBRATION_WARMUP = 2
+"""Calibration steps left out of the step overhead: the first steps create groups and warm caches."""
+
+
+def measure_with_steps(config: TrainConfig, grid: list[GridPoint], reps: int,
+                       steps: int) -> tuple[list[float], list[tuple[float, float]]]:
+    """One rank: the grid's medians (`measure`), then `steps` training steps of the job planned with the
+    grid's fit, as (predicted, measured) forward+backward seconds each (empty when `steps` is 0)."""
+    from megatron_dhp.training.loop import Trainer
+
+    medians = measure(config, grid, reps)
+    if steps < 1:
+        return medians, []
+    cost = fit_report(config, grid, medians, reps=reps).cost  # every rank fits the same (max-reduced) medians
+    run = replace(config, train=replace(config.train, steps=steps, save=None, load=None))
+    return medians, [(r.predicted_s, r.measured_s) for r in Trainer(run, cost=cost).steps()]
+
+
+def step_overhead(steps: list[tuple[float, float]]) -> float:
+    """sigma: the median of measured - predicted over the calibration steps after warm-up, at least 0.
+
+    What a real step adds to the grid's microbatches (on a CPU a few ms: the planning thread's share of the
+    interpreter, caches cold after the optimizer). The median keeps a step slowed by other load from
+    setting it."""
+    gaps = [measured - predicted for predicted, measured in steps[CALIBRATION_WARMUP:]]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
 def _point_plan(point: GridPoint, n: int, config: TrainConfig):
@@ -187,12 +268,14 @@ NOMINAL_BYTES_PER_S = 1.0e9
 
 @dataclass(frozen=True)
 class ProfileReport:
-    """Every grid point's measured and fitted seconds, and the cost model they give."""
+    """Every grid point's measured and fitted seconds, the cost model they give, and its calibration steps."""
 
     grid: list[GridPoint]
     measured: list[float]
     fitted: list[float]
     cost: CostConfig
+    steps: tuple[tuple[float, float], ...] = ()
+    """(predicted under `cost`, measured) forward+backward seconds of each calibration step after warm-up."""
 
     @property
     def errors(self) -> list[float]:
@@ -200,19 +283,26 @@ class ProfileReport:
         return [(f - m) / m for f, m in zip(self.fitted, self.measured)]
 
 
-def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: int = 5) -> ProfileReport:
-    """Time the grid on the configured job (spawning its ranks) and fit a `kind: profiled` cost model."""
+def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: int = 5,
+            steps: int = 12) -> ProfileReport:
+    """Time the grid on the configured job (spawning its ranks), fit a `kind: profiled` cost model, then run
+    `steps` training steps with it and set its step overhead sigma from them (`step_overhead`)."""
     from megatron_dhp.training.job import run_on_ranks
 
     ranks = config.train.num_ranks // config.train.tp
     cap = config.dhp.max_tokens_per_rank
-    grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=cap)
-    too_big = [p for p in grid if p.group_size > ranks or -(-p.samples * p.length // p.group_size) > cap]
+    grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=cap) + data_grid(config)
+    too_big = [p for p in grid if p.group_size > ranks or
+               sum(-(-L // p.group_size) for L in p.microbatches()[-1]) > cap]
     if too_big:
         p = too_big[0]
-        raise DhpError(f"grid point of {p.samples} x {p.length} tokens on {p.group_size} ranks does not fit "
+        raise DhpError(f"grid point of {p.describe()} tokens on {p.group_size} ranks does not fit "
                        f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
-    return fit_report(config, grid, run_on_ranks(measure, config, grid, reps), reps=reps)
+    medians, timed = run_on_ranks(measure_with_steps, config, grid, reps, steps)
+    report = fit_report(config, grid, medians, reps=reps)
+    sigma = step_overhead(timed)
+    cost = replace(report.cost, step_overhead_s=sigma)
+    return replace(report, cost=cost, steps=tuple((p + sigma, m) for p, m in timed[CALIBRATION_WARMUP:]))
 
 
 def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float], *, reps: int) -> ProfileReport:

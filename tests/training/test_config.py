@@ -56,7 +56,7 @@ def test_auto_rank_count_is_at_least_two_and_a_multiple_of_tp():
 @pytest.mark.parametrize("command,words", [
     ("train", ["--config", "--planner", "--save", "--save-interval", "--load", "--nproc", "--cost"]),
     ("demo", ["--config", "--nproc", "--planners", "--calibrate", "--out"]),
-    ("profile", ["--config", "--lengths", "--reps", "--out"]),
+    ("profile", ["--config", "--lengths", "--data-points", "--calibration-steps", "--reps", "--out"]),
 ])
 def test_help(command, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -69,6 +69,7 @@ def test_help(command, words, capsys):
 @pytest.mark.parametrize("argv,match", [
     (["train", "--config", "nope.yaml"], "train config 'nope.yaml' is neither a file"),
     (["profile", "--lengths", "64,x"], "--lengths '64,x' must be comma-separated integers"),
+    (["profile", "--calibration-steps", "-1"], "--calibration-steps -1 must be 0 or more"),
     (["demo", "--planners", "dhp"], "--planners 'dhp': give at least two of"),
 ])
 def test_cli_errors_are_one_line(argv, match, capsys):

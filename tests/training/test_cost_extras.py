@@ -1,4 +1,5 @@
-"""The cost model's two optional terms (per-sample s, per-CP-microbatch lambda) and the profile fit."""
+"""The cost model's optional terms (per-sample s, per-CP-microbatch lambda, per-step sigma) and the profile:
+its grid, the fit, and the step overhead from calibration steps."""
 
 from __future__ import annotations
 
@@ -11,13 +12,23 @@ import pytest
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.plan.random_plan import random_plan
 from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.training.profile import TERMS, GridPoint, default_grid, fit, predict
+from megatron_dhp.training.config import TrainConfig
+from megatron_dhp.training.profile import (
+    CALIBRATION_WARMUP,
+    TERMS,
+    GridPoint,
+    data_grid,
+    default_grid,
+    fit,
+    predict,
+    step_overhead,
+)
 from megatron_dhp.workload import Batch, LengthSource
 
 
 def test_zero_extras_leave_every_reference_number_unchanged(tmp_path):
     reference = CostConfig.load("gpt7b-64")
-    explicit = replace(reference, sample_overhead_s=0.0, cp_microbatch_overhead_s=0.0)
+    explicit = replace(reference, sample_overhead_s=0.0, cp_microbatch_overhead_s=0.0, step_overhead_s=0.0)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=256, seed=0, capacity=64 * 8192)
     for name in ("static", "dhp"):
         a = run_planner(build_planner(name), batch, build_cost_model(reference))
@@ -25,7 +36,8 @@ def test_zero_extras_leave_every_reference_number_unchanged(tmp_path):
         assert a.predicted_step_time_s == b.predicted_step_time_s and a.lower_bound_s == b.lower_bound_s
     reference.save(tmp_path / "ref.yaml")
     text = (tmp_path / "ref.yaml").read_text()
-    assert "sample_overhead_s" not in text and "cp_microbatch_overhead_s" not in text  # files stay as they were
+    for key in ("sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s"):
+        assert key not in text  # files stay as they were
     assert CostConfig.load(tmp_path / "ref.yaml") == reference
 
 
@@ -38,13 +50,27 @@ def test_extras_add_exactly_their_time():
     assert m1.microbatch_time(samples, [0, 1]) == pytest.approx(m0.microbatch_time(samples, [0, 1]) + 0.02 + 0.5)
 
 
+def test_step_overhead_adds_exactly_sigma_to_every_step_and_to_the_bound():
+    base = replace(CostConfig.load("tiny-gpt-cpu"), world_size=4, gpus_per_node=4)
+    slow = replace(base, step_overhead_s=0.004)
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=32, seed=1, capacity=4 * 512)
+    batch = Batch.from_lengths([max(1, L // 32) for L in batch.lengths])
+    m0, m1 = build_cost_model(base), build_cost_model(slow)
+    assert m1.lower_bound(batch.samples) == pytest.approx(m0.lower_bound(batch.samples) + 0.004)
+    for name in ("static", "dhp", "fcp-ref"):
+        a, b = run_planner(build_planner(name), batch, m0), run_planner(build_planner(name), batch, m1)
+        assert a.groups == b.groups  # a constant every plan pays changes no decision
+        assert b.predicted_step_time_s == pytest.approx(a.predicted_step_time_s + 0.004)
+        assert all(s.start_s >= 0.004 for s in simulate(b, m1).spans)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_lower_bound_stays_valid_with_the_extras(seed):
     rng = random.Random(seed)
     n = rng.choice([2, 3, 4, 8])
     cost = replace(CostConfig.load("tiny-gpt-cpu"), world_size=n, gpus_per_node=rng.choice([1, 2, n]),
                    sample_overhead_s=rng.choice([0.0, 0.003, 0.02]), cp_microbatch_overhead_s=rng.choice([0.0, 0.015, 0.2]),
-                   comm_bytes_per_token=rng.choice([0.0, 2e4]))
+                   comm_bytes_per_token=rng.choice([0.0, 2e4]), step_overhead_s=rng.choice([0.0, 0.005]))
     model = build_cost_model(cost)
     lengths = [rng.randint(1, n * cost.max_tokens_per_rank) for _ in range(rng.randint(1, 30))]
     batch = Batch.from_lengths(lengths)
@@ -70,3 +96,36 @@ def test_fit_keeps_coefficients_non_negative():
     noise = np.random.default_rng(0).normal(1.0, 0.05, len(grid))
     fitted = fit(grid, (predict(grid, truth) * noise).tolist())
     assert all(v >= 0 for v in fitted.values()) and fitted["attn_s_per_token2"] > 0
+
+
+def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
+    config = TrainConfig.load("demo_cpu")
+    cap = config.dhp.max_tokens_per_rank
+    points = data_grid(config, per_size=3)
+    assert [p.group_size for p in points] == [1, 1, 1, 2, 2, 2]
+    from megatron_dhp.training.data import TokenPipeline
+
+    pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size, capacity=2 * cap, truncate=True)
+    order = [int(L) for k in range(config.train.steps) for L in pipeline.batch(k).lengths]
+    for d in (1, 2):
+        mine = [p for p in points if p.group_size == d]
+        packed = [L for p in mine for L in p.drawn]
+        fitting = [L for L in order if -(-L // d) <= cap]
+        assert packed == fitting[:len(packed)]  # data order, nothing skipped
+        for p in mine:
+            assert sum(-(-L // d) for L in p.drawn) <= cap and p.samples == len(p.drawn) and p.length == max(p.drawn)
+    assert data_grid(config, per_size=0) == []
+
+
+def test_a_data_point_runs_its_lengths_scaled_like_a_uniform_point():
+    point = GridPoint.from_data([100, 8, 40], 2)
+    assert point.microbatches() == [[75, 6, 30], [88, 7, 35], [100, 8, 40]]
+    assert point.describe() == "3 of 8-100 (data)" and GridPoint(64, 1, 4).describe() == "4 x 64"
+    assert point.features()[2] == 3 and point.features()[1] == 1.0  # k samples, lambda on
+
+
+def test_step_overhead_is_the_median_gap_after_warm_up_and_never_negative():
+    warm = [(0.01, 5.0)] * CALIBRATION_WARMUP  # first steps: group creation, cold caches; left out
+    assert step_overhead(warm + [(0.010, 0.013), (0.020, 0.021), (0.030, 0.040)]) == pytest.approx(0.003)
+    assert step_overhead(warm + [(0.010, 0.009), (0.020, 0.018)]) == 0.0
+    assert step_overhead(warm) == 0.0 and step_overhead([]) == 0.0

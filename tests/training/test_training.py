@@ -99,8 +99,10 @@ def test_train_command_logs_every_step_and_writes_json(tmp_path, capfd):
 
 
 def test_profile_of_a_tiny_grid_fits_into_a_yaml_cost_config_accepts(runs, tmp_path):
-    measured = runs["two"][0]["profile"]
+    measured, steps = runs["two"][0]["profile"]
     assert len(measured) == len(workers.PROFILE_GRID) and all(t > 0 for t in measured)
+    assert len(steps) == workers.PROFILE_STEPS and all(p > 0 and m > 0 for p, m in steps)
+    assert steps == runs["two"][1]["profile"][1]  # every rank planned the same steps with the same fit
     report = fit_report(workers.tiny_config(), workers.PROFILE_GRID, measured, reps=1)
     assert len(report.fitted) == len(report.errors) == len(measured)
     path = tmp_path / "profiled.yaml"

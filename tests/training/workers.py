@@ -15,12 +15,14 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_dhp.training.loop import Trainer
-from megatron_dhp.training.profile import GridPoint, measure
+from megatron_dhp.training.profile import GridPoint, measure_with_steps
 
 STEPS = 20
 RESUME_AT = 10
 PROFILE_GRID = [GridPoint(16, 1), GridPoint(32, 1), GridPoint(8, 1, 4), GridPoint(32, 2), GridPoint(64, 2),
                 GridPoint(16, 2, 4)]
+
+PROFILE_STEPS = 4
 
 
 def tiny_config(*, nproc: int = 2, max_tokens_per_rank: int = 48, planner: str = "dhp", **run: object) -> TrainConfig:
@@ -52,7 +54,7 @@ def two_rank_runs(config: TrainConfig, folder: str) -> dict:
     latest = Trainer(config)
     out["latest_step"] = latest.resume(folder)
     out["errors"] = _bad_checkpoints(config, Path(folder))
-    out["profile"] = measure(config, PROFILE_GRID, reps=1)
+    out["profile"] = measure_with_steps(config, PROFILE_GRID, reps=1, steps=PROFILE_STEPS)
     return out
 
 
