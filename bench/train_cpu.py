@@ -1,18 +1,15 @@
 """Static CP against DHP in real training on this machine: wall time, and predicted vs measured step time.
 
 Trains configs/demo_cpu.yaml (or --config) under each planner on the same batches from the same weights.
-By default the runs are interleaved inside one job (each rank holds one trainer per planner and steps them
-in turn), so that both planners see the same load on a shared machine at the same moments; --sequential
-runs them one after the other, as `megatron-dhp demo` does. Prints, per planner, the median step time,
-tokens/s, the cost model's predicted against the measured forward+backward time, the last loss, and the
-static/dhp wall-time ratio; --json writes every step.
+First it calibrates the cost model on this machine (`megatron-dhp profile`: the grid, the fit, and the step
+overhead from a few real steps), as `megatron-dhp demo` does, and every run plans and predicts with that
+model (--cost YAML or --no-calibrate use a given one instead). By default the runs are interleaved inside one
+job (each rank holds one trainer per planner and steps them in turn), so that the planners see the same load
+on a shared machine at the same moments; --sequential runs them one after the other, as the demo does.
+Prints, per planner, the median step time, tokens/s, the predicted against the measured forward+backward
+time (steps within 15 %), the last loss, and the static/dhp wall-time ratio; --json writes every step.
 
-Predicted times come from the config's cost model, and (interleaved runs) also from a calibration done in
-the same job: a round of `megatron-dhp profile`'s grid after every few steps, fitted at the end, so that the
-calibration saw the same machine load as the steps it predicts (on a shared machine, load from other jobs
-changes step times by up to 2x from one minute to the next).
-
-    PYTHONPATH=$PWD python bench/train_cpu.py [--steps 60] [--nproc N] [--cost YAML] [--sequential] [--json out.json]
+    PYTHONPATH=$PWD python bench/train_cpu.py [--steps 60] [--nproc N] [--planners A,B,...] [--sequential]
 """
 
 from __future__ import annotations
@@ -21,8 +18,10 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -36,37 +35,13 @@ TARGET = 1.2
 """Issue 5: dhp at least 1.2x faster than static (the baseline) on the long-tailed demo workload."""
 
 
-def interleaved(config: TrainConfig, planners: tuple[str, ...], every: int) -> dict:
-    """One rank: a trainer per planner, stepped in turn, with a calibration round of the profile grid every
-    `every` steps; returns each planner's records and plans and the calibration's per-point medians."""
+def interleaved(config: TrainConfig, planners: tuple[str, ...]) -> dict[str, list[StepRecord]]:
+    """One rank: a trainer per planner, stepped in turn; returns each planner's records."""
     from megatron_dhp.training.loop import Trainer
-    from megatron_dhp.training.profile import GridTimer, data_grid, default_grid
 
-    grid = default_grid(num_ranks=config.train.num_ranks // config.train.tp,
-                        max_tokens_per_rank=config.dhp.max_tokens_per_rank) + data_grid(config)
-    timer = GridTimer(config, grid)
-    timer.round()  # warm-up
     trainers = [Trainer(config.with_overrides(dhp={"planner": p})) for p in planners]
-    out = {"records": {p: [] for p in planners}, "plans": {p: [] for p in planners}}
-    for k, records in enumerate(zip(*(t.steps() for t in trainers))):
-        for planner, trainer, record in zip(planners, trainers, records):
-            out["records"][planner].append(record)
-            out["plans"][planner].append(trainer.last_plan.to_dict())
-        if k % every == 0:
-            timer.round()
-    out["grid"], out["calibration"] = grid, timer.medians(skip=1)
-    return out
-
-
-def recalibrated(config: TrainConfig, run: dict) -> tuple[dict[str, list[float]], object]:
-    """Every step's plan re-simulated under the cost model fitted to the in-run calibration."""
-    from megatron_dhp.cost import build_cost_model, simulate
-    from megatron_dhp.plan.plan import Plan
-    from megatron_dhp.training.profile import fit_report
-
-    report = fit_report(config, run["grid"], run["calibration"], reps=len(run["calibration"]))
-    model = build_cost_model(report.cost)
-    return {p: [simulate(Plan.from_dict(d), model).step_time_s for d in plans] for p, plans in run["plans"].items()}, report
+    steps = list(zip(*(t.steps() for t in trainers)))  # per step: one record per planner, in turn
+    return {p: [step[i] for step in steps] for i, p in enumerate(planners)}
 
 
 def sequential(config: TrainConfig, planners: tuple[str, ...]) -> dict[str, list[StepRecord]]:
@@ -81,10 +56,10 @@ def main() -> None:
     parser.add_argument("--config", default="demo_cpu", help="train config (default demo_cpu)")
     parser.add_argument("--steps", type=int, default=60, help="steps per planner (default 60)")
     parser.add_argument("--nproc", type=int, help="ranks (default: the config's, i.e. one per core)")
-    parser.add_argument("--cost", help="cost model YAML or preset (default: the config's)")
+    parser.add_argument("--cost", help="cost model YAML or preset to use instead of calibrating first")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile this machine first (default); --no-calibrate uses the config's cost model")
     parser.add_argument("--planners", default="static,dhp", help="comma-separated, baseline first (default static,dhp)")
-    parser.add_argument("--calibrate-every", type=int, default=3, metavar="K",
-                        help="interleaved runs: a calibration round every K steps (default 3)")
     parser.add_argument("--sequential", action="store_true", help="one run after the other instead of interleaved")
     parser.add_argument("--json", help="write every step's record here")
     args = parser.parse_args()
@@ -92,6 +67,7 @@ def main() -> None:
     from megatron_dhp.errors import DhpError
     from megatron_dhp.training.config import TrainConfig
     from megatron_dhp.training.job import run_on_ranks
+    from megatron_dhp.training.profile import profile
     from megatron_dhp.training.train import steps_within
 
     planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
@@ -101,28 +77,25 @@ def main() -> None:
     except DhpError as e:
         parser.error(str(e))
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    start = time.perf_counter()
+    if args.calibrate and not args.cost:
+        report = profile(config)
+        path = Path(tempfile.mkdtemp(prefix="train_cpu_")) / "profiled_cost.yaml"
+        report.cost.save(path)
+        within = sum(abs(p / m - 1) <= 0.15 for p, m in report.steps)
+        console.print(f"calibrated in {time.perf_counter() - start:.0f} s: {len(report.grid)} grid points, step "
+                      f"overhead {report.cost.step_overhead_s * 1e3:.2f} ms from {len(report.steps)} steps "
+                      f"({within} within 15%); {path}")
+        config = config.with_overrides(dhp={"cost": str(path)})
     mode = "sequential" if args.sequential else "interleaved"
     console.print(f"{mode} runs of {', '.join(planners)}: {args.steps} steps on {config.train.num_ranks} ranks, "
                   f"{args.config}, cost {config.dhp.cost}")
-    start = time.perf_counter()
-    in_run = None
-    if args.sequential:
-        runs = sequential(config, planners)
-    else:
-        run = run_on_ranks(interleaved, config, planners, args.calibrate_every)
-        runs = run["records"]
-        in_run, report = recalibrated(config, run)
-        errors = [abs(e) for e in report.errors]
-        console.print(f"in-run calibration: {len(run['grid'])} grid points x {args.steps // args.calibrate_every + 1} "
-                      f"rounds, fit error median {100 * statistics.median(errors):.1f}% max {100 * max(errors):.1f}%")
+    runs = sequential(config, planners) if args.sequential else run_on_ranks(interleaved, config, planners)
     elapsed = time.perf_counter() - start
 
     table = Table(title=f"{mode}, {args.steps} steps per planner, {config.train.num_ranks} ranks ({elapsed:.0f} s in all)")
-    columns = ["planner", "step median", "step total", "tokens/s", "fwd+bwd meas", f"pred ({config.dhp.cost})",
-               "within 15%"]
-    if in_run:
-        columns += ["pred (in-run fit)", "within 15%"]
-    for col in columns + ["last loss"]:
+    for col in ("planner", "step median", "step total", "tokens/s", "fwd+bwd pred", "fwd+bwd meas",
+                "pred / meas median", "within 15%", "last loss"):
         table.add_column(col, justify="right")
     summary: dict = {}
     for name, records in runs.items():
@@ -134,16 +107,11 @@ def main() -> None:
             "within_15pct": steps_within(pred, records),
             "last_loss": records[-1].loss,
         }
-        row = [name, f"{summary[name]['step_median_s']:.3f}s", f"{summary[name]['step_total_s']:.1f}s",
-               f"{statistics.median(r.tokens_per_s for r in records):,.0f}",
-               f"{statistics.median(r.measured_s for r in records):.3f}s",
-               f"{statistics.median(pred):.3f}s", f"{steps_within(pred, records)}/{len(records)}"]
-        if in_run:
-            fitted = in_run[name]
-            summary[name]["in_run_pred_over_meas_median"] = statistics.median(p / r.measured_s for p, r in zip(fitted, records))
-            summary[name]["in_run_within_15pct"] = steps_within(fitted, records)
-            row += [f"{statistics.median(fitted):.3f}s", f"{steps_within(fitted, records)}/{len(records)}"]
-        table.add_row(*row, f"{records[-1].loss:.6f}")
+        table.add_row(name, f"{summary[name]['step_median_s']:.3f}s", f"{summary[name]['step_total_s']:.1f}s",
+                      f"{statistics.median(r.tokens_per_s for r in records):,.0f}", f"{statistics.median(pred):.3f}s",
+                      f"{statistics.median(r.measured_s for r in records):.3f}s",
+                      f"{summary[name]['pred_over_meas_median']:.3f}", f"{summary[name]['within_15pct']}/{len(records)}",
+                      f"{records[-1].loss:.6f}")
     console.print(table)
     base = planners[0]
     for name in planners[1:]:
@@ -156,7 +124,7 @@ def main() -> None:
         summary[f"{base}/{name}"] = {"median": median_ratio, "total": total_ratio, "paired": paired}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": mode, "config": config.to_dict(), "summary": summary, "in_run_pred": in_run,
+            json.dump({"mode": mode, "config": config.to_dict(), "summary": summary,
                        "steps": {k: [vars(r) for r in v] for k, v in runs.items()}}, f, indent=1)
         console.print(f"wrote {args.json}")
 
