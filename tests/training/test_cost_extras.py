@@ -51,7 +51,7 @@ def test_extras_add_exactly_their_time():
 
 
 def test_step_overhead_adds_exactly_sigma_to_every_step_and_to_the_bound():
-    base = replace(CostConfig.load("tiny-gpt-cpu"), world_size=4, gpus_per_node=4)
+    base = replace(CostConfig.load("tiny-gpt-cpu"), world_size=4, gpus_per_node=4, step_overhead_s=0.0)
     slow = replace(base, step_overhead_s=0.004)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=32, seed=1, capacity=4 * 512)
     batch = Batch.from_lengths([max(1, L // 32) for L in batch.lengths])
