@@ -7,7 +7,8 @@ model (--cost YAML or --no-calibrate use a given one instead). By default the ru
 job (each rank holds one trainer per planner and steps them in turn), so that the planners see the same load
 on a shared machine at the same moments; --sequential runs them one after the other, as the demo does.
 Prints, per planner, the median step time, tokens/s, the predicted against the measured forward+backward
-time (steps within 15 %), the last loss, and the static/dhp wall-time ratio; --json writes every step.
+time (steps within 15 %), the last loss, and the static/dhp wall-time ratio; --json writes every step's
+record and plan.
 
     PYTHONPATH=$PWD python bench/train_cpu.py [--steps 60] [--nproc N] [--planners A,B,...] [--sequential]
 """
@@ -35,20 +36,26 @@ TARGET = 1.2
 """Issue 5: dhp at least 1.2x faster than static (the baseline) on the long-tailed demo workload."""
 
 
-def interleaved(config: TrainConfig, planners: tuple[str, ...]) -> dict[str, list[StepRecord]]:
-    """One rank: a trainer per planner, stepped in turn; returns each planner's records."""
+def interleaved(config: TrainConfig, planners: tuple[str, ...]) -> tuple[dict[str, list[StepRecord]], dict[str, list[dict]]]:
+    """One rank: a trainer per planner, stepped in turn; returns each planner's records and plans."""
     from megatron_dhp.training.loop import Trainer
 
     trainers = [Trainer(config.with_overrides(dhp={"planner": p})) for p in planners]
-    steps = list(zip(*(t.steps() for t in trainers)))  # per step: one record per planner, in turn
-    return {p: [step[i] for step in steps] for i, p in enumerate(planners)}
+    records: dict[str, list[StepRecord]] = {p: [] for p in planners}
+    plans: dict[str, list[dict]] = {p: [] for p in planners}
+    for step in zip(*(t.steps() for t in trainers)):  # one record per planner, in turn
+        for p, trainer, record in zip(planners, trainers, step):
+            records[p].append(record)
+            plans[p].append(trainer.last_plan.to_dict())
+    return records, plans
 
 
-def sequential(config: TrainConfig, planners: tuple[str, ...]) -> dict[str, list[StepRecord]]:
-    """Each planner's whole run, one after the other."""
+def sequential(config: TrainConfig, planners: tuple[str, ...]) -> tuple[dict[str, list[StepRecord]], dict[str, list[dict]]]:
+    """Each planner's whole run, one after the other; records and plans as `interleaved`."""
     from megatron_dhp.training.train import train
 
-    return {p: train(config.with_overrides(dhp={"planner": p}), show=False).records for p in planners}
+    results = {p: train(config.with_overrides(dhp={"planner": p}), show=False) for p in planners}
+    return {p: r.records for p, r in results.items()}, {p: r.plans for p, r in results.items()}
 
 
 def main() -> None:
@@ -61,7 +68,7 @@ def main() -> None:
                         help="profile this machine first (default); --no-calibrate uses the config's cost model")
     parser.add_argument("--planners", default="static,dhp", help="comma-separated, baseline first (default static,dhp)")
     parser.add_argument("--sequential", action="store_true", help="one run after the other instead of interleaved")
-    parser.add_argument("--json", help="write every step's record here")
+    parser.add_argument("--json", help="write every step's record and plan here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
     from megatron_dhp.errors import DhpError
@@ -82,15 +89,15 @@ def main() -> None:
         report = profile(config)
         path = Path(tempfile.mkdtemp(prefix="train_cpu_")) / "profiled_cost.yaml"
         report.cost.save(path)
-        within = sum(abs(p / m - 1) <= 0.15 for p, m in report.steps)
-        console.print(f"calibrated in {time.perf_counter() - start:.0f} s: {len(report.grid)} grid points, step "
-                      f"overhead {report.cost.step_overhead_s * 1e3:.2f} ms from {len(report.steps)} steps "
-                      f"({within} within 15%); {path}")
+        within = sum(abs(p / m - 1) <= 0.15 for _, _, p, m in report.steps)
+        console.print(f"calibrated in {time.perf_counter() - start:.0f} s: {len(report.grid)} grid points and "
+                      f"{len(report.steps)} steps, step overhead {report.cost.step_overhead_s * 1e3:.2f} ms, "
+                      f"{within}/{len(report.steps)} of those steps within 15%; {path}")
         config = config.with_overrides(dhp={"cost": str(path)})
     mode = "sequential" if args.sequential else "interleaved"
     console.print(f"{mode} runs of {', '.join(planners)}: {args.steps} steps on {config.train.num_ranks} ranks, "
                   f"{args.config}, cost {config.dhp.cost}")
-    runs = sequential(config, planners) if args.sequential else run_on_ranks(interleaved, config, planners)
+    runs, plans = sequential(config, planners) if args.sequential else run_on_ranks(interleaved, config, planners)
     elapsed = time.perf_counter() - start
 
     table = Table(title=f"{mode}, {args.steps} steps per planner, {config.train.num_ranks} ranks ({elapsed:.0f} s in all)")
@@ -125,7 +132,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": mode, "config": config.to_dict(), "summary": summary,
-                       "steps": {k: [vars(r) for r in v] for k, v in runs.items()}}, f, indent=1)
+                       "steps": {k: [vars(r) for r in v] for k, v in runs.items()}, "plans": plans}, f, indent=1)
         console.print(f"wrote {args.json}")
 
 

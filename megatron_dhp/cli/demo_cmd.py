@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         report.cost.save(out / "profiled_cost.yaml")
         errors = [abs(e) for e in report.errors]
         console.print(f"fitted {len(errors)} points (max error {100 * max(errors):.1f}%); "
-                      f"{calibration_summary(report, planner=config.dhp.planner).rstrip(':')}; wrote {out / 'profiled_cost.yaml'}")
+                      f"{calibration_summary(report)}; wrote {out / 'profiled_cost.yaml'}")
         config = config.with_overrides(dhp={"cost": str(out / "profiled_cost.yaml")})
     result = run_demo(config, planners, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":

@@ -27,8 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also K microbatches per group size packed from the config's data, mixed lengths as "
                         "training runs them (default 4; 0 for the uniform grid only)")
     p.add_argument("--calibration-steps", type=int, default=12, metavar="K",
-                   help="then train K real steps with the fit, print their predicted vs measured time, and set "
-                        "the step overhead from all but the first 2 (default 12; 0 skips them)")
+                   help="then train K real steps under static and under the config's planner with the grid's "
+                        "fit, refit on the grid and their microbatches (all but the first 2 steps), and print "
+                        "the steps' predicted vs measured time (default 12; 0 skips them)")
     p.add_argument("--reps", type=int, default=5, metavar="R", help="timed repetitions per point, median kept (default 5)")
     p.add_argument("--out", default="profiled_cost.yaml", metavar="YAML", help="where to write the cost model")
     p.set_defaults(run=run)
@@ -80,19 +81,21 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"fit error: median {100 * sorted(errors)[len(errors) // 2]:.1f}%, max {100 * max(errors):.1f}% "
                   f"over {len(errors)} points")
     if report.steps:
-        console.print(calibration_summary(report, planner=config.dhp.planner))
-        for i, (predicted, measured) in enumerate(report.steps, start=3):
-            console.print(f"  step {i}: pred {predicted:.3f}s meas {measured:.3f}s ({100 * (predicted / measured - 1):+.1f}%)")
+        console.print(calibration_summary(report) + ":")
+        for planner, step, predicted, measured in report.steps:
+            console.print(f"  {planner} step {step}: pred {predicted:.3f}s meas {measured:.3f}s "
+                          f"({100 * (predicted / measured - 1):+.1f}%)")
     c.save(args.out)
     console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)")
     return 0
 
 
-def calibration_summary(report, *, planner: str) -> str:
-    """One line on the calibration steps: sigma and how many steps the finished model predicts within 15 %."""
-    within = sum(abs(p / m - 1) <= 0.15 for p, m in report.steps)
-    return (f"step overhead sigma {report.cost.step_overhead_s * 1e3:.2f} ms from {len(report.steps)} {planner} "
-            f"steps; with it, {within}/{len(report.steps)} steps predicted within 15%:")
+def calibration_summary(report) -> str:
+    """One line on the calibration steps: sigma, and how many of them the final model predicts within 15 %."""
+    within = sum(abs(p / m - 1) <= 0.15 for _, _, p, m in report.steps)
+    planners = " and ".join(dict.fromkeys(planner for planner, *_ in report.steps))
+    return (f"step overhead sigma {report.cost.step_overhead_s * 1e3:.2f} ms; {within}/{len(report.steps)} "
+            f"calibration steps ({planners}) predicted within 15%")
 
 
 def load_profile_config(args: argparse.Namespace):

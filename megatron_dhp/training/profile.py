@@ -13,13 +13,18 @@ gloo collectives block), relative to each measurement so that short microbatches
     T(L, d, k) = m + lambda [d > 1] + k (s + (a L^2 + b L) / d + c L (d - 1) / d)
 
 where c = gamma / bw is what the data determine about communication, and s (`sample_overhead_s`) and
-lambda (`cp_microbatch_overhead_s`) are the cost model's two optional terms: per-sample work every rank of
-a group repeats, and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
+lambda (`cp_microbatch_overhead_s`) are the cost model's optional terms for per-sample work every rank of a
+group repeats and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
 non-negative by an exact non-negative least-squares fit (`fit`).
 
-Then the job trains a few real steps planned with that fit, and the cost model's third optional term, the
-step overhead sigma, becomes the median of measured minus predicted over them (`step_overhead`): what a step
-adds to its microbatches. Those steps are printed predicted against measured, the check of the whole model.
+The grid alone cannot see a step: after it the job trains a few real steps (static and the configured
+planner in turn) planned with the grid's fit, and the third optional term, the step overhead sigma
+(`step_overhead_s`), becomes the median over those steps of measured minus predicted (`step_overhead`):
+what a step adds to its microbatches (the gaps between them, the slower of two noisy ranks, caches cold
+after the optimizer, the planning thread's share of the interpreter). The steps are then predicted under
+the final model and printed against their measured time, the check of the whole model. (Refitting all
+coefficients on the steps' own microbatches as well predicted the same fraction of later steps within
+15 %, so the fit stays on the grid.)
 """
 
 from __future__ import annotations
@@ -181,13 +186,14 @@ def measure(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float
 
 
 CALIBRATION_WARMUP = 2
-"""Calibration steps left out of the step overhead: the first steps create groups and warm caches."""
+"""Calibration steps per planner left out of the fit: the first steps create groups and warm caches."""
 
 
 def measure_with_steps(config: TrainConfig, grid: list[GridPoint], reps: int,
-                       steps: int) -> tuple[list[float], list[tuple[float, float]]]:
-    """One rank: the grid's medians (`measure`), then `steps` training steps of the job planned with the
-    grid's fit, as (predicted, measured) forward+backward seconds each (empty when `steps` is 0)."""
+                       steps: int) -> tuple[list[float], list[tuple[str, int, float, float]]]:
+    """One rank: the grid's medians (`measure`), then `steps` training steps under `static` and under the
+    configured planner in turn, planned with the grid's fit: (planner, step, predicted, measured
+    forward+backward seconds) of each step after warm-up."""
     from megatron_dhp.training.loop import Trainer
 
     medians = measure(config, grid, reps)
@@ -195,17 +201,13 @@ def measure_with_steps(config: TrainConfig, grid: list[GridPoint], reps: int,
         return medians, []
     cost = fit_report(config, grid, medians, reps=reps).cost  # every rank fits the same (max-reduced) medians
     run = replace(config, train=replace(config.train, steps=steps, save=None, load=None))
-    return medians, [(r.predicted_s, r.measured_s) for r in Trainer(run, cost=cost).steps()]
-
-
-def step_overhead(steps: list[tuple[float, float]]) -> float:
-    """sigma: the median of measured - predicted over the calibration steps after warm-up, at least 0.
-
-    What a real step adds to the grid's microbatches (on a CPU a few ms: the planning thread's share of the
-    interpreter, caches cold after the optimizer). The median keeps a step slowed by other load from
-    setting it."""
-    gaps = [measured - predicted for predicted, measured in steps[CALIBRATION_WARMUP:]]
-    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+    trainers = [Trainer(run.with_overrides(dhp={"planner": p}), cost=cost)
+                for p in dict.fromkeys(("static", config.dhp.planner))]
+    checked = []
+    for k, records in enumerate(zip(*(t.steps() for t in trainers))):
+        if k >= CALIBRATION_WARMUP:
+            checked += [(t.config.dhp.planner, r.step, r.predicted_s, r.measured_s) for t, r in zip(trainers, records)]
+    return medians, checked
 
 
 def _point_plan(point: GridPoint, n: int, config: TrainConfig):
@@ -274,8 +276,9 @@ class ProfileReport:
     measured: list[float]
     fitted: list[float]
     cost: CostConfig
-    steps: tuple[tuple[float, float], ...] = ()
-    """(predicted under `cost`, measured) forward+backward seconds of each calibration step after warm-up."""
+    steps: tuple[tuple[str, int, float, float], ...] = ()
+    """(planner, step, predicted under `cost`, measured forward+backward seconds) of each calibration step
+    after warm-up."""
 
     @property
     def errors(self) -> list[float]:
@@ -285,8 +288,8 @@ class ProfileReport:
 
 def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: int = 5,
             steps: int = 12) -> ProfileReport:
-    """Time the grid on the configured job (spawning its ranks), fit a `kind: profiled` cost model, then run
-    `steps` training steps with it and set its step overhead sigma from them (`step_overhead`)."""
+    """Time the grid on the configured job (spawning its ranks), fit a `kind: profiled` cost model, then train
+    `steps` calibration steps per planner with it and set its step overhead sigma from them."""
     from megatron_dhp.training.job import run_on_ranks
 
     ranks = config.train.num_ranks // config.train.tp
@@ -298,11 +301,18 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
         p = too_big[0]
         raise DhpError(f"grid point of {p.describe()} tokens on {p.group_size} ranks does not fit "
                        f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
-    medians, timed = run_on_ranks(measure_with_steps, config, grid, reps, steps)
+    medians, checked = run_on_ranks(measure_with_steps, config, grid, reps, steps)
     report = fit_report(config, grid, medians, reps=reps)
-    sigma = step_overhead(timed)
-    cost = replace(report.cost, step_overhead_s=sigma)
-    return replace(report, cost=cost, steps=tuple((p + sigma, m) for p, m in timed[CALIBRATION_WARMUP:]))
+    sigma = step_overhead([(predicted, measured) for _, _, predicted, measured in checked])
+    return replace(report, cost=replace(report.cost, step_overhead_s=sigma),  # every step's start moves by sigma
+                   steps=tuple((name, step, predicted + sigma, measured) for name, step, predicted, measured in checked))
+
+
+def step_overhead(steps: Sequence[tuple[float, float]]) -> float:
+    """sigma: the median over (predicted, measured) steps of measured - predicted, at least 0 (the median
+    keeps a step slowed by load from elsewhere from setting it)."""
+    gaps = [measured - predicted for predicted, measured in steps]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
 def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float], *, reps: int) -> ProfileReport:

@@ -12,7 +12,7 @@ from megatron_dhp.cli import main
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.training.job import rank_main
-from megatron_dhp.training.profile import fit_report
+from megatron_dhp.training.profile import CALIBRATION_WARMUP, fit_report
 from tests.training import workers
 
 RELATIVE = 1e-5
@@ -101,8 +101,10 @@ def test_train_command_logs_every_step_and_writes_json(tmp_path, capfd):
 def test_profile_of_a_tiny_grid_fits_into_a_yaml_cost_config_accepts(runs, tmp_path):
     measured, steps = runs["two"][0]["profile"]
     assert len(measured) == len(workers.PROFILE_GRID) and all(t > 0 for t in measured)
-    assert len(steps) == workers.PROFILE_STEPS and all(p > 0 and m > 0 for p, m in steps)
-    assert steps == runs["two"][1]["profile"][1]  # every rank planned the same steps with the same fit
+    assert [(name, step) for name, step, _, _ in steps] == [  # both planners in turn, after warm-up
+        (name, step) for step in range(CALIBRATION_WARMUP + 1, workers.PROFILE_STEPS + 1) for name in ("static", "dhp")]
+    assert all(p > 0 and m > 0 for _, _, p, m in steps)
+    assert [p for _, _, p, _ in steps] == [p for _, _, p, _ in runs["two"][1]["profile"][1]]  # one fit on every rank
     report = fit_report(workers.tiny_config(), workers.PROFILE_GRID, measured, reps=1)
     assert len(report.fitted) == len(report.errors) == len(measured)
     path = tmp_path / "profiled.yaml"
@@ -119,6 +121,7 @@ def test_demo_command_compares_planners_on_the_same_batches(tmp_path, capfd):
     stdout = capfd.readouterr().out
     assert code == 0, stdout
     assert "speed-up" in stdout and "loss at last step" in stdout and "plan.png" in stdout
+    assert "calibration steps (static and dhp) predicted within 15%" in stdout  # the profile ran its steps
     assert (tmp_path / "demo" / "plan.png").stat().st_size > 0
     runs = json.loads((tmp_path / "demo" / "demo.json").read_text())["runs"]
     static, dhp = runs["static"]["records"], runs["dhp"]["records"]
