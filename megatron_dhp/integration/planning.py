@@ -18,11 +18,9 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.workload.sample import Batch
 
 
-def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int,
-                     cost: CostConfig | None = None) -> CostConfig:
-    """The configured cost model (or `cost`, when given) with the live job's domain: its size, node size and
-    token cap."""
-    return (cost or CostConfig.load(config.cost)).with_overrides(
+def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int) -> CostConfig:
+    """The configured cost model with the live job's domain: its size, node size and token cap."""
+    return CostConfig.load(config.cost).with_overrides(
         world_size=world_size, gpus_per_node=gpus_per_node, max_tokens_per_rank=config.max_tokens_per_rank
     )
 

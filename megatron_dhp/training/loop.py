@@ -101,11 +101,10 @@ class _Pending:
 class Trainer:
     """Everything one rank trains with; build it after `init_distributed` on every rank."""
 
-    def __init__(self, config: TrainConfig, *, cost: CostConfig | None = None) -> None:
-        """`cost` replaces the configured `dhp.cost` (the profile plans its calibration steps with its fresh fit)."""
+    def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
-        self.cost = self._cost_config(config, cost)
+        self.cost = self._cost_config(config)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=self.cost.domain.capacity, truncate=config.dhp.truncate)
         longest = self.pipeline.longest(config.train.steps)
@@ -133,10 +132,10 @@ class Trainer:
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
                 f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
 
-    def _cost_config(self, config: TrainConfig, cost: CostConfig | None) -> CostConfig:
-        """The configured cost model (or `cost`) on this job's domain."""
+    def _cost_config(self, config: TrainConfig) -> CostConfig:
+        """The configured cost model on this job's domain."""
         node = domain_node_size(config.dhp, self.domain.global_ranks, dist.get_world_size())
-        return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node, cost=cost)
+        return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node)
 
     def resume(self, directory: str) -> int:
         """Load the latest checkpoint of `directory` into this rank; returns the steps it had completed."""

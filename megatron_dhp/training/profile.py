@@ -1,8 +1,8 @@
 """Calibration: time the model's forward+backward on this device and fit the cost model's coefficients.
 
-Every grid point is a microbatch shape, k samples of about L tokens on groups of d ranks, run three times back
-to back at 3/4, 7/8 and all of L; a few points are microbatches packed from the job's own data (mixed
-lengths, as training runs them). All ranks work at once (n // d disjoint groups of d; the remaining ranks
+Every grid point is a microbatch shape, k samples of L tokens on groups of d ranks, run three times back to
+back; a few points are microbatches packed from the job's own data (mixed lengths, as training runs them).
+All ranks work at once (n // d disjoint groups of d; the remaining ranks
 idle), as they do in training, so the timing includes the contention of a busy machine. Each point is timed
 like the train loop's "meas": from a barrier to the slowest group rank's end of backward, the median of a
 few repetitions; repetitions go round the whole grid after a warm-up round.
@@ -17,9 +17,9 @@ lambda (`cp_microbatch_overhead_s`) are the cost model's optional terms for per-
 group repeats and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
 non-negative by an exact non-negative least-squares fit (`fit`).
 
-The grid alone cannot see a step: after it the job trains a few real steps (static and the configured
-planner in turn) planned with the grid's fit, and the third optional term, the step overhead sigma
-(`step_overhead_s`), becomes the median over those steps of measured minus predicted (`step_overhead`):
+The grid alone cannot see a step: between its rounds the job trains a few real steps (static and the
+configured planner in turn), and the third optional term, the step overhead sigma (`step_overhead_s`),
+becomes the median over those steps of measured minus predicted under the fit (`step_overhead`):
 what a step adds to its microbatches (the gaps between them, the slower of two noisy ranks, caches cold
 after the optimizer, the planning thread's share of the interpreter). The steps are then predicted under
 the final model and printed against their measured time, the check of the whole model. (Refitting all
@@ -41,10 +41,10 @@ from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.training.config import TrainConfig
 
-LENGTH_FACTORS = (0.75, 0.875, 1.0)
-"""A grid point runs three microbatches back to back, its samples at these fractions of its length: a step's
-microbatches follow one another with new shapes each time, and a lone microbatch would pay warm-up that a
-step does not (allocator, caches)."""
+REPEATS = 3
+"""A grid point runs its microbatch this many times back to back: a lone microbatch would pay warm-up that a
+step's microbatches do not (allocator, caches). All at exactly its shape: on a CPU a 1024-token sample on 2
+ranks costs more than a L^2 curve through 768 and 896 tokens says, and mixing those in predicted it short."""
 
 SAMPLE_COUNTS = (1, 2, 4, 8, 16)
 """Samples per microbatch at each grid length (where they fit): one rank's points then separate the linear
@@ -56,8 +56,8 @@ TERMS = ("microbatch_overhead_s", "cp_microbatch_overhead_s", "sample_overhead_s
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One microbatch shape: `samples` samples of about `length` tokens on groups of `group_size` ranks, or,
-    when `drawn` is set, samples of those lengths (a microbatch packed from the job's own data)."""
+    """One microbatch shape: `samples` samples of `length` tokens on groups of `group_size` ranks, or, when
+    `drawn` is set, samples of those lengths (a microbatch packed from the job's own data)."""
 
     length: int
     group_size: int
@@ -72,8 +72,7 @@ class GridPoint:
 
     def microbatches(self) -> list[list[int]]:
         """The lengths of the point's microbatches, in the order they run."""
-        lengths = self.drawn or (self.length,) * self.samples
-        return [[max(1, round(L * f)) for L in lengths] for f in LENGTH_FACTORS]
+        return [list(self.drawn or (self.length,) * self.samples)] * REPEATS
 
     def describe(self) -> str:
         """The point's samples in a few characters: `4 x 128`, or `5 of 27-191 (data)`."""
@@ -170,44 +169,44 @@ class GridTimer:
                      grad_sync=False)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            seen.append(float(elapsed) / len(LENGTH_FACTORS))
+            seen.append(float(elapsed) / REPEATS)
 
     def medians(self, *, skip: int = 0) -> list[float]:
         """Each point's median over its rounds, leaving out the first `skip` (warm-up)."""
         return [statistics.median(seen[skip:]) for seen in self.times]
 
 
-def measure(config: TrainConfig, grid: list[GridPoint], reps: int) -> list[float]:
-    """The median seconds per microbatch of every grid point: a warm-up round, then `reps` rounds."""
-    timer = GridTimer(config, grid)
-    for _ in range(reps + 1):
-        timer.round()
-    return timer.medians(skip=1)
-
-
 CALIBRATION_WARMUP = 2
-"""Calibration steps per planner left out of the fit: the first steps create groups and warm caches."""
+"""Calibration steps per planner left out of the step overhead: the first steps create groups, warm caches."""
 
 
-def measure_with_steps(config: TrainConfig, grid: list[GridPoint], reps: int,
-                       steps: int) -> tuple[list[float], list[tuple[str, int, float, float]]]:
-    """One rank: the grid's medians (`measure`), then `steps` training steps under `static` and under the
-    configured planner in turn, planned with the grid's fit: (planner, step, predicted, measured
-    forward+backward seconds) of each step after warm-up."""
+def measure(config: TrainConfig, grid: list[GridPoint], reps: int,
+            steps: int = 0) -> tuple[list[float], list[tuple[str, int, dict, float]]]:
+    """One rank: every grid point's median seconds per microbatch over `reps` rounds (after a warm-up round),
+    and, with `steps`, that many training steps under `static` and under the configured planner in turn:
+    (planner, step, plan JSON, measured forward+backward seconds) of each step after warm-up.
+
+    The rounds are spread between the steps, so that the grid and the steps see the same machine: on a shared
+    one, load from other jobs changes speed by 10-20 % from one minute to the next. The steps plan with the
+    configured cost model; `profile` re-predicts them under the fitted one."""
     from megatron_dhp.training.loop import Trainer
 
-    medians = measure(config, grid, reps)
-    if steps < 1:
-        return medians, []
-    cost = fit_report(config, grid, medians, reps=reps).cost  # every rank fits the same (max-reduced) medians
-    run = replace(config, train=replace(config.train, steps=steps, save=None, load=None))
-    trainers = [Trainer(run.with_overrides(dhp={"planner": p}), cost=cost)
-                for p in dict.fromkeys(("static", config.dhp.planner))]
-    checked = []
-    for k, records in enumerate(zip(*(t.steps() for t in trainers))):
-        if k >= CALIBRATION_WARMUP:
-            checked += [(t.config.dhp.planner, r.step, r.predicted_s, r.measured_s) for t, r in zip(trainers, records)]
-    return medians, checked
+    timer = GridTimer(config, grid)
+    timer.round()  # warm-up
+    checked, rounds = [], 0
+    if steps:
+        run = replace(config, train=replace(config.train, steps=steps, save=None, load=None))
+        trainers = [Trainer(run.with_overrides(dhp={"planner": p})) for p in dict.fromkeys(("static", config.dhp.planner))]
+        for k, records in enumerate(zip(*(t.steps() for t in trainers))):
+            if k >= CALIBRATION_WARMUP:
+                checked += [(t.config.dhp.planner, r.step, t.last_plan.to_dict(), r.measured_s)
+                            for t, r in zip(trainers, records)]
+            while rounds < (k + 1) * reps // steps:
+                timer.round()
+                rounds += 1
+    for _ in range(rounds, reps):
+        timer.round()
+    return timer.medians(skip=1), checked
 
 
 def _point_plan(point: GridPoint, n: int, config: TrainConfig):
@@ -287,9 +286,11 @@ class ProfileReport:
 
 
 def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: int = 5,
-            steps: int = 12) -> ProfileReport:
-    """Time the grid on the configured job (spawning its ranks), fit a `kind: profiled` cost model, then train
-    `steps` calibration steps per planner with it and set its step overhead sigma from them."""
+            steps: int = 16) -> ProfileReport:
+    """Time the grid on the configured job (spawning its ranks) between `steps` calibration steps per
+    planner, fit a `kind: profiled` cost model, and set its step overhead sigma from those steps."""
+    from megatron_dhp.cost import build_cost_model, simulate
+    from megatron_dhp.plan.plan import Plan
     from megatron_dhp.training.job import run_on_ranks
 
     ranks = config.train.num_ranks // config.train.tp
@@ -301,11 +302,14 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
         p = too_big[0]
         raise DhpError(f"grid point of {p.describe()} tokens on {p.group_size} ranks does not fit "
                        f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
-    medians, checked = run_on_ranks(measure_with_steps, config, grid, reps, steps)
+    medians, checked = run_on_ranks(measure, config, grid, reps, steps)
     report = fit_report(config, grid, medians, reps=reps)
-    sigma = step_overhead([(predicted, measured) for _, _, predicted, measured in checked])
+    model = build_cost_model(report.cost)
+    predicted = [(name, step, simulate(Plan.from_dict(plan), model).step_time_s, measured)
+                 for name, step, plan, measured in checked]
+    sigma = step_overhead([(p, m) for _, _, p, m in predicted])
     return replace(report, cost=replace(report.cost, step_overhead_s=sigma),  # every step's start moves by sigma
-                   steps=tuple((name, step, predicted + sigma, measured) for name, step, predicted, measured in checked))
+                   steps=tuple((name, step, p + sigma, m) for name, step, p, m in predicted))
 
 
 def step_overhead(steps: Sequence[tuple[float, float]]) -> float:

@@ -56,6 +56,23 @@ def test_sdpa_and_math_kernels_agree():
     torch.testing.assert_close(attend(q, k, v, tokens, tokens, 0.5, "sdpa"), attend(q, k, v, tokens, tokens, 0.5, "math"))
 
 
+def test_sdpa_in_query_blocks_equals_math_in_values_and_gradients(monkeypatch):
+    from megatron_dhp.runtime.attention import math as attention_math
+
+    monkeypatch.setattr(attention_math, "SDPA_QUERY_BLOCK", 7)  # 40 queries of a sample: 6 blocks, the last short
+    pos, seg = shuffled_tokens([40, 3], seed=2)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(pos.numel(), n, 4, generator=gen, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
+    tokens = Tokens(pos, seg)
+    weights = torch.randn(pos.numel(), 4, 4, generator=gen, dtype=torch.float64)
+    grads = []
+    for backend in ("sdpa", "math"):
+        out = attend(q, k, v, tokens, tokens, 0.5, backend)
+        grads.append((out, *torch.autograd.grad((out * weights).sum(), (q, k, v))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_merge_of_key_blocks_equals_full_attention_including_empty_rows():
     pos, seg = shuffled_tokens([6, 6], seed=2)
     gen = torch.Generator().manual_seed(2)

@@ -116,9 +116,9 @@ def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
     assert data_grid(config, per_size=0) == []
 
 
-def test_a_data_point_runs_its_lengths_scaled_like_a_uniform_point():
+def test_a_data_point_runs_its_exact_lengths_like_a_uniform_point():
     point = GridPoint.from_data([100, 8, 40], 2)
-    assert point.microbatches() == [[75, 6, 30], [88, 7, 35], [100, 8, 40]]
+    assert point.microbatches() == [[100, 8, 40]] * 3 and GridPoint(64, 1, 2).microbatches() == [[64, 64]] * 3
     assert point.describe() == "3 of 8-100 (data)" and GridPoint(64, 1, 4).describe() == "4 x 64"
     assert point.features()[2] == 3 and point.features()[1] == 1.0  # k samples, lambda on
 

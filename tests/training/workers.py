@@ -15,7 +15,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_dhp.training.loop import Trainer
-from megatron_dhp.training.profile import GridPoint, measure_with_steps
+from megatron_dhp.training.profile import GridPoint, measure
 
 STEPS = 20
 RESUME_AT = 10
@@ -54,7 +54,7 @@ def two_rank_runs(config: TrainConfig, folder: str) -> dict:
     latest = Trainer(config)
     out["latest_step"] = latest.resume(folder)
     out["errors"] = _bad_checkpoints(config, Path(folder))
-    out["profile"] = measure_with_steps(config, PROFILE_GRID, reps=1, steps=PROFILE_STEPS)
+    out["profile"] = measure(config, PROFILE_GRID, reps=2, steps=PROFILE_STEPS)
     return out
 
 
