@@ -2,9 +2,9 @@
 
 Times the configured model's forward+backward over a grid of lengths and group sizes (and microbatches
 packed from the config's data) on the job's own ranks, fits the reference form by least squares, prints
-measured, fitted and error per point, trains a few steps with the fit to set the step overhead (printing
-their predicted vs measured time), and writes a YAML that `train --cost`, `plan --cost` and
-`simulate --cost` accept.
+measured, fitted and error per point, sets the step overhead from a few real steps trained between the
+grid's rounds (printing their predicted vs measured time), and writes a YAML that `train --cost`,
+`plan --cost` and `simulate --cost` accept.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-points", type=int, default=4, metavar="K",
                    help="also K microbatches per group size packed from the config's data, mixed lengths as "
                         "training runs them (default 4; 0 for the uniform grid only)")
-    p.add_argument("--calibration-steps", type=int, default=12, metavar="K",
-                   help="then train K real steps under static and under the config's planner with the grid's "
-                        "fit, refit on the grid and their microbatches (all but the first 2 steps), and print "
-                        "the steps' predicted vs measured time (default 12; 0 skips them)")
+    p.add_argument("--calibration-steps", type=int, default=16, metavar="K",
+                   help="between the grid's rounds, train K real steps under static and under the config's "
+                        "planner; the step overhead is the median gap between their measured and fitted time "
+                        "(all but the first 2 steps), each printed (default 16; 0 skips them)")
     p.add_argument("--reps", type=int, default=5, metavar="R", help="timed repetitions per point, median kept (default 5)")
     p.add_argument("--out", default="profiled_cost.yaml", metavar="YAML", help="where to write the cost model")
     p.set_defaults(run=run)
