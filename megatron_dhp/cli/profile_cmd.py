@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 def calibration_summary(report) -> str:
     """One line on the calibration steps: sigma, and how many of them the final model predicts within 15 %."""
-    within = sum(abs(p / m - 1) <= 0.15 for _, _, p, m in report.steps)
+    from megatron_dhp.training.train import steps_within
+
+    within = steps_within([p for _, _, p, _ in report.steps], [m for *_, m in report.steps])
     planners = " and ".join(dict.fromkeys(planner for planner, *_ in report.steps))
     return (f"step overhead sigma {report.cost.step_overhead_s * 1e3:.2f} ms; {within}/{len(report.steps)} "
             f"calibration steps ({planners}) predicted within 15%")

@@ -12,9 +12,9 @@ from megatron_dhp.training.job import run_on_ranks
 from megatron_dhp.training.loop import StepRecord
 
 
-def steps_within(predicted: Sequence[float], records: Sequence[StepRecord], tolerance: float = 0.15) -> int:
+def steps_within(predicted: Sequence[float], measured: Sequence[float], tolerance: float = 0.15) -> int:
     """Steps whose predicted forward+backward time is within `tolerance` of the measured one."""
-    return sum(abs(p / r.measured_s - 1) <= tolerance for p, r in zip(predicted, records))
+    return sum(abs(p / m - 1) <= tolerance for p, m in zip(predicted, measured))
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class TrainResult:
 
     def steps_within(self, tolerance: float = 0.15) -> int:
         """Steps whose predicted forward+backward time is within `tolerance` of the measured one."""
-        return steps_within([r.predicted_s for r in self.records], self.records, tolerance)
+        return steps_within([r.predicted_s for r in self.records], [r.measured_s for r in self.records], tolerance)
 
     def summary_lines(self) -> list[str]:
         """A few lines for the end of a run: loss, times, how well the cost model predicted."""
