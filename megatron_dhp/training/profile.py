@@ -70,9 +70,14 @@ class GridPoint:
         """A point of the given sample lengths, as the job's data packs them."""
         return cls(max(lengths), group_size, len(lengths), tuple(int(L) for L in lengths))
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The sample lengths of the point's microbatch."""
+        return self.drawn or (self.length,) * self.samples
+
     def microbatches(self) -> list[list[int]]:
         """The lengths of the point's microbatches, in the order they run."""
-        return [list(self.drawn or (self.length,) * self.samples)] * REPEATS
+        return [list(self.lengths) for _ in range(REPEATS)]
 
     def describe(self) -> str:
         """The point's samples in a few characters: `4 x 128`, or `5 of 27-191 (data)`."""
@@ -81,11 +86,11 @@ class GridPoint:
         return f"{self.samples} x {self.length}"
 
     def features(self) -> np.ndarray:
-        """The point's row of the fit (per microbatch, averaged): coefficients of m, lambda, s, a, b, c."""
-        d = float(self.group_size)
-        rows = [[1.0, float(d > 1), len(mb), sum(L * L for L in mb) / d, sum(mb) / d, sum(mb) * (d - 1) / d]
-                for mb in self.microbatches()]
-        return np.mean(np.array(rows, dtype=np.float64), axis=0)
+        """The point's row of the fit (per microbatch): coefficients of m, lambda, s, a, b, c."""
+        d, lengths = float(self.group_size), self.lengths
+        tokens = float(sum(lengths))
+        return np.array([1.0, float(d > 1), len(lengths), sum(L * L for L in lengths) / d, tokens / d,
+                         tokens * (d - 1) / d])
 
 
 def default_grid(*, num_ranks: int, max_tokens_per_rank: int, lengths: tuple[int, ...] = ()) -> list[GridPoint]:
@@ -95,7 +100,7 @@ def default_grid(*, num_ranks: int, max_tokens_per_rank: int, lengths: tuple[int
     if not lengths:
         lengths = tuple(2**i for i in range(6, 40) if 2**i <= num_ranks * cap)
     return [GridPoint(L, d, k) for d in range(1, num_ranks + 1) for L in lengths for k in SAMPLE_COUNTS
-            if -(-k * L // d) <= cap]
+            if k * L <= d * cap]
 
 
 def data_grid(config: TrainConfig, *, per_size: int = 4) -> list[GridPoint]:
@@ -103,7 +108,7 @@ def data_grid(config: TrainConfig, *, per_size: int = 4) -> list[GridPoint]:
 
     Training microbatches mix lengths (a few long samples and many short ones, none a round number); uniform
     points alone leave the fit to extrapolate to them, and on a CPU it then predicted such microbatches
-    about 7 % short. Packing is the planners': samples in order while sum ceil(L / d) stays within the cap."""
+    about 7 % short. Packing keeps the plans' cap (`Plan.validate`): samples in order while sum L <= d M."""
     from megatron_dhp.training.data import TokenPipeline
 
     if per_size < 1:
@@ -116,8 +121,8 @@ def data_grid(config: TrainConfig, *, per_size: int = 4) -> list[GridPoint]:
     points = []
     for d in range(1, ranks + 1):
         packed: list[int] = []
-        for L in (L for L in lengths if -(-L // d) <= cap):
-            if packed and sum(-(-x // d) for x in packed) + -(-L // d) > cap:
+        for L in (L for L in lengths if L <= d * cap):
+            if packed and sum(packed) + L > d * cap:
                 points.append(GridPoint.from_data(packed, d))
                 packed = []
                 if sum(p.group_size == d for p in points) == per_size:
@@ -296,8 +301,7 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
     ranks = config.train.num_ranks // config.train.tp
     cap = config.dhp.max_tokens_per_rank
     grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=cap) + data_grid(config)
-    too_big = [p for p in grid if p.group_size > ranks or
-               sum(-(-L // p.group_size) for L in p.microbatches()[-1]) > cap]
+    too_big = [p for p in grid if p.group_size > ranks or sum(p.lengths) > p.group_size * cap]
     if too_big:
         p = too_big[0]
         raise DhpError(f"grid point of {p.describe()} tokens on {p.group_size} ranks does not fit "

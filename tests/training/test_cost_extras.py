@@ -16,6 +16,7 @@ from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.profile import (
     TERMS,
     GridPoint,
+    _point_plan,
     data_grid,
     default_grid,
     fit,
@@ -112,7 +113,9 @@ def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
         fitting = [L for L in order if -(-L // d) <= cap]
         assert packed == fitting[:len(packed)]  # data order, nothing skipped
         for p in mine:
-            assert sum(-(-L // d) for L in p.drawn) <= cap and p.samples == len(p.drawn) and p.length == max(p.drawn)
+            assert p.samples == len(p.drawn) and p.length == max(p.drawn)
+            plan, _ = _point_plan(p, 2, config)
+            plan.validate()  # within the cap, as every plan must be
     assert data_grid(config, per_size=0) == []
 
 
