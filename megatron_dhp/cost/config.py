@@ -84,9 +84,9 @@ class CostConfig:
     context-parallel collectives (large for gloo on a CPU; 0 in the reference model). The simulated step time
     and the dhp planner include it; the lower bound ignores it and stays valid because it only adds time."""
     step_overhead_s: float = 0.0
-    """sigma: fixed seconds of every step before its first microbatch (on a CPU, the first microbatch after
-    the optimizer runs a few ms slower than the rest; 0 in the reference model). Every plan pays it once, so
-    the simulated step time and the lower bound both include it and no planner decision changes."""
+    """sigma: fixed seconds every step adds to its microbatches (on a CPU a few ms: the gaps between them,
+    caches cold after the optimizer, the planning thread; 0 in the reference model). Every plan pays it once,
+    so the simulated step time and the lower bound both include it and no planner decision changes."""
     description: str = ""
     """Free text: where the numbers come from."""
 
