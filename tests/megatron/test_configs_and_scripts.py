@@ -16,15 +16,27 @@ from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.arguments import add_dhp_args, dhp_config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
-PRESETS = ("llama3_8b_dhp", "gpt7b_64gpu", "multimodal_dhp")
+# What each preset promises its users, written out independently of the files (a changed preset must
+# change this table too).
+PRESETS = {
+    "llama3_8b_dhp": dict(planner="dhp", max_tokens_per_rank=8192, comm="allgather", layer_spec="te", cost="gpt7b-64",
+                          gpus_per_node=8, truncate=False, max_groups=256),
+    "gpt7b_64gpu": dict(planner="dhp", max_tokens_per_rank=8192, comm="allgather", layer_spec="te", cost="gpt7b-64",
+                        gpus_per_node=8, truncate=False, max_groups=512),
+    "multimodal_dhp": dict(planner="dhp", max_tokens_per_rank=16384, comm="ring", layer_spec="local", cost="gpt7b-64",
+                           gpus_per_node=8, truncate=True, max_groups=256),
+}
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_presets_load_with_their_cost_model(name):
+def test_presets_hold_what_they_promise(name):
     config = DhpConfig.load(REPO / "configs" / f"{name}.yaml")
+    assert {key: getattr(config, key) for key in PRESETS[name]} == PRESETS[name]
     cost = CostConfig.load(config.cost)
-    if name == "multimodal_dhp":
-        assert cost.enc_attn_s_per_token2 > 0 and cost.enc_linear_s_per_token > 0
+    # Every preset plans with the GPT-7B reference model of BENCHMARK.md section 2, encoder terms included.
+    assert (cost.kind, cost.world_size, cost.gpus_per_node, cost.max_tokens_per_rank) == ("reference", 64, 8, 8192)
+    assert (cost.attn_s_per_token2, cost.linear_s_per_token, cost.microbatch_overhead_s) == (5.128e-9, 1.84e-4, 0.05)
+    assert (cost.enc_attn_s_per_token2, cost.enc_linear_s_per_token) == (2.0e-9, 6.0e-5)
 
 
 def test_readme_documents_every_key_and_flag():
