@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
+    from megatron_dhp.cost.fit import default_grid
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.training.profile import data_grid, default_grid, profile
+    from megatron_dhp.training.profile import profile
+    from megatron_dhp.training.timing import data_grid
 
     config = load_profile_config(args)
     if args.reps < 1:
