@@ -44,6 +44,15 @@ class ProfileReport:
         """Relative error of the fit at each point: (fitted - measured) / measured."""
         return [(f - m) / m for f, m in zip(self.fitted, self.measured)]
 
+    def calibration_summary(self) -> str:
+        """One line on the calibration steps: sigma, and how many of them the final model predicts within 15 %."""
+        from megatron_dhp.training.train import steps_within
+
+        within = steps_within([p for _, _, p, _ in self.steps], [m for *_, m in self.steps])
+        planners = " and ".join(dict.fromkeys(planner for planner, *_ in self.steps))
+        return (f"step overhead sigma {self.cost.step_overhead_s * 1e3:.2f} ms; {within}/{len(self.steps)} "
+                f"calibration steps ({planners}) predicted within 15%")
+
 
 def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: int = 5,
             steps: int = 16) -> ProfileReport:

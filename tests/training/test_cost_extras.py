@@ -1,5 +1,6 @@
 """The cost model's optional terms (per-sample s, per-CP-microbatch lambda, per-step sigma) and the grid
-points the profile times: packed from the job's data, planned within the cap, repeated as they run.
+points the profile times: packed from the job's data, planned within the cap, repeated as they run; the
+profile's one-line summary of its calibration steps.
 (The fit itself is tested in tests/test_fit.py.)"""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron_dhp.cost.fit import GridPoint
 from megatron_dhp.plan.random_plan import random_plan
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.training.config import TrainConfig
+from megatron_dhp.training.profile import ProfileReport
 from megatron_dhp.training.timing import data_grid, microbatches, point_plan
 from megatron_dhp.workload import Batch, LengthSource
 
@@ -97,3 +99,10 @@ def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
 def test_a_data_point_runs_its_exact_lengths_like_a_uniform_point():
     point = GridPoint.from_data([100, 8, 40], 2)
     assert microbatches(point) == [[100, 8, 40]] * 3 and microbatches(GridPoint(64, 1, 2)) == [[64, 64]] * 3
+
+
+def test_the_calibration_summary_counts_the_steps_predicted_within_15_percent():
+    cost = replace(CostConfig.load("tiny-gpt-cpu"), step_overhead_s=0.003)
+    steps = (("static", 3, 0.100, 0.100), ("dhp", 3, 0.100, 0.200), ("static", 4, 0.114, 0.100))
+    assert ProfileReport([], [], [], cost, steps).calibration_summary() == (
+        "step overhead sigma 3.00 ms; 2/3 calibration steps (static and dhp) predicted within 15%")
