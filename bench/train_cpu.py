@@ -71,7 +71,6 @@ def main() -> None:
     parser.add_argument("--json", help="write every step's record and plan here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", module=r"megatron\.")  # import-time notes about TransformerEngine / Apex
-    from megatron_dhp.cli.profile_cmd import calibration_summary
     from megatron_dhp.errors import DhpError
     from megatron_dhp.training.config import TrainConfig
     from megatron_dhp.training.job import run_on_ranks
@@ -91,7 +90,7 @@ def main() -> None:
         path = Path(tempfile.mkdtemp(prefix="train_cpu_")) / "profiled_cost.yaml"
         report.cost.save(path)
         console.print(f"calibrated in {time.perf_counter() - start:.0f} s on {len(report.grid)} grid points: "
-                      f"{calibration_summary(report)}; {path}")
+                      f"{report.calibration_summary()}; {path}")
         config = config.with_overrides(dhp={"cost": str(path)})
     mode = "sequential" if args.sequential else "interleaved"
     console.print(f"{mode} runs of {', '.join(planners)}: {args.steps} steps on {config.train.num_ranks} ranks, "

@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
-        from megatron_dhp.cli.profile_cmd import calibration_summary
         from megatron_dhp.training.profile import profile
 
         console.print("calibrating the cost model on this machine ...")
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         report.cost.save(out / "profiled_cost.yaml")
         errors = [abs(e) for e in report.errors]
         console.print(f"fitted {len(errors)} points (max error {100 * max(errors):.1f}%); "
-                      f"{calibration_summary(report)}; wrote {out / 'profiled_cost.yaml'}")
+                      f"{report.calibration_summary()}; wrote {out / 'profiled_cost.yaml'}")
         config = config.with_overrides(dhp={"cost": str(out / "profiled_cost.yaml")})
     result = run_demo(config, planners, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":

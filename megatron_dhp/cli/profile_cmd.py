@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
+    from megatron_dhp.cost.fit import default_grid
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.training.profile import data_grid, default_grid, profile
+    from megatron_dhp.training.profile import profile
+    from megatron_dhp.training.timing import data_grid
 
     config = load_profile_config(args)
     if args.reps < 1:
@@ -81,23 +83,13 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"fit error: median {100 * sorted(errors)[len(errors) // 2]:.1f}%, max {100 * max(errors):.1f}% "
                   f"over {len(errors)} points")
     if report.steps:
-        console.print(calibration_summary(report) + ":")
+        console.print(report.calibration_summary() + ":")
         for planner, step, predicted, measured in report.steps:
             console.print(f"  {planner} step {step}: pred {predicted:.3f}s meas {measured:.3f}s "
                           f"({100 * (predicted / measured - 1):+.1f}%)")
     c.save(args.out)
     console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)")
     return 0
-
-
-def calibration_summary(report) -> str:
-    """One line on the calibration steps: sigma, and how many of them the final model predicts within 15 %."""
-    from megatron_dhp.training.train import steps_within
-
-    within = steps_within([p for _, _, p, _ in report.steps], [m for *_, m in report.steps])
-    planners = " and ".join(dict.fromkeys(planner for planner, *_ in report.steps))
-    return (f"step overhead sigma {report.cost.step_overhead_s * 1e3:.2f} ms; {within}/{len(report.steps)} "
-            f"calibration steps ({planners}) predicted within 15%")
 
 
 def load_profile_config(args: argparse.Namespace):

@@ -1,28 +1,22 @@
-"""The cost model's optional terms (per-sample s, per-CP-microbatch lambda, per-step sigma) and the profile:
-its grid, the fit, and the step overhead from calibration steps."""
+"""The cost model's optional terms (per-sample s, per-CP-microbatch lambda, per-step sigma) and the grid
+points the profile times: packed from the job's data, planned within the cap, repeated as they run; the
+profile's one-line summary of its calibration steps.
+(The fit itself is tested in tests/test_fit.py.)"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost.fit import GridPoint
 from megatron_dhp.plan.random_plan import random_plan
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.training.config import TrainConfig
-from megatron_dhp.training.profile import (
-    TERMS,
-    GridPoint,
-    _point_plan,
-    data_grid,
-    default_grid,
-    fit,
-    predict,
-    step_overhead,
-)
+from megatron_dhp.training.profile import ProfileReport
+from megatron_dhp.training.timing import data_grid, microbatches, point_plan
 from megatron_dhp.workload import Batch, LengthSource
 
 
@@ -81,23 +75,6 @@ def test_lower_bound_stays_valid_with_the_extras(seed):
         assert simulate(plan, model).step_time_s >= bound * (1 - 1e-12), plan.summary()
 
 
-def test_fit_recovers_the_coefficients_that_made_the_timings():
-    truth = dict(zip(TERMS, (0.013, 0.016, 0.003, 2e-7, 5e-6, 1e-5)))
-    grid = default_grid(num_ranks=2, max_tokens_per_rank=512)
-    measured = predict(grid, truth)
-    fitted = fit(grid, measured.tolist())
-    for name in TERMS:
-        assert fitted[name] == pytest.approx(truth[name], rel=1e-6), name
-
-
-def test_fit_keeps_coefficients_non_negative():
-    truth = dict(zip(TERMS, (0.01, 0.0, 0.0, 1e-7, 0.0, 0.0)))
-    grid = [GridPoint(L, d, k) for L in (64, 256, 512) for d in (1, 2) for k in (1, 4)]
-    noise = np.random.default_rng(0).normal(1.0, 0.05, len(grid))
-    fitted = fit(grid, (predict(grid, truth) * noise).tolist())
-    assert all(v >= 0 for v in fitted.values()) and fitted["attn_s_per_token2"] > 0
-
-
 def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
     config = TrainConfig.load("demo_cpu")
     cap = config.dhp.max_tokens_per_rank
@@ -114,20 +91,18 @@ def test_data_grid_packs_the_jobs_own_batches_within_the_cap():
         assert packed == fitting[:len(packed)]  # data order, nothing skipped
         for p in mine:
             assert p.samples == len(p.drawn) and p.length == max(p.drawn)
-            plan, _ = _point_plan(p, 2, config)
+            plan, _ = point_plan(p, 2, config)
             plan.validate()  # within the cap, as every plan must be
     assert data_grid(config, per_size=0) == []
 
 
 def test_a_data_point_runs_its_exact_lengths_like_a_uniform_point():
     point = GridPoint.from_data([100, 8, 40], 2)
-    assert point.microbatches() == [[100, 8, 40]] * 3 and GridPoint(64, 1, 2).microbatches() == [[64, 64]] * 3
-    assert point.describe() == "3 of 8-100 (data)" and GridPoint(64, 1, 4).describe() == "4 x 64"
-    assert point.features()[2] == 3 and point.features()[1] == 1.0  # k samples, lambda on
+    assert microbatches(point) == [[100, 8, 40]] * 3 and microbatches(GridPoint(64, 1, 2)) == [[64, 64]] * 3
 
 
-def test_step_overhead_is_the_median_gap_and_never_negative():
-    assert step_overhead([(0.010, 0.013), (0.020, 0.021), (0.030, 0.040)]) == pytest.approx(0.003)
-    assert step_overhead([(0.010, 0.013), (0.020, 5.0), (0.030, 0.031)]) == pytest.approx(0.003)  # a load burst
-    assert step_overhead([(0.010, 0.009), (0.020, 0.018)]) == 0.0
-    assert step_overhead([]) == 0.0
+def test_the_calibration_summary_counts_the_steps_predicted_within_15_percent():
+    cost = replace(CostConfig.load("tiny-gpt-cpu"), step_overhead_s=0.003)
+    steps = (("static", 3, 0.100, 0.100), ("dhp", 3, 0.100, 0.200), ("static", 4, 0.114, 0.100))
+    assert ProfileReport([], [], [], cost, steps).calibration_summary() == (
+        "step overhead sigma 3.00 ms; 2/3 calibration steps (static and dhp) predicted within 15%")

@@ -12,7 +12,8 @@ from megatron_dhp.cli import main
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.training.job import rank_main
-from megatron_dhp.training.profile import CALIBRATION_WARMUP, fit_report
+from megatron_dhp.training.profile import fit_report
+from megatron_dhp.training.timing import CALIBRATION_WARMUP
 from tests.training import workers
 
 RELATIVE = 1e-5

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_dhp.cost.fit import GridPoint
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_dhp.training.loop import Trainer
-from megatron_dhp.training.profile import GridPoint, measure
+from megatron_dhp.training.timing import measure
 
 STEPS = 20
 RESUME_AT = 10
