@@ -1,7 +1,7 @@
 """`dhp`: this project's planner.
 
 For each candidate cell size (the divisors of the node size), samples that need more ranks than a cell, or
-would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
+would run longer than the lower bound on one, become wide groups of just enough ranks, placed timeline-style;
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
@@ -75,7 +75,7 @@ class Candidate:
         `degrees_of` holds the wide degree of every sample that is wide for some candidate.
         """
         # Only the base overhead m: a multi-rank latency would only add time, so the bound stays a bound.
-        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.model.microbatch_overhead_s
+        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.overhead(1)
         t_cell = inst.times(cell, True)
         is_wide = is_wide_for(inst, cell, target_s)
         wide = np.flatnonzero(is_wide)
@@ -122,7 +122,7 @@ class DhpPlanner:
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
     name: str = "dhp"
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
         inst = Instance.from_batch(batch, model)
         target = model.lower_bound_arrays(inst.tokens, inst.work)
