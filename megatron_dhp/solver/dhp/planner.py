@@ -1,7 +1,7 @@
 """`dhp`: this project's planner.
 
 For each candidate cell size (the divisors of the node size), samples that need more ranks than a cell, or
-would run longer than the lower bound on one, become wide groups of just enough ranks, placed timeline-style;
+would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
@@ -17,7 +17,7 @@ from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.layout import DraftGroup, Timeline, open_bins, place_wide
+from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
 from megatron_dhp.workload.sample import Batch
 
 
@@ -96,17 +96,17 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     n, cell = inst.num_ranks, cand.cell
     wide = cand.wide
     while True:
-        timeline = Timeline.empty(n)
-        place_wide(inst, timeline, wide, degrees_of[wide], cell)
-        bins = open_bins(inst, timeline, cell)
+        skyline = Skyline.empty(n)
+        place_wide(inst, skyline, wide, degrees_of[wide], cell)
+        bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
         if not len(homeless):
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
-    binset = fill(inst, bins, rest, floor_s=float(timeline.ready.max()), max_moves=max_moves)
-    groups = timeline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+    binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
+    groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
     return Draft(groups, max(g.finish_s for g in groups))
 
 
