@@ -79,12 +79,10 @@ def split_rounds(bins: list[Bin], world_size: int) -> list[list[Bin]]:
     return rounds
 
 
-def degree_table(per_sample: np.ndarray, bins: list[Bin], overhead: np.ndarray) -> np.ndarray:
-    """Step 3: `table[b, d - 1]` = T_b(d), inf below the bin's min_cp.
-
-    `per_sample[i, d - 1]` is t(L_i, d) of batch position i; `overhead[d - 1]` is what one microbatch costs
-    on d ranks.
-    """
+def degree_table(model: CostModel, per_sample: np.ndarray, bins: list[Bin]) -> np.ndarray:
+    """Step 3: `table[b, d - 1]` = T_b(d), inf below the bin's min_cp; `per_sample[i, d - 1]` is t(L_i, d)
+    of batch position i."""
+    overhead = np.array([model.microbatch_overhead(d) for d in range(1, per_sample.shape[1] + 1)])
     table = np.tile(overhead, (len(bins), 1))
     for b, bin_ in enumerate(bins):
         table[b] += per_sample[bin_.members].sum(axis=0)
@@ -149,11 +147,10 @@ class FCPRefPlanner:
             )
         degrees = np.arange(1, max_cp + 1)
         per_sample = model.time_table(tokens, model.sample_work(batch.samples), degrees)
-        overhead = np.array([model.microbatch_overhead(int(d)) for d in degrees])
         bins = bfd_pack(tokens, min_cp, cap)
         groups: list[PlanGroup] = []
         for phase, round_bins in enumerate(split_rounds(bins, n)):
-            table = degree_table(per_sample, round_bins, overhead)
+            table = degree_table(model, per_sample, round_bins)
             for ranks, bin_ in zip(contiguous_ranks(allocate_degrees(table, n)), round_bins):
                 ids = tuple(batch.samples[i].id for i in bin_.members)
                 groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
