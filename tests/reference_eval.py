@@ -1,7 +1,10 @@
 """An independent, loop-by-loop evaluation of BENCHMARK.md section 2, used as the oracle in tests.
 
 Deliberately written from the benchmark text with plain Python floats and no code shared with
-`megatron_dhp.cost`, so that a bug there cannot hide in both.
+`megatron_dhp.cost`, so that a bug there cannot hide in both. Beyond the benchmark it knows the cost
+config's three optional terms (absent keys are 0, as in the reference files): a per-sample overhead s on
+every rank of the sample's group, an extra per-microbatch overhead lambda on groups of more than one rank,
+and a per-step overhead sigma that every rank pays before its first group (and the lower bound with it).
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ def sample_time(cfg: dict, tokens: int, images: list[int], d: int, intra: bool) 
     else:
         bw = cfg["intra_node_bytes_per_s"] if intra else cfg["inter_node_bytes_per_s"]
         comm = cfg["comm_bytes_per_token"] * tokens * (d - 1) / d / bw
-    return max(compute, comm) if cfg["overlap_comm"] else compute + comm
+    t = max(compute, comm) if cfg["overlap_comm"] else compute + comm
+    return t + cfg.get("sample_overhead_s", 0.0)
+
+
+def microbatch_overhead(cfg: dict, d: int) -> float:
+    return cfg["microbatch_overhead_s"] + (cfg.get("cp_microbatch_overhead_s", 0.0) if d > 1 else 0.0)
 
 
 def step_time(cfg: dict, plan: dict) -> float:
     """Replay a plan JSON dict phase by phase."""
     samples = {s["id"]: s for s in plan["samples"]}
     gpn = plan["gpus_per_node"]
-    finish = [0.0] * plan["world_size"]
+    finish = [cfg.get("step_overhead_s", 0.0)] * plan["world_size"]
     groups = sorted(plan["groups"], key=lambda g: g.get("phase", 0))
     current_phase = None
     for g in groups:
@@ -38,7 +46,7 @@ def step_time(cfg: dict, plan: dict) -> float:
         intra = len({r // gpn for r in ranks}) == 1
         total = 0.0
         for mb in g["microbatches"]:
-            total += cfg["microbatch_overhead_s"]
+            total += microbatch_overhead(cfg, d)
             for sid in mb:
                 s = samples[sid]
                 total += sample_time(cfg, s["tokens"], s.get("images", []), d, intra)
@@ -49,6 +57,7 @@ def step_time(cfg: dict, plan: dict) -> float:
 
 
 def lower_bound(cfg: dict, samples: list[dict]) -> float:
+    """BENCHMARK.md's bound with the base m only (lambda only adds time), plus sigma."""
     n, gpn, cap, m = cfg["world_size"], cfg["gpus_per_node"], cfg["max_tokens_per_rank"], cfg["microbatch_overhead_s"]
     area, longest = 0.0, 0.0
     for s in samples:
@@ -57,7 +66,7 @@ def lower_bound(cfg: dict, samples: list[dict]) -> float:
         area += min(d * t for d, t in times.items())
         longest = max(longest, m + min(times.values()))
     area = (area + m * sum(s["tokens"] for s in samples) / cap) / n
-    return max(area, longest)
+    return cfg.get("step_overhead_s", 0.0) + max(area, longest)
 
 
 def load(path) -> dict:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
-from megatron_dhp.workload import Sample
+from megatron_dhp.plan.random_plan import random_plan
+from megatron_dhp.workload import Batch, Sample
 from tests import reference_eval
+
+# The optional terms s, lambda and sigma, all nonzero, so the oracle checks see each of them.
+EXTRAS = {"sample_overhead_s": 0.004, "cp_microbatch_overhead_s": 0.03, "step_overhead_s": 0.007}
 
 
 def test_preset_matches_benchmark(gpt7b_config):
@@ -64,15 +69,32 @@ def test_best_time_matches_exhaustive_search(gpt7b_config, overlap):
         assert model.sample_time(tokens[i], work[i], best_d[i], best_d[i] <= 8) == pytest.approx(t.min(), rel=1e-12)
 
 
+@pytest.mark.parametrize("extras", [{}, EXTRAS])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_lower_bound_matches_oracle(gpt7b_config, overlap):
-    cfg = dataclasses.replace(gpt7b_config, overlap_comm=overlap, world_size=24)
+def test_lower_bound_matches_oracle(gpt7b_config, overlap, extras):
+    cfg = dataclasses.replace(gpt7b_config, overlap_comm=overlap, world_size=24, **extras)
     model = build_cost_model(cfg)
     rng = np.random.default_rng(1)
     samples = [Sample(i, int(n), (int(rng.integers(256, 16384)),) if i % 3 == 0 else ())
                for i, n in enumerate(rng.integers(17000, 150_000, 60))]
     oracle = reference_eval.lower_bound(cfg.to_dict(), [s.to_dict() for s in samples])
     assert model.lower_bound(samples) == pytest.approx(oracle, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_simulate_matches_oracle_on_random_plans(gpt7b_config, seed):
+    """Random groups (any size, placement and phase, barrier or not) with s, lambda and sigma all set."""
+    rng = random.Random(seed)
+    n = rng.choice([2, 3, 8, 12, 16])
+    cfg = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=rng.choice([1, 2, 4, 8]), max_tokens_per_rank=2048,
+                              overlap_comm=rng.random() < 0.5, **EXTRAS)
+    model = build_cost_model(cfg)
+    samples = tuple(Sample(i, L, (L // 4,) if L >= 64 and i % 3 == 0 else ())
+                    for i, L in enumerate(rng.randint(1, n * 2048) for _ in range(rng.randint(1, 25))))
+    for _ in range(10):
+        plan = dataclasses.replace(random_plan(Batch(samples), cfg.domain, rng), phase_barrier=rng.random() < 0.5)
+        assert simulate(plan, model).step_time_s == pytest.approx(
+            reference_eval.step_time(cfg.to_dict(), plan.to_dict()), rel=1e-12), plan.summary()
 
 
 def test_lower_bound_longest_sample_term(gpt7b):

@@ -1,6 +1,7 @@
 """Cost models: the time of a sample on a group of d ranks, memory feasibility, the lower bound."""
 
 from megatron_dhp.cost.config import COST_KINDS, CostConfig, Domain
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.reference import ReferenceCostModel
 from megatron_dhp.cost.simulate import Timeline, simulate
 
@@ -8,7 +9,7 @@ from megatron_dhp.cost.simulate import Timeline, simulate
 COST_MODELS = {"reference": ReferenceCostModel, "profiled": ReferenceCostModel}
 
 
-def build_cost_model(config: CostConfig) -> ReferenceCostModel:
+def build_cost_model(config: CostConfig) -> CostModel:
     """The cost model named by `config.kind`."""
     return COST_MODELS[config.kind](config)
 
@@ -17,6 +18,7 @@ __all__ = [
     "COST_KINDS",
     "COST_MODELS",
     "CostConfig",
+    "CostModel",
     "Domain",
     "ReferenceCostModel",
     "Timeline",

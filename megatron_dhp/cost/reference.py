@@ -22,12 +22,12 @@ from megatron_dhp.workload.sample import Sample
 
 
 class ReferenceCostModel:
-    """Times of samples on groups, and the step-time lower bound, for one `CostConfig`."""
+    """Times of samples on groups, and the step-time lower bound, for one `CostConfig` (a `CostModel`)."""
 
     def __init__(self, config: CostConfig) -> None:
         self.config = config
         self.domain: Domain = config.domain
-        self.microbatch_overhead_s = config.microbatch_overhead_s
+        self.step_overhead_s = config.step_overhead_s
 
     # ------------------------------------------------------------------ per-sample terms
     def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
@@ -73,7 +73,7 @@ class ReferenceCostModel:
 
     def microbatch_overhead(self, group_size: int) -> float:
         """m, plus the optional lambda (`cp_microbatch_overhead_s`) on a group of more than one rank."""
-        return self.microbatch_overhead_s + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
+        return self.config.microbatch_overhead_s + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
 
     def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
         """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks."""
@@ -122,12 +122,12 @@ class ReferenceCostModel:
         first term takes d = ceil(L / M).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
-        return self.config.step_overhead_s + self.lower_bound_arrays(tokens, self.sample_work(samples))
+        return self.step_overhead_s + self.lower_bound_arrays(tokens, self.sample_work(samples))
 
     def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
         """The groups' part of `lower_bound` (without sigma) from the samples' token counts and `sample_work`,
         for planners that compare it with their own makespans."""
-        n, m, cap = self.domain.world_size, self.microbatch_overhead_s, self.domain.max_tokens_per_rank
+        n, m, cap = self.domain.world_size, self.config.microbatch_overhead_s, self.domain.max_tokens_per_rank
         lo = self.min_degree(tokens)
         if np.any(lo > n):
             raise ValueError("lower_bound needs every sample to fit the domain; check with fit_to_domain first")

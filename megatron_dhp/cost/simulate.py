@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import Plan
 
 
@@ -42,8 +42,8 @@ class Timeline:
         return 1.0 - float(self.rank_busy_s.sum()) / total if total > 0 else 0.0
 
 
-def group_microbatch_times(plan: Plan, group_index: int, model: ReferenceCostModel) -> tuple[float, ...]:
-    """Seconds of each microbatch of one group: m (+ lambda if d > 1) + sum of its samples' t(L, d)."""
+def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tuple[float, ...]:
+    """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d)."""
     g = plan.groups[group_index]
     ids = g.sample_ids
     samples = [plan.sample(i) for i in ids]
@@ -54,9 +54,9 @@ def group_microbatch_times(plan: Plan, group_index: int, model: ReferenceCostMod
     return tuple(overhead + float(t[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def simulate(plan: Plan, model: ReferenceCostModel) -> Timeline:
+def simulate(plan: Plan, model: CostModel) -> Timeline:
     """Replay the plan's groups phase by phase under the cost model."""
-    finish = np.full(plan.world_size, model.config.step_overhead_s)
+    finish = np.full(plan.world_size, model.step_overhead_s)
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
     order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)

@@ -30,7 +30,8 @@ from megatron_dhp.runtime.fused import gather_rows, scatter_rows
 from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
 from megatron_dhp.workload.sample import Batch, Sample
 
-Planner = Callable[[Batch], Plan]
+PlanFn = Callable[[Batch], Plan]
+"""Plans a gathered batch: a `solver.Planner` bound to its cost model (e.g. `lambda b: run_planner(p, b, model)`)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def dispatch(
     domain: DynamicDomain,
     *,
     plan: Plan | None = None,
-    planner: Planner | None = None,
+    planner: PlanFn | None = None,
 ) -> StepInputs:
     """Gather lengths, get the plan (given, or `planner(batch)` on every rank), check it, move the tokens."""
     if (plan is None) == (planner is None):

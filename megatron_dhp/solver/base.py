@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
@@ -33,12 +33,12 @@ class Planner(Protocol):
 
     name: str
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Groups covering every rank and every sample of `batch` once (see `Plan.validate`)."""
         ...
 
 
-def run_planner(planner: Planner, batch: Batch, model: ReferenceCostModel) -> Plan:
+def run_planner(planner: Planner, batch: Batch, model: CostModel) -> Plan:
     """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound."""
     domain = model.domain
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner

@@ -5,7 +5,8 @@ Re-implemented from the description in shared/reference/dhp_fcp.md section 2.2 (
 2. Memory-aware best-fit decreasing: longest sample first into the existing bin with bin.min_cp >= its
    min_cp and room (bin.min_cp * M - used >= L) that leaves the least room; else a new bin of its min_cp.
    Each bin is an atomic group whose samples run as one packed microbatch.
-3. A time table T_b(d) = m + sum_i t(L_i, d) for d in [bin.min_cp, max_cp], from our reference cost model.
+3. A time table T_b(d) = overhead(d) + sum_i t(L_i, d) for d in [bin.min_cp, max_cp], from our cost model,
+   the microbatch overhead priced as the simulator charges it (m, plus lambda on more than one rank).
    The DP cannot know where a group will sit, so it assumes the group is intra-node iff d <= gpus_per_node;
    the plan is then scored on its real contiguous layout by the simulator.
 4. 2-D DP over bins: best[i][j] = min_d max(best[i-1][j-d], T_i(d)), the least makespan of the first i bins
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
 from megatron_dhp.workload.batches import fit_to_domain
@@ -78,6 +79,17 @@ def split_rounds(bins: list[Bin], world_size: int) -> list[list[Bin]]:
     return rounds
 
 
+def degree_table(model: CostModel, per_sample: np.ndarray, bins: list[Bin]) -> np.ndarray:
+    """Step 3: `table[b, d - 1]` = T_b(d), inf below the bin's min_cp; `per_sample[i, d - 1]` is t(L_i, d)
+    of batch position i."""
+    overhead = np.array([model.microbatch_overhead(d) for d in range(1, per_sample.shape[1] + 1)])
+    table = np.tile(overhead, (len(bins), 1))
+    for b, bin_ in enumerate(bins):
+        table[b] += per_sample[bin_.members].sum(axis=0)
+        table[b, : bin_.min_cp - 1] = np.inf
+    return table
+
+
 def allocate_degrees(times: np.ndarray, world_size: int) -> list[int]:
     """Steps 4-5: one degree per bin minimising the largest T_b(d), together using all `world_size` ranks.
 
@@ -119,7 +131,7 @@ class FCPRefPlanner:
     max_cp_degree: int | None = None
     name: str = "fcp-ref"
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
         domain = model.domain
         fit_to_domain(batch, domain.capacity)
@@ -138,10 +150,7 @@ class FCPRefPlanner:
         bins = bfd_pack(tokens, min_cp, cap)
         groups: list[PlanGroup] = []
         for phase, round_bins in enumerate(split_rounds(bins, n)):
-            table = np.full((len(round_bins), max_cp), model.microbatch_overhead_s)
-            for b, bin_ in enumerate(round_bins):
-                table[b] += per_sample[bin_.members].sum(axis=0)
-                table[b, : bin_.min_cp - 1] = np.inf
+            table = degree_table(model, per_sample, round_bins)
             for ranks, bin_ in zip(contiguous_ranks(allocate_degrees(table, n)), round_bins):
                 ids = tuple(batch.samples[i].id for i in bin_.members)
                 groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))

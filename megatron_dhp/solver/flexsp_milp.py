@@ -13,9 +13,10 @@
 4. Concrete samples fill the solved per-bucket counts in a seeded random order (FlexSP draws at random);
    groups take contiguous rank ranges in ascending size order, as FlexSP lays them out.
 
-Times come from our reference cost model: a bucket's time on sp ranks is its slowest member's t(L, sp)
+Times come from our cost model: a bucket's time on sp ranks is its slowest member's t(L, sp)
 (= t(boundary, sp) for text), placed intra-node iff sp <= gpus_per_node, which FlexSP's aligned layout
-makes true on a power-of-two N. Group sizes are 2 .. N (FlexSP never uses 1, though our model gives one
+makes true on a power-of-two N, and a group's overhead beta is what the model charges a microbatch on sp
+ranks. Group sizes are 2 .. N (FlexSP never uses 1, though our model gives one
 rank no communication). Groups of powers of two fill N exactly only for an even N, so an odd N, or a batch
 whose long samples need a group larger than the largest power of two <= N, is `PlannerUnsupported`.
 Under a binding time limit HiGHS may return different incumbents run to run, as SCIP does for FlexSP (which
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.cost.config import Domain
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
 from megatron_dhp.solver.flexsp_model import BucketProblem, SlotSolution, solve_bucket_milp
@@ -70,7 +71,7 @@ class _Instance:
     times: np.ndarray
     """(samples, sizes) t(L, sp) of each sample on each candidate size."""
     sizes: np.ndarray
-    model: ReferenceCostModel
+    model: CostModel
     seed: int
 
     @property
@@ -99,7 +100,7 @@ class FlexSPPlanner:
     time_limit_s: float = 10.0
     name: str = "flexsp-milp"
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Blast into microbatches, solve each with the MILP, and keep the best microbatch count."""
         fit_to_domain(batch, model.domain.capacity)
         sizes = _group_sizes(batch, model.domain)
@@ -147,7 +148,7 @@ class FlexSPPlanner:
             sizes=inst.sizes,
             world_size=domain.world_size,
             max_tokens_per_rank=domain.max_tokens_per_rank,
-            overhead_s=inst.model.microbatch_overhead_s,
+            overhead_s=np.array([inst.model.microbatch_overhead(int(sp)) for sp in inst.sizes]),
         )
         solution = solve_bucket_milp(problem, self.time_limit_s)
         if solution is None:

@@ -7,7 +7,7 @@ M >= 0 (makespan). Minimise M subject to
   1. sum_p A[k, p] = |bucket k|;
   2. A[k, p] = 0 when slot p is below bucket k's minimum size (those columns are not created);
   3. memory: sum_k boundary_k A[k, p] <= M_tokens * sp_p;
-  4. time: sum_k t_k(sp_p) A[k, p] + beta m[p] <= M;
+  4. time: sum_k t_k(sp_p) A[k, p] + beta(sp_p) m[p] <= M;
   5. m[p] <= sum_k A[k, p] <= n m[p] (a slot is used exactly when it holds samples);
   6. sum_p sp_p m[p] = N (every rank is used).
 Two kinds of rows are ours, added so HiGHS (FlexSP uses SCIP) spends its time limit well; neither changes
@@ -47,8 +47,8 @@ class BucketProblem:
     """(S,) candidate group sizes, ascending powers of two >= 2."""
     world_size: int
     max_tokens_per_rank: int
-    overhead_s: float
-    """beta: paid once per used group."""
+    overhead_s: np.ndarray
+    """(S,) beta: what one microbatch costs on a group of `sizes[s]` ranks, paid once per used group."""
 
     def allowed(self) -> np.ndarray:
         """(K, S): whether a bucket's sample fits one group of that size (size >= its minimum SP)."""
@@ -74,9 +74,9 @@ class SlotSolution:
 
 
 def group_times(problem: BucketProblem, sizes: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """beta + sum_k t_k(sp) A[k] for each group."""
+    """beta(sp) + sum_k t_k(sp) A[k] for each group."""
     size_index = np.searchsorted(problem.sizes, sizes)
-    return problem.overhead_s + (counts * problem.times[:, size_index].T).sum(axis=1)
+    return problem.overhead_s[size_index] + (counts * problem.times[:, size_index].T).sum(axis=1)
 
 
 def homogeneous_greedy(problem: BucketProblem) -> SlotSolution | None:
@@ -169,19 +169,20 @@ class _Columns:
 def _constraints(problem: BucketProblem, col: _Columns, inf: float) -> _Rows:
     """Constraints 1 and 3-6, the area cut and the symmetry-breaking rows."""
     rows, total, m = _Rows(), int(problem.counts.sum()), col.m
+    beta = problem.overhead_s[np.searchsorted(problem.sizes, col.slot_size)]
     for k, count in enumerate(problem.counts):  # 1
         cols = np.flatnonzero(col.pairs[:, 0] == k)
         rows.add(cols, np.ones(len(cols)), count, count)
     for p, cols in enumerate(col.of_slot):
         rows.add(cols, problem.tokens[col.pairs[cols, 0]], -inf, problem.max_tokens_per_rank * col.slot_size[p])  # 3
-        rows.add([*cols, m[p], col.makespan], [*col.load[p], problem.overhead_s, -1.0], -inf, 0.0)  # 4
+        rows.add([*cols, m[p], col.makespan], [*col.load[p], beta[p], -1.0], -inf, 0.0)  # 4
         rows.add([*cols, m[p]], [*np.ones(len(cols)), -total], -inf, 0.0)  # 5, upper
         rows.add([*cols, m[p]], [*np.ones(len(cols)), -1.0], 0.0, inf)  # 5, lower
     rows.add(m, col.slot_size, problem.world_size, problem.world_size)  # 6
-    # Area cut: sum_p sp_p (load_p + beta m_p) <= N M, valid since each used slot's time is <= M. Without it
+    # Area cut: sum_p sp_p (load_p + beta_p m_p) <= N M, valid since each used slot's time is <= M. Without it
     # the LP bound spreads work over every slot and sits ~70% below the optimum on 500-sample microbatches.
     area_cols = [c for p, cols in enumerate(col.of_slot) for c in [*cols, m[p]]]
-    area_vals = [v for p, sp in enumerate(col.slot_size) for v in [*(sp * col.load[p]), sp * problem.overhead_s]]
+    area_vals = [v for p, sp in enumerate(col.slot_size) for v in [*(sp * col.load[p]), sp * beta[p]]]
     rows.add([*area_cols, col.makespan], [*area_vals, -problem.world_size], -inf, 0.0)
     for p in np.flatnonzero(col.slot_size[:-1] == col.slot_size[1:]):  # equal slots: used first, loads falling
         rows.add([m[p], m[p + 1]], [1.0, -1.0], 0.0, inf)

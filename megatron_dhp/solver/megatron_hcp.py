@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.workload.batches import fit_to_domain
@@ -64,7 +64,7 @@ class MegatronHCPPlanner:
 
         self._scheduler_cls = BalancedCPScheduler
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Run upstream's scheduler on (id, length) pairs and convert its sets to phases."""
         domain = model.domain
         fit_to_domain(batch, domain.capacity)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.cost.config import Domain
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.workload.sample import Batch
@@ -40,7 +40,7 @@ class StaticPlanner:
     dataset_max_tokens: int | None = None
     name: str = "static"
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """One group per DP replica, each with the same number of packed microbatches."""
         domain = model.domain
         longest = max(int(batch.lengths.max()), self.dataset_max_tokens or 0)
@@ -51,6 +51,7 @@ class StaticPlanner:
 
         tokens = batch.lengths
         times = model.sample_time(tokens, model.sample_work(batch.samples), cp, model.is_intra(replicas[0]))
+        overhead = model.microbatch_overhead(cp)
         order = sorted(range(len(batch)), key=lambda i: (-times[i], -tokens[i], i))
 
         num_mb = max(1, math.ceil(int(tokens.sum()) / (dp * bin_cap)))
@@ -68,7 +69,7 @@ class StaticPlanner:
                 placed = (min(range(dp), key=lambda r: (load[r], r)), num_mb)
                 num_mb += 1
             r, b = placed
-            load[r] += times[i] + (model.microbatch_overhead_s if not bins[r][b] else 0.0)
+            load[r] += times[i] + (overhead if not bins[r][b] else 0.0)
             room[r][b] -= length
             bins[r][b].append(sid)
         # A replica left without samples (a batch smaller than DP) still joins the step, with no work.

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import build_cost_model, simulate
+from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.planner import cell_sizes
 from megatron_dhp.workload import Batch, LengthSource, Sample
+from tests import reference_eval
 
 
 @st.composite
@@ -32,7 +33,8 @@ def problems(draw):
         imgs = tuple([max(1, tokens // 8)] * k) if tokens >= 8 * k else ()
         samples.append(Sample(i, tokens, imgs))
     overlap = draw(st.booleans())
-    extras = draw(st.sampled_from([{}, {"sample_overhead_s": 0.003, "cp_microbatch_overhead_s": 0.02}]))
+    extras = draw(st.sampled_from([{}, {"sample_overhead_s": 0.003, "cp_microbatch_overhead_s": 0.02},
+                                   {"sample_overhead_s": 0.003, "cp_microbatch_overhead_s": 0.02, "step_overhead_s": 0.005}]))
     return n, gpn, cap, overlap, extras, Batch(tuple(samples))
 
 
@@ -46,7 +48,10 @@ def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
     plan = run_planner(build_planner("dhp"), batch, model)
     plan.validate()
     assert plan.predicted_step_time_s >= plan.lower_bound_s * (1 - 1e-9)
-    assert plan.predicted_step_time_s == pytest.approx(simulate(plan, model).step_time_s)
+    # Both numbers against the independent oracle, not the simulate() call that set them.
+    oracle = reference_eval.step_time(config.to_dict(), plan.to_dict())
+    assert plan.predicted_step_time_s == pytest.approx(oracle, rel=1e-9)
+    assert plan.lower_bound_s == pytest.approx(reference_eval.lower_bound(config.to_dict(), plan.to_dict()["samples"]), rel=1e-9)
 
 
 @pytest.mark.parametrize("dist", ["wlbllm", "bimodal", "multimodal", "giant"])
@@ -78,12 +83,15 @@ def test_groups_of_any_size_and_phases(gpt7b):
             assert g.ranks[0] // 8 == g.ranks[-1] // 8
 
 
-def test_giant_gets_just_enough_ranks(gpt7b):
+def test_giant_gets_just_enough_ranks(gpt7b_config, gpt7b):
     batch = Batch((Sample(0, 470_000),) + tuple(Sample(i, 1000) for i in range(1, 200)))
     plan = run_planner(build_planner("dhp"), batch, gpt7b)
     giant = next(g for g in plan.groups if 0 in g.sample_ids)
     assert giant.size == 58 and giant.microbatches == ((0,),)  # ceil(470000 / 8192): comm grows with d
     assert plan.predicted_step_time_s == pytest.approx(plan.lower_bound_s)
+    cfg, plan_json = gpt7b_config.to_dict(), plan.to_dict()
+    assert plan.predicted_step_time_s == pytest.approx(reference_eval.step_time(cfg, plan_json), rel=1e-9)
+    assert plan.lower_bound_s == pytest.approx(reference_eval.lower_bound(cfg, plan_json["samples"]), rel=1e-9)
 
 
 def test_single_rank_and_single_sample(gpt7b_config):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,9 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
-from megatron_dhp.solver.fcp_ref import Bin, allocate_degrees, bfd_pack, split_rounds
+from megatron_dhp.solver.fcp_ref import Bin, allocate_degrees, bfd_pack, degree_table, split_rounds
 from megatron_dhp.workload import Batch, LengthSource
+from tests import reference_eval
 from tests.solver.conftest import model_for
 
 
@@ -88,3 +91,40 @@ def test_max_cp_degree_caps_and_reports():
     assert [g.size for g in plan.groups] == [8]  # DP capped at 2, then grown round-robin to all 8 ranks
     with pytest.raises(PlannerUnsupported, match="needs 3 ranks of 8192 tokens, above max_cp_degree 2"):
         planner.solve(Batch.from_lengths([3 * 8192]), model_for(8))
+
+
+def _with_lambda(n: int, gpus_per_node: int, **extras) -> CostConfig:
+    return dataclasses.replace(CostConfig.load("gpt7b-64"), world_size=n, gpus_per_node=gpus_per_node, **extras)
+
+
+def test_the_dp_prices_a_group_as_the_simulator_does():
+    """With s and lambda set, the DP's makespan of the degrees it picks is the simulated step (one round, one
+    node: the DP's placement guess is then exact)."""
+    cfg = _with_lambda(8, 8, sample_overhead_s=0.01, cp_microbatch_overhead_s=0.3)
+    model = build_cost_model(cfg)
+    batch = Batch.from_lengths([20000, 9000, 5000, 3000, 700, 6000])
+    tokens, min_cp = batch.lengths, model.min_degree(batch.lengths)
+    bins = bfd_pack(tokens, min_cp, cfg.max_tokens_per_rank)
+    assert len(split_rounds(bins, 8)) == 1
+    degrees = np.arange(1, 9)
+    per_sample = model.time_table(tokens, model.sample_work(batch.samples), degrees)
+    table = degree_table(model, per_sample, bins)
+    chosen = allocate_degrees(table, 8)
+    estimate = max(table[b, d - 1] for b, d in enumerate(chosen))
+    plan = run_planner(build_planner("fcp-ref"), batch, model)
+    assert sorted(g.size for g in plan.groups) == sorted(chosen)
+    assert plan.predicted_step_time_s == pytest.approx(estimate, rel=1e-12)
+    assert plan.predicted_step_time_s == pytest.approx(reference_eval.step_time(cfg.to_dict(), plan.to_dict()), rel=1e-12)
+
+
+def test_a_multi_rank_latency_keeps_a_bin_on_one_rank():
+    """Two 5000-token bins on 4 ranks: without lambda, 2 + 2 ranks is fastest; with lambda = 1 s, splitting
+    both pays it twice over and 1 + 3 is faster under the simulator, so the DP must pick that."""
+    batch = Batch.from_lengths([5000, 5000])
+    plain = run_planner(build_planner("fcp-ref"), batch, build_cost_model(_with_lambda(4, 4)))
+    assert sorted(g.size for g in plain.groups) == [2, 2]
+    model = build_cost_model(_with_lambda(4, 4, cp_microbatch_overhead_s=1.0))
+    plan = run_planner(build_planner("fcp-ref"), batch, model)
+    assert sorted(g.size for g in plan.groups) == [1, 3]
+    halves = simulate(plain, model).step_time_s
+    assert plan.predicted_step_time_s < halves

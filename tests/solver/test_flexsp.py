@@ -54,9 +54,10 @@ def tiny_problems(draw):
                                            max_size=num_buckets, unique=True))))
     counts = np.array(draw(st.lists(st.integers(1, 2), min_size=num_buckets, max_size=num_buckets)))
     sizes = 2 ** np.arange(1, int(np.log2(n)) + 1)
-    work = model.config.attn_s_per_token2 * tokens**2 + model.config.linear_s_per_token * tokens
-    times = model.sample_time(tokens[:, None], work[:, None], sizes[None, :], (sizes <= model.domain.gpus_per_node)[None, :])
-    return BucketProblem(counts, tokens, times, sizes, n, cap, model.microbatch_overhead_s)
+    times = model.time_table(tokens, model.sample_work(Batch.from_lengths(tokens).samples), sizes)
+    # beta per size, as a cost model with a multi-rank latency (or any other size dependence) gives it
+    overhead = np.array(draw(st.lists(st.sampled_from([0.0, 0.01, 0.05, 0.3]), min_size=len(sizes), max_size=len(sizes))))
+    return BucketProblem(counts, tokens, times, sizes, n, cap, overhead)
 
 
 @settings(max_examples=40, deadline=None)
@@ -92,7 +93,7 @@ def test_warm_start_is_feasible_and_no_better_than_the_optimum(problem):
 
 def test_slots_are_pruned_below_the_largest_required_size():
     problem = BucketProblem(np.array([1, 3]), np.array([3500, 100]), np.zeros((2, 3)), np.array([2, 4, 8]),
-                            8, 1000, 0.05)
+                            8, 1000, np.full(3, 0.05))
     assert problem.slot_sizes().tolist() == [2, 2, 4, 4, 8]  # a 4-rank group is needed: 4 ranks left for 2s
 
 
@@ -136,7 +137,7 @@ def test_non_power_of_two_domain(planners):
 
 def _small_problem() -> BucketProblem:
     times = np.array([[0.4, 0.25, 0.15], [0.1, 0.06, 0.04]])
-    return BucketProblem(np.array([2, 6]), np.array([1500, 200]), times, np.array([2, 4, 8]), 8, 1000, 0.01)
+    return BucketProblem(np.array([2, 6]), np.array([1500, 200]), times, np.array([2, 4, 8]), 8, 1000, np.full(3, 0.01))
 
 
 def test_a_milp_past_its_hard_deadline_keeps_the_warm_start(monkeypatch, caplog):
@@ -152,6 +153,6 @@ def test_a_milp_past_its_hard_deadline_keeps_the_warm_start(monkeypatch, caplog)
 
 
 def test_a_failing_solver_process_is_an_error_not_a_hang():
-    bad = BucketProblem(np.array([2, 6]), np.array([1500, 200]), np.zeros((1, 1)), np.array([2, 4, 8]), 8, 1000, 0.0)
+    bad = BucketProblem(np.array([2, 6]), np.array([1500, 200]), np.zeros((1, 1)), np.array([2, 4, 8]), 8, 1000, np.zeros(3))
     with pytest.raises(RuntimeError, match="solver process failed"):
         solve_bucket_milp(bad, time_limit_s=5.0)

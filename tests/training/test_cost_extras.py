@@ -18,6 +18,7 @@ from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.profile import ProfileReport
 from megatron_dhp.training.timing import data_grid, microbatches, point_plan
 from megatron_dhp.workload import Batch, LengthSource
+from tests import reference_eval
 
 
 def test_zero_extras_leave_every_reference_number_unchanged(tmp_path):
@@ -69,10 +70,13 @@ def test_lower_bound_stays_valid_with_the_extras(seed):
     lengths = [rng.randint(1, n * cost.max_tokens_per_rank) for _ in range(rng.randint(1, 30))]
     batch = Batch.from_lengths(lengths)
     bound = model.lower_bound(batch.samples)
+    assert bound == pytest.approx(reference_eval.lower_bound(cost.to_dict(), [s.to_dict() for s in batch.samples]), rel=1e-12)
     plans = [run_planner(build_planner(p, dataset_max_tokens=max(lengths)), batch, model) for p in ("static", "dhp")]
     plans += [random_plan(batch, cost.domain, rng) for _ in range(20)]
     for plan in plans:
-        assert simulate(plan, model).step_time_s >= bound * (1 - 1e-12), plan.summary()
+        step = simulate(plan, model).step_time_s
+        assert step >= bound * (1 - 1e-12), plan.summary()
+        assert step == pytest.approx(reference_eval.step_time(cost.to_dict(), plan.to_dict()), rel=1e-12), plan.summary()
 
 
 def test_data_grid_packs_the_jobs_own_batches_within_the_cap():

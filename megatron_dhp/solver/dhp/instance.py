@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.workload.sample import Batch
 
 
@@ -14,7 +14,7 @@ from megatron_dhp.workload.sample import Batch
 class Instance:
     """A batch under a cost model: ids, tokens, work and minimum degree of every sample."""
 
-    model: ReferenceCostModel
+    model: CostModel
     ids: np.ndarray
     tokens: np.ndarray
     work: np.ndarray
@@ -22,7 +22,7 @@ class Instance:
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_batch(cls, batch: Batch, model: ReferenceCostModel) -> Instance:
+    def from_batch(cls, batch: Batch, model: CostModel) -> Instance:
         """Flatten the batch; every array is in batch order."""
         tokens = batch.lengths
         return cls(

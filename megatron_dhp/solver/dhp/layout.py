@@ -1,4 +1,4 @@
-"""Draft groups on a per-rank timeline: where wide samples go and which rank runs become bins.
+"""Draft groups on a per-rank skyline: where wide samples go and which rank runs become bins.
 
 The domain is cut into cells of `cell` contiguous ranks that never straddle a node. Samples that need more
 ranks than a cell (or would take too long on one) are *wide*: each becomes a group of its own degree,
@@ -42,15 +42,16 @@ class DraftGroup:
 
 
 @dataclass
-class Timeline:
-    """When each rank is free and which phase its next group takes."""
+class Skyline:
+    """When each rank is free and which phase its next group takes, while wide groups are placed (a plan's
+    simulated replay is `cost.simulate.Timeline`)."""
 
     ready: np.ndarray
     phase: np.ndarray
     wide: list[DraftGroup] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, num_ranks: int) -> Timeline:
+    def empty(cls, num_ranks: int) -> Skyline:
         """All ranks free at time 0, phase 0."""
         return cls(np.zeros(num_ranks), np.zeros(num_ranks, dtype=np.int64))
 
@@ -73,30 +74,30 @@ def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
     return np.maximum(table[starts], table[starts + size - span])
 
 
-def place_wide(inst: Instance, timeline: Timeline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
+def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
     """Place wide samples, widest first, each on the window where it can start (and so end) earliest."""
     n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap
-    prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
+    prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
         i, d = int(items[k]), int(degrees[k])
         starts = window_starts(n, d, cell, gpn)
-        begin = window_max(timeline.ready, d, starts)
+        begin = window_max(skyline.ready, d, starts)
         waste = d * begin - (prefix[starts + d] - prefix[starts])
         best = int(np.lexsort((starts, waste, begin))[0])
         s, begin_s = int(starts[best]), float(begin[best])
         t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
-        last = timeline.wide[-1] if timeline.wide else None
+        last = skyline.wide[-1] if skyline.wide else None
         if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
             add_to_group(last, i, int(inst.tokens[i]), t)  # the same ranks again: extend their group
         else:
-            phase = int(timeline.phase[s : s + d].max())
+            phase = int(skyline.phase[s : s + d].max())
             group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
             add_to_group(group, i, int(inst.tokens[i]), t)
-            timeline.wide.append(group)
-            timeline.phase[s : s + d] = phase + 1
-        timeline.ready[s : s + d] = timeline.wide[-1].finish_s
-        prefix = np.concatenate([[0.0], np.cumsum(timeline.ready)])
+            skyline.wide.append(group)
+            skyline.phase[s : s + d] = phase + 1
+        skyline.ready[s : s + d] = skyline.wide[-1].finish_s
+        prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
 
 
 def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> None:
@@ -113,7 +114,7 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> No
     group.finish_s += time_s
 
 
-def open_bins(inst: Instance, timeline: Timeline, cell: int) -> list[DraftGroup]:
+def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
     """Every maximal run of ranks inside one cell that is free at the same time, as an empty group."""
     bins: list[DraftGroup] = []
     num_ranks = inst.num_ranks
@@ -122,8 +123,8 @@ def open_bins(inst: Instance, timeline: Timeline, cell: int) -> list[DraftGroup]
         r = c0
         while r < c1:
             e = r + 1
-            while e < c1 and timeline.ready[e] == timeline.ready[r] and timeline.phase[e] == timeline.phase[r]:
+            while e < c1 and skyline.ready[e] == skyline.ready[r] and skyline.phase[e] == skyline.phase[r]:
                 e += 1
-            bins.append(DraftGroup(r, e - r, int(timeline.phase[r]), float(timeline.ready[r]), inst.cap, inst.overhead(e - r)))
+            bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.cap, inst.overhead(e - r)))
             r = e
     return bins

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dhp.cost.reference import ReferenceCostModel
+from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.layout import DraftGroup, Timeline, open_bins, place_wide
+from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
 from megatron_dhp.workload.sample import Batch
 
 
@@ -75,7 +75,7 @@ class Candidate:
         `degrees_of` holds the wide degree of every sample that is wide for some candidate.
         """
         # Only the base overhead m: a multi-rank latency would only add time, so the bound stays a bound.
-        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.model.microbatch_overhead_s
+        gpn, n, m = inst.model.domain.gpus_per_node, inst.num_ranks, inst.overhead(1)
         t_cell = inst.times(cell, True)
         is_wide = is_wide_for(inst, cell, target_s)
         wide = np.flatnonzero(is_wide)
@@ -96,17 +96,17 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     n, cell = inst.num_ranks, cand.cell
     wide = cand.wide
     while True:
-        timeline = Timeline.empty(n)
-        place_wide(inst, timeline, wide, degrees_of[wide], cell)
-        bins = open_bins(inst, timeline, cell)
+        skyline = Skyline.empty(n)
+        place_wide(inst, skyline, wide, degrees_of[wide], cell)
+        bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
         if not len(homeless):
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
-    binset = fill(inst, bins, rest, floor_s=float(timeline.ready.max()), max_moves=max_moves)
-    groups = timeline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+    binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
+    groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
     return Draft(groups, max(g.finish_s for g in groups))
 
 
@@ -122,7 +122,7 @@ class DhpPlanner:
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
     name: str = "dhp"
 
-    def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
         inst = Instance.from_batch(batch, model)
         target = model.lower_bound_arrays(inst.tokens, inst.work)

@@ -1,0 +1,67 @@
+"""The interface between cost models and everything that prices a plan: planners and the simulator.
+
+Planners and `simulate` see a cost model only through `CostModel`, so a model of another form (a lookup
+table, a learned predictor) plugs in without touching them. Times are vectorised over samples: a model
+first turns samples into a per-sample `work` array (`sample_work`) that its other methods take back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from megatron_dhp.cost.config import Domain
+from megatron_dhp.workload.sample import Sample
+
+
+class CostModel(Protocol):
+    """Seconds of samples and microbatches on groups of ranks, memory feasibility, and the step lower bound."""
+
+    domain: Domain
+    """The ranks, their nodes and the per-rank token cap M the model prices."""
+    step_overhead_s: float
+    """sigma: fixed seconds every step pays before its first microbatch, on every rank."""
+
+    def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
+        """Per-sample figure the time methods take back (in the reference model, compute seconds on one rank)."""
+        ...
+
+    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
+        """t(L, d): seconds each sample takes on a group of `degree` ranks, inside one node or not (broadcasts)."""
+        ...
+
+    def time_table(self, tokens: np.ndarray, work: np.ndarray, degrees: np.ndarray) -> np.ndarray:
+        """(samples, degrees): t(L_i, d) of every sample on every group size, each group at its best placement."""
+        ...
+
+    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """min over d in [lo, hi] of t(L, d) at the best placement, and the smallest d that attains it."""
+        ...
+
+    def is_intra(self, ranks: Sequence[int]) -> bool:
+        """Whether a group's ranks all sit on one node."""
+        ...
+
+    def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
+        """The fewest ranks that can hold a sample under the per-rank token cap."""
+        ...
+
+    def microbatch_overhead(self, group_size: int) -> float:
+        """Fixed seconds of one microbatch on a group of `group_size` ranks; `microbatch_overhead(1)` is the
+        base m that every microbatch pays, larger groups may pay more (lambda)."""
+        ...
+
+    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
+        """Seconds of one microbatch of `samples` on `ranks`: its overhead plus its samples' times."""
+        ...
+
+    def lower_bound(self, samples: Sequence[Sample]) -> float:
+        """A step time no plan of these samples can beat, step overhead included."""
+        ...
+
+    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
+        """`lower_bound` without the step overhead, from token counts and `sample_work` (for planners that
+        compare it with their own makespans)."""
+        ...
