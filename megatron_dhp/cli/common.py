@@ -61,14 +61,15 @@ def load_cost(args: argparse.Namespace) -> CostConfig:
 
 
 def draw_batches(args: argparse.Namespace, config: CostConfig, count: int) -> tuple[LengthSource, list[Batch]]:
-    """`count` batches of the workload flags, each checked (or truncated) against the domain."""
+    """`count` batches of the workload flags, cut to the domain with --truncate.
+
+    Without --truncate a sample the domain cannot hold is left for `run_planner`, the one check of every plan.
+    """
     source = LengthSource.from_args(lengths=args.lengths, dist=None if args.lengths else args.dist)
     capacity = config.domain.capacity
-    batches = [
-        fit_to_domain(source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity),
-                      capacity, truncate=args.truncate)
-        for k in range(count)
-    ]
+    batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity) for k in range(count)]
+    if args.truncate:
+        batches = [fit_to_domain(b, capacity, truncate=True) for b in batches]
     return source, batches
 
 

@@ -30,7 +30,6 @@ import numpy as np
 from megatron_dhp.cost.reference import ReferenceCostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
-from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
 
@@ -122,7 +121,6 @@ class FCPRefPlanner:
     def solve(self, batch: Batch, model: ReferenceCostModel) -> list[PlanGroup]:
         """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
         domain = model.domain
-        fit_to_domain(batch, domain.capacity)
         n, cap = domain.world_size, domain.max_tokens_per_rank
         max_cp = min(self.max_cp_degree or n, n)
         tokens = batch.lengths
