@@ -75,7 +75,7 @@ def test_lower_bound_stays_valid_with_the_extras(seed):
     lengths = [rng.randint(1, n * cost.max_tokens_per_rank) for _ in range(rng.randint(1, 30))]
     batch = Batch.from_lengths(lengths)
     bound = model.lower_bound(batch.samples)
-    plans = [run_planner(build_planner(p, dataset_max_tokens=max(lengths)), batch, model) for p in ("static", "dhp")]
+    plans = [run_planner(build_planner(p, {"dataset_max_tokens": max(lengths)}), batch, model) for p in ("static", "dhp")]
     plans += [random_plan(batch, cost.domain, rng) for _ in range(20)]
     for plan in plans:
         assert simulate(plan, model).step_time_s >= bound * (1 - 1e-12), plan.summary()
