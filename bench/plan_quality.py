@@ -29,7 +29,7 @@ from rich.table import Table
 
 from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
-from megatron_dhp.solver import PLANNERS, PlannerUnsupported, build_planner, run_planner
+from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
 WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")
@@ -49,8 +49,9 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
             capacity = model.domain.capacity
             batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
                        for k in range(args.batches)]
-            context = {"dataset_max_tokens": dataset_max_tokens(source, batches, capacity), "time_limit_s": args.time_limit}
-            planners = [build_planner(name, **context) for name in args.planners]
+            context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
+                                     time_limit_s=args.time_limit)
+            planners = [build_planner(name, context) for name in args.planners]
             for k, batch in enumerate(batches):
                 for planner in planners:
                     record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}

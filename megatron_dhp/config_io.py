@@ -1,7 +1,8 @@
 """Loading config dataclasses from untrusted mappings (parsed YAML), with errors that say what to fix.
 
 The dataclass is the source of truth: its fields and their annotations decide which keys exist and what
-types they take. An unknown key names the closest valid one; a missing required key lists them all.
+types they take. An unknown key names the closest valid one; a missing required key lists them all; a
+value of the wrong type is caught by `check_fields`, which every config runs on construction.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -49,11 +51,14 @@ def load_yaml_file(path: str | Path, *, what: str) -> object:
 
 
 def from_mapping(cls: type, obj: object, *, source: str) -> object:
-    """Build dataclass `cls` from `obj`, checking keys and value types against the field annotations."""
+    """Build dataclass `cls` from `obj`: check its keys, build nested dataclasses, and let `cls` check the values.
+
+    Types are not checked here: each config's `__post_init__` calls `check_fields`, so a bad value gets the
+    same message whether it comes from YAML or from Python; this adds only where it came from (`source`).
+    """
     if not isinstance(obj, dict):
         raise DhpError(f"{source}: expected a mapping of keys, got {type(obj).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
-    hints = typing.get_type_hints(cls)
     for key in obj:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -63,17 +68,44 @@ def from_mapping(cls: type, obj: object, *, source: str) -> object:
     missing = [k for k in required if k not in obj]
     if missing:
         raise DhpError(f"{source}: missing key {missing[0]!r} (required: {', '.join(required)})")
-    values = {key: _convert(hints[key], value, f"{source}: key {key!r}") for key, value in obj.items()}
+    hints = _field_hints(cls)
+    values = {
+        key: from_mapping(hints[key], value, source=f"{source}: key {key!r}") if dataclasses.is_dataclass(hints[key]) else value
+        for key, value in obj.items()
+    }
     try:
         return cls(**values)
     except DhpError as e:
         raise DhpError(f"{source}: {e}") from None
 
 
-def _convert(hint: object, value: object, where: str) -> object:
-    """Check `value` against a field annotation; nested dataclasses are built recursively."""
+def check_fields(config: object) -> None:
+    """Check every field of a config dataclass against its annotation; the first bad one raises `DhpError`.
+
+    Each config calls this first in `__post_init__` (range checks follow there), so direct construction and
+    `from_mapping` share one checker and one message. Ints become floats where a float is due and lists
+    become tuples, as YAML gives them.
+    """
+    for name, hint in _field_hints(type(config)).items():
+        value = getattr(config, name)
+        checked = _check(hint, value, f"key {name!r}")
+        if checked is not value:
+            object.__setattr__(config, name, checked)
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, object]:
+    """The resolved annotation of each field a user sets (init fields not starting with `_`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def _check(hint: object, value: object, where: str) -> object:
+    """`value` if it fits the annotation `hint` (converted as `check_fields` says), else a `DhpError`."""
     if dataclasses.is_dataclass(hint):
-        return from_mapping(hint, value, source=where)
+        if not isinstance(value, hint):
+            raise DhpError(f"{where} = {value!r} must be a {hint.__name__}")
+        return value
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -82,7 +114,7 @@ def _convert(hint: object, value: object, where: str) -> object:
         errors = []
         for option in (o for o in options if o is not type(None)):
             try:
-                return _convert(option, value, where)
+                return _check(option, value, where)
             except DhpError as e:
                 errors.append(str(e))
         raise DhpError(errors[0])
@@ -90,7 +122,7 @@ def _convert(hint: object, value: object, where: str) -> object:
         if not isinstance(value, (list, tuple)):
             raise DhpError(f"{where} = {value!r} must be a list")
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-        return tuple(_convert(item, v, where) for v in value)
+        return tuple(_check(item, v, where) for v in value)
     if hint is bool:
         if not isinstance(value, bool):
             raise DhpError(f"{where} = {value!r} must be true or false")

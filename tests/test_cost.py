@@ -161,6 +161,15 @@ def test_yaml_wrong_values(tmp_path, gpt7b_config, key, value, match):
         CostConfig.load(_write(tmp_path, _preset_text(gpt7b_config, **{key: value})))
 
 
+def test_a_bad_value_gets_one_message_from_python_and_from_yaml(tmp_path, gpt7b_config):
+    with pytest.raises(DhpError) as direct:
+        dataclasses.replace(gpt7b_config, overlap_comm="sometimes")
+    with pytest.raises(DhpError) as loaded:
+        CostConfig.load(_write(tmp_path, _preset_text(gpt7b_config, overlap_comm="sometimes")))
+    assert str(direct.value) == "key 'overlap_comm' = 'sometimes' must be true or false"
+    assert str(loaded.value).endswith(f".yaml': {direct.value}")
+
+
 def test_yaml_not_a_mapping_and_invalid(tmp_path):
     with pytest.raises(DhpError, match="expected a mapping"):
         CostConfig.load(_write(tmp_path, "- 1\n- 2\n"))

@@ -55,3 +55,19 @@ def test_every_planner_rejects_a_sample_no_group_can_hold(gpt7b):
 def test_unknown_planner():
     with pytest.raises(DhpError, match="unknown planner 'magic'; choose one of"):
         build_planner("magic")
+
+
+def test_an_option_the_planner_does_not_take_is_an_error():
+    with pytest.raises(DhpError, match=r"^planner 'dhp' has no option 'time_limit_s'; it accepts cells, max_moves, gap$"):
+        build_planner("dhp", time_limit_s=5.0)
+    with pytest.raises(DhpError, match=r"^planner 'megatron-hcp' has no option 'max_cp_degree'; it takes no options$"):
+        build_planner("megatron-hcp", max_cp_degree=2)
+    with pytest.raises(DhpError, match=r"^planner context has no key 'time_limit'; it holds dataset_max_tokens, time_limit_s$"):
+        build_planner("flexsp-milp", {"time_limit": 5.0})
+
+
+def test_context_facts_reach_only_the_planners_that_read_them():
+    context = {"dataset_max_tokens": 60_000, "time_limit_s": 2.5}
+    assert build_planner("static", context).dataset_max_tokens == 60_000
+    assert build_planner("flexsp-milp", context).time_limit_s == 2.5
+    assert build_planner("fcp-ref", context, max_cp_degree=2).max_cp_degree == 2

@@ -87,6 +87,19 @@ def test_bad_length_files(tmp_path, name, text, match):
         load_samples(p)
 
 
+def test_a_bad_sample_gets_one_message_from_python_files_and_plans(tmp_path):
+    with pytest.raises(DhpError) as direct:
+        Sample(0, 300, (400,))
+    (tmp_path / "s.jsonl").write_text('{"tokens": 300, "images": [400]}\n')
+    with pytest.raises(DhpError) as from_file:
+        load_samples(tmp_path / "s.jsonl")
+    with pytest.raises(DhpError) as from_plan:
+        Sample.from_dict({"id": 0, "tokens": 300, "images": [400]})
+    assert str(direct.value).startswith("images hold 400 tokens, more than the sample's 300")
+    assert str(from_file.value).endswith(f"s.jsonl', line 1: {direct.value}")
+    assert str(from_plan.value) == f"sample entry {{'id': 0, 'tokens': 300, 'images': [400]}}: {direct.value}"
+
+
 def test_sample_validation():
     with pytest.raises(DhpError, match="length 0 must be a positive integer"):
         Sample(0, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch
 from megatron_dhp.workload.synthetic import DISTRIBUTIONS
@@ -35,19 +36,19 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
-    """Options some planners take (each planner receives only those its constructor accepts)."""
+    """Job facts some planners read (see `solver.PlannerContext`)."""
     g = p.add_argument_group("planner options")
     g.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="time limit of each MILP a planner solves (flexsp-milp; default 10)")
 
 
-def planner_context(args: argparse.Namespace, longest: int) -> dict:
-    """The keyword context `build_planner` hands to every planner: only the options that were given."""
+def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
+    """The facts `build_planner` hands to every planner: the longest sample, and the flags that were given."""
     if args.time_limit is not None and not args.time_limit > 0:
         from megatron_dhp.errors import DhpError
 
         raise DhpError(f"--time-limit {args.time_limit} must be a positive number of seconds")
-    context: dict = {"dataset_max_tokens": longest}
+    context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
     return context
@@ -61,14 +62,15 @@ def load_cost(args: argparse.Namespace) -> CostConfig:
 
 
 def draw_batches(args: argparse.Namespace, config: CostConfig, count: int) -> tuple[LengthSource, list[Batch]]:
-    """`count` batches of the workload flags, each checked (or truncated) against the domain."""
+    """`count` batches of the workload flags, cut to the domain with --truncate.
+
+    Without --truncate a sample the domain cannot hold is left for `run_planner`, the one check of every plan.
+    """
     source = LengthSource.from_args(lengths=args.lengths, dist=None if args.lengths else args.dist)
     capacity = config.domain.capacity
-    batches = [
-        fit_to_domain(source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity),
-                      capacity, truncate=args.truncate)
-        for k in range(count)
-    ]
+    batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity) for k in range(count)]
+    if args.truncate:
+        batches = [fit_to_domain(b, capacity, truncate=True) for b in batches]
     return source, batches
 
 

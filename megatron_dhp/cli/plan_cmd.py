@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     source, batches = draw_batches(args, config, args.batch_index + 1)
     batch = batches[-1]
     longest = dataset_max_tokens(source, [batch], config.domain.capacity)
-    planner = build_planner(args.planner, **planner_context(args, longest))
+    planner = build_planner(args.planner, planner_context(args, longest))
     plan = run_planner(planner, batch, build_cost_model(config))
     plan.save(args.out)
     print(plan.summary())

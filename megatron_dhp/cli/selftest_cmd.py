@@ -15,6 +15,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
+
 
 @dataclass(frozen=True)
 class SelftestOptions:
@@ -33,6 +35,7 @@ class SelftestOptions:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `selftest`."""
+    every_comm = ",".join(COMM_VARIANTS)
     p = sub.add_parser(
         "selftest",
         help="check the runtime against a single-process run (loss and every gradient)",
@@ -44,12 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="static tensor-parallel size (default 1)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
     p.add_argument("--seed", type=int, default=0, help="seed of batches, plans and weights (default 0)")
-    p.add_argument("--comm", default="allgather,ring,ulysses",
-                   help="comma-separated CP variants, used in turn (default allgather,ring,ulysses)")
+    p.add_argument("--comm", default=every_comm,
+                   help=f"comma-separated CP variants, used in turn (default {every_comm})")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="torch.distributed backend (default gloo)")
     p.add_argument("--samples", type=int, default=12, metavar="B", help="samples per batch (default 12)")
     p.add_argument("--max-len", type=int, default=40, metavar="L", help="longest sample in tokens (default 40)")
-    p.add_argument("--attention", choices=("auto", "math", "sdpa", "flash"), default="auto",
+    p.add_argument("--attention", choices=tuple(BACKENDS), default="auto",
                    help="local attention kernel (default auto)")
     p.add_argument("--timeout", type=int, default=120, metavar="S", help="collective timeout in seconds (default 120)")
     p.set_defaults(run=run)
@@ -58,7 +61,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then run as a torchrun rank or spawn the ranks and wait for them."""
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.runtime.attention import COMM_VARIANTS
 
     comms = tuple(c.strip() for c in args.comm.split(",") if c.strip())
     unknown = [c for c in comms if c not in COMM_VARIANTS]

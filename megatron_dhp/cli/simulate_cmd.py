@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_cost_model(config)
     source, batches = draw_batches(args, config, args.batches)
     longest = dataset_max_tokens(source, batches, config.domain.capacity)
-    planners = [build_planner(n, **planner_context(args, longest)) for n in names]
+    planners = [build_planner(n, planner_context(args, longest)) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}

@@ -6,7 +6,7 @@ from megatron_dhp.cost.reference import ReferenceCostModel
 from megatron_dhp.cost.simulate import Timeline, simulate
 
 # A profiled model has the reference model's form with coefficients fitted on this device.
-COST_MODELS = {"reference": ReferenceCostModel, "profiled": ReferenceCostModel}
+COST_MODELS = {kind: ReferenceCostModel for kind in COST_KINDS}
 
 
 def build_cost_model(config: CostConfig) -> CostModel:

@@ -6,14 +6,14 @@ Keys and units follow BENCHMARK.md section 2.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
 
-from megatron_dhp.config_io import from_mapping, load_yaml_file
+from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
+from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")
 
@@ -30,9 +30,10 @@ class Domain:
     """Memory capacity M: the most tokens one rank may hold in a microbatch."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("world_size", "gpus_per_node", "max_tokens_per_rank"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if value < 1:
                 raise DhpError(f"{name} = {value!r} must be an integer >= 1 (set --{name.replace('_', '-')})")
 
     @property
@@ -91,20 +92,13 @@ class CostConfig:
     """Free text: where the numbers come from."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.kind not in COST_KINDS:
             raise DhpError(f"cost kind {self.kind!r} is unknown; use one of {', '.join(COST_KINDS)}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "float":
-                if not _is_number(value):
-                    raise DhpError(f"cost key {f.name!r} = {value!r} must be a number")
-                if value < 0 or (f.name.endswith("bytes_per_s") and value <= 0):
-                    raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
-                object.__setattr__(self, f.name, float(value))
-            elif f.type == "bool" and not isinstance(value, bool):
-                raise DhpError(f"cost key {f.name!r} = {value!r} must be true or false")
-            elif f.type == "str" and not isinstance(value, str):
-                raise DhpError(f"cost key {f.name!r} = {value!r} must be a string")
+            if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
+                raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
         self.domain  # noqa: B018 - validates the domain fields
 
     @property
@@ -130,44 +124,9 @@ class CostConfig:
     @classmethod
     def load(cls, path_or_preset: str | Path) -> CostConfig:
         """Load a YAML file, or a preset name from `configs/` (e.g. `gpt7b-64`)."""
-        path = resolve_config(path_or_preset)
+        path = resolve_preset(path_or_preset, what="cost config")
         return cls.from_dict(load_yaml_file(path, what="cost config"), source=f"cost config {str(path)!r}")
 
     def save(self, path: str | Path) -> None:
         """Write the YAML form `load` reads back."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def shipped_dirs(name: str) -> list[Path]:
-    """Where a folder the project ships (`configs`, `patches`) lives: the source checkout's, then the one
-    `pip install` puts under `share/megatron-dhp/`."""
-    return [Path(__file__).resolve().parents[2] / name, Path(sys.prefix) / "share" / "megatron-dhp" / name]
-
-
-def config_dirs() -> list[Path]:
-    """Where preset YAMLs live."""
-    return shipped_dirs("configs")
-
-
-def resolve_config(path_or_preset: str | Path) -> Path:
-    """A YAML path as given, or `configs/<name>.yaml` for a preset name."""
-    path = Path(path_or_preset)
-    if path.is_file():
-        return path
-    if path.suffix not in (".yaml", ".yml"):
-        for d in config_dirs():
-            candidate = d / f"{path_or_preset}.yaml"
-            if candidate.is_file():
-                return candidate
-    presets = sorted({p.stem for d in config_dirs() if d.is_dir() for p in d.glob("*.yaml")})
-    raise DhpError(
-        f"cost config {str(path_or_preset)!r} is neither a file nor a preset; presets: {', '.join(presets) or 'none'}"
-    )
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)

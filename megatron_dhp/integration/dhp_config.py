@@ -9,12 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dhp.config_io import from_mapping, load_yaml_file
+from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
-
-COMM_VARIANTS = ("allgather", "ring", "ulysses")
-ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flash")
-LAYER_SPECS = ("local", "te")
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, LAYER_SPECS
 
 
 @dataclass(frozen=True)
@@ -53,10 +50,11 @@ class DhpConfig:
     def __post_init__(self) -> None:
         from megatron_dhp.solver import PLANNERS
 
+        check_fields(self)
         if self.planner not in PLANNERS:
             raise DhpError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
         for name, value, allowed in (("comm", self.comm, COMM_VARIANTS),
-                                     ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+                                     ("attention_backend", self.attention_backend, BACKENDS),
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:
                 raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")

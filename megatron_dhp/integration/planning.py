@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver import PlannerContext, build_planner, run_planner
 from megatron_dhp.workload.sample import Batch
 
 
@@ -39,7 +39,9 @@ class StepPlanner:
     def __init__(self, config: DhpConfig, cost: CostConfig, *, dataset_max_tokens: int | None = None) -> None:
         self.config = config
         self.model = build_cost_model(cost)
-        self.planner = build_planner(config.planner, dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s)
+        self.planner = build_planner(
+            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s)
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None
 

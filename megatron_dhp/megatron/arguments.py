@@ -14,7 +14,8 @@ from collections.abc import Callable
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.dhp_config import COMM_VARIANTS, DhpConfig
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.runtime.attention import COMM_VARIANTS
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -43,8 +44,9 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Planner: dhp (default) or static; more when installed (megatron-dhp simulate lists them).")
     group.add_argument("--dhp-max-tokens-per-rank", type=int, default=None, metavar="M",
                        help="Most tokens one rank holds in a microbatch; a longer sequence gets more ranks.")
-    group.add_argument("--dhp-comm", type=str, default=None, choices=COMM_VARIANTS,
-                       help="CP communication of the 'local' layer spec: K/V all-gather, P2P ring or Ulysses all-to-all.")
+    group.add_argument("--dhp-comm", type=str, default=None, choices=tuple(COMM_VARIANTS),
+                       help="CP communication of the 'local' layer spec: "
+                       + "; ".join(f"{name}: {what}" for name, what in COMM_VARIANTS.items()) + ".")
     group.add_argument("--dhp-cost", type=str, default=None, metavar="YAML",
                        help="Cost model: a YAML written by megatron-dhp profile, or a preset name from configs/.")
     group.add_argument("--dhp-log-plans", action="store_true", default=None,

@@ -14,8 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dhp.cost.config import shipped_dirs
 from megatron_dhp.errors import DhpError
+from megatron_dhp.presets import shipped_file
 
 SUPPORTED_TAGS = ("core_v0.16.1", "core_v0.19.0")
 """Upstream tags with a patch in patches/ (named TAG.patch)."""
@@ -38,10 +38,10 @@ class Checkout:
 
 def patch_file(tag: str) -> Path:
     """patches/TAG.patch from the source checkout, or from the installed share folder."""
-    for folder in shipped_dirs("patches"):
-        if (folder / f"{tag}.patch").is_file():
-            return folder / f"{tag}.patch"
-    raise DhpError(f"the patch for {tag} is missing from this megatron-dhp install (looked for patches/{tag}.patch)")
+    found = shipped_file("patches", f"{tag}.patch")
+    if found is None:
+        raise DhpError(f"the patch for {tag} is missing from this megatron-dhp install (looked for patches/{tag}.patch)")
+    return found
 
 
 def detect(path: str | Path) -> Checkout:

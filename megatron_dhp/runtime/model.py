@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention import LAYER_SPECS
 from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
 
 
@@ -71,8 +72,8 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in ("local", "te"):
-        raise DhpError(f"layer-spec backend {backend!r} is unknown; use 'local' or 'te'")
+    if backend not in LAYER_SPECS:
+        raise DhpError(f"layer-spec backend {backend!r} is unknown; use {' or '.join(map(repr, LAYER_SPECS))}")
 
 
 def _require_te() -> type:

@@ -1,12 +1,15 @@
 """Planners: each maps a batch and a cost model to the groups of one step.
 
-`PLANNERS` maps a planner's name to its class; `build_planner` constructs one with only the options it
-accepts, so callers can hand every planner the same context (e.g. the dataset's longest sample).
+`PLANNERS` maps a planner's name to its class. `build_planner` constructs one from two kinds of input:
+options, which must be ones the planner takes (a typo is an error, never silently dropped), and a
+`PlannerContext` of facts about the job that callers hand every planner alike, each planner reading the
+facts its constructor names.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import TypedDict
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import Planner, PlannerUnsupported, run_planner
@@ -25,13 +28,38 @@ PLANNERS: dict[str, type] = {
 }
 
 
-def build_planner(name: str, **context: object) -> Planner:
-    """The planner `name`, given whichever of `context`'s options its constructor takes."""
+class PlannerContext(TypedDict, total=False):
+    """Facts about the job, the same for every planner; a planner reads those its constructor names.
+
+    A key left out keeps each planner's own default.
+    """
+
+    dataset_max_tokens: int | None
+    """The dataset's longest sample (static sizes its one CP by it, so no later batch outgrows the groups)."""
+    time_limit_s: float
+    """Time limit of each solver call (flexsp-milp's MILPs)."""
+
+
+def build_planner(name: str, context: PlannerContext | None = None, **options: object) -> Planner:
+    """The planner `name` with `options` and whichever `context` facts it reads.
+
+    An option the planner does not take, or a context key that is not a `PlannerContext` fact, is a
+    `DhpError` naming it and what is accepted.
+    """
     if name not in PLANNERS:
         raise DhpError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
     cls = PLANNERS[name]
-    accepted = inspect.signature(cls).parameters
-    return cls(**{k: v for k, v in context.items() if k in accepted and k != "name"})
+    accepted = [p for p in inspect.signature(cls).parameters if p != "name"]
+    for key in options:
+        if key not in accepted:
+            takes = f"it accepts {', '.join(accepted)}" if accepted else "it takes no options"
+            raise DhpError(f"planner {name!r} has no option {key!r}; {takes}")
+    context = context or {}
+    for key in context:
+        if key not in PlannerContext.__annotations__:
+            raise DhpError(f"planner context has no key {key!r}; it holds {', '.join(PlannerContext.__annotations__)}")
+    facts = {k: v for k, v in context.items() if k in accepted}
+    return cls(**{**facts, **options})
 
 
 __all__ = [
@@ -41,6 +69,7 @@ __all__ = [
     "FlexSPPlanner",
     "MegatronHCPPlanner",
     "Planner",
+    "PlannerContext",
     "PlannerUnsupported",
     "StaticPlanner",
     "build_planner",

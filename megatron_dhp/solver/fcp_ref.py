@@ -31,7 +31,6 @@ import numpy as np
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
-from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
 
@@ -134,7 +133,6 @@ class FCPRefPlanner:
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
         domain = model.domain
-        fit_to_domain(batch, domain.capacity)
         n, cap = domain.world_size, domain.max_tokens_per_rank
         max_cp = min(self.max_cp_degree or n, n)
         tokens = batch.lengths

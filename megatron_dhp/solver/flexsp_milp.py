@@ -38,7 +38,6 @@ from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
 from megatron_dhp.solver.flexsp_model import BucketProblem, SlotSolution, solve_bucket_milp
 from megatron_dhp.solver.partition import PartitionDP, max_sum_partition, padding_cost
-from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
 FIRST_BUCKETS = 16
@@ -102,7 +101,6 @@ class FlexSPPlanner:
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Blast into microbatches, solve each with the MILP, and keep the best microbatch count."""
-        fit_to_domain(batch, model.domain.capacity)
         sizes = _group_sizes(batch, model.domain)
         tokens = batch.lengths
         times = model.time_table(tokens, model.sample_work(batch.samples), sizes)

@@ -24,7 +24,6 @@ from typing import ClassVar
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
-from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
 # What the scheduler raises when it cannot place a batch (its own asserts, or indexing past the domain
@@ -67,7 +66,6 @@ class MegatronHCPPlanner:
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Run upstream's scheduler on (id, length) pairs and convert its sets to phases."""
         domain = model.domain
-        fit_to_domain(batch, domain.capacity)
         n = domain.world_size
         if n % 2:
             raise PlannerUnsupported(

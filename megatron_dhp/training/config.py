@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from megatron_dhp.config_io import from_mapping, load_yaml_file, to_mapping
-from megatron_dhp.cost.config import config_dirs
+from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, to_mapping
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.presets import resolve_preset
 from megatron_dhp.runtime.model import TinyGPTConfig
 
 
@@ -27,6 +27,7 @@ class ModelConfig(TinyGPTConfig):
     """
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "max_sequence_length"):
             if getattr(self, name) < 1:
@@ -57,6 +58,7 @@ class DataConfig:
     probability that the next token is drawn uniformly instead. The loss floor rises with it."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.length_scale <= 0:
             raise DhpError(f"data.length_scale = {self.length_scale} must be > 0")
         if self.global_batch < 1:
@@ -97,6 +99,7 @@ class RunConfig:
     """Longest any collective may wait before the job fails instead of hanging."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("steps", "tp"):
             if getattr(self, name) < 1:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 1")
@@ -130,6 +133,9 @@ class TrainConfig:
     train: RunConfig = field(default_factory=RunConfig)
     dhp: DhpConfig = field(default_factory=DhpConfig)
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "train config") -> TrainConfig:
         """Build from parsed YAML; every section and key is checked."""
@@ -138,7 +144,7 @@ class TrainConfig:
     @classmethod
     def load(cls, path_or_name: str | Path) -> TrainConfig:
         """Read a YAML file, or a config shipped in `configs/` by name (e.g. `demo_cpu`)."""
-        path = resolve_train_config(path_or_name)
+        path = resolve_preset(path_or_name, what="train config", noun="config")
         return cls.from_dict(load_yaml_file(path, what="train config"), source=f"train config {str(path)!r}")
 
     def to_dict(self) -> dict:
@@ -153,15 +159,3 @@ class TrainConfig:
             if kept:
                 changes[name] = replace(getattr(self, name), **kept)
         return replace(self, **changes)
-
-
-def resolve_train_config(path_or_name: str | Path) -> Path:
-    """The file as given, else `configs/<name>.yaml` of the checkout or the installed share folder."""
-    path = Path(path_or_name)
-    if path.is_file():
-        return path
-    if path.suffix not in (".yaml", ".yml"):
-        for d in config_dirs():
-            if (d / f"{path_or_name}.yaml").is_file():
-                return d / f"{path_or_name}.yaml"
-    raise DhpError(f"train config {str(path_or_name)!r} is neither a file nor a config in configs/ (e.g. demo_cpu)")

@@ -54,7 +54,10 @@ class LengthSource:
 
 
 def fit_to_domain(batch: Batch, capacity: int, *, truncate: bool = False) -> Batch:
-    """Reject (or, with `truncate`, cut) samples longer than the domain's capacity N x M."""
+    """Reject (or, with `truncate`, cut) samples longer than the domain's capacity N x M.
+
+    `run_planner` rejects, for every planner; a data pipeline cuts when the user asked for `truncate`.
+    """
     too_long = [s for s in batch.samples if s.tokens > capacity]
     if not too_long:
         return batch

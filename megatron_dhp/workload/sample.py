@@ -23,18 +23,20 @@ class Sample:
     images: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Every rule a sample obeys, whoever builds it; readers of files and plans add where it came from."""
         if not _is_int(self.id) or self.id < 0:
             raise DhpError(f"sample id {self.id!r} must be a non-negative integer")
         if not _is_int(self.tokens) or self.tokens < 1:
-            raise DhpError(
-                f"sample {self.id}: length {self.tokens!r} must be a positive integer number of tokens"
-            )
+            raise DhpError(f"length {self.tokens!r} must be a positive integer number of tokens")
         images = tuple(self.images)
         for p in images:
             if not _is_int(p) or p < 1:
-                raise DhpError(
-                    f"sample {self.id}: image token count {p!r} must be a positive integer"
-                )
+                raise DhpError(f"image token count {p!r} must be a positive integer")
+        if sum(images) > self.tokens:
+            raise DhpError(
+                f"images hold {sum(images)} tokens, more than the sample's {self.tokens}; "
+                "'tokens' is the total LLM length including image tokens"
+            )
         object.__setattr__(self, "id", int(self.id))
         object.__setattr__(self, "tokens", int(self.tokens))
         object.__setattr__(self, "images", tuple(int(p) for p in images))
@@ -51,7 +53,10 @@ class Sample:
         """Parse the plan-JSON form."""
         if not isinstance(obj, dict) or "id" not in obj or "tokens" not in obj:
             raise DhpError(f"sample entry {obj!r} needs 'id' and 'tokens'")
-        return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(obj.get("images", ())))
+        try:
+            return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(obj.get("images", ())))
+        except DhpError as e:
+            raise DhpError(f"sample entry {obj!r}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ def _load_jsonl(p: Path, text: str) -> list[Sample]:
 
 
 def _sample(p: Path, where: str, sample_id: int, item: object) -> Sample:
+    """One sample from its file form (a length, or an object with tokens and images); `Sample` checks the values."""
     images: object = ()
     if isinstance(item, dict):
         if "tokens" not in item:
@@ -73,19 +74,12 @@ def _sample(p: Path, where: str, sample_id: int, item: object) -> Sample:
         tokens, images = item["tokens"], item.get("images", ())
     else:
         tokens = item
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise DhpError(f"length file {str(p)!r}, {where}: length {tokens!r} must be a positive integer")
     if not isinstance(images, (list, tuple)):
         raise DhpError(f"length file {str(p)!r}, {where}: 'images' must be a list of token counts, got {images!r}")
-    for n in images:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise DhpError(f"length file {str(p)!r}, {where}: image token count {n!r} must be a positive integer")
-    if sum(images) > tokens:
-        raise DhpError(
-            f"length file {str(p)!r}, {where}: images hold {sum(images)} tokens, more than the sample's {tokens}; "
-            "'tokens' is the total LLM length including image tokens"
-        )
-    return Sample(sample_id, tokens, tuple(images))
+    try:
+        return Sample(sample_id, tokens, tuple(images))
+    except DhpError as e:
+        raise DhpError(f"length file {str(p)!r}, {where}: {e}") from None
 
 
 def _indexed_prefix(p: Path) -> Path | None:
@@ -110,7 +104,10 @@ def _load_indexed(prefix: Path) -> list[Sample]:
         raise DhpError(f"indexed dataset {str(prefix)!r} could not be read: {e}") from None
     if len(lengths) == 0:
         raise DhpError(f"indexed dataset {str(prefix)!r} holds no sequences")
-    zero = [i for i, n in enumerate(lengths) if n < 1]
-    if zero:
-        raise DhpError(f"indexed dataset {str(prefix)!r}: sequence {zero[0]} has length {lengths[zero[0]]}; lengths must be positive")
-    return [Sample(i, int(n)) for i, n in enumerate(lengths)]
+    samples = []
+    for i, n in enumerate(lengths.tolist()):
+        try:
+            samples.append(Sample(i, n))
+        except DhpError as e:
+            raise DhpError(f"indexed dataset {str(prefix)!r}, sequence {i}: {e}") from None
+    return samples

@@ -14,13 +14,13 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.dispatch import dispatch, local_slice
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import TinyGPTConfig
 from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed, random_samples
 from megatron_dhp.workload.sample import Batch
 
-COMMS = ("allgather", "ring", "ulysses")
 LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)
 SAMPLE_SEED = 11
 
@@ -56,7 +56,7 @@ def domain_of_four_checks() -> dict:
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_four()
 
-    out["exact"] = {(name, comm): check.check(plan, samples, comm) for name, plan in plans.items() for comm in COMMS}
+    out["exact"] = {(name, comm): check.check(plan, samples, comm) for name, plan in plans.items() for comm in COMM_VARIANTS}
 
     created = check.pool.created
     check.check(plans["sizes 3+1 then 4"], samples, "allgather")
@@ -104,7 +104,7 @@ def tensor_parallel_checks() -> dict:
         PlanGroup((1,), ((4, 5, 6),)),
         PlanGroup((0, 1), ((7, 8), (9, 10, 11)), phase=1),
     ))
-    out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMMS}}
+    out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
     dist.destroy_process_group()
     return out
 

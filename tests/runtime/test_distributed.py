@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.runtime.selfcheck import TOLERANCE, random_samples
 from tests.runtime import dist_workers
@@ -32,7 +33,7 @@ def assert_exact(result):
     assert result.ok
 
 
-@pytest.mark.parametrize("comm", dist_workers.COMMS)
+@pytest.mark.parametrize("comm", COMM_VARIANTS)
 @pytest.mark.parametrize("plan", list(dist_workers.plans_of_four()))
 def test_loss_and_every_gradient_match_single_process(four, plan, comm):
     sizes = {g.size for p in dist_workers.plans_of_four().values() for g in p.groups}
@@ -89,7 +90,7 @@ def test_job_keeps_working_after_the_errors(four):
         assert_exact(rank["after_errors"])
 
 
-@pytest.mark.parametrize("comm", dist_workers.COMMS)
+@pytest.mark.parametrize("comm", COMM_VARIANTS)
 def test_tensor_parallel_two_matches_single_process(tp2, comm):
     assert sorted(rank["domain"] for rank in tp2) == [(0, 2), (0, 2), (1, 3), (1, 3)]
     for rank in tp2:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dhp.cli import main
+from megatron_dhp.runtime.attention import COMM_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,5 +39,5 @@ def test_selftest_runs_two_ranks_end_to_end():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(lines) == 3 and all(line.endswith("| ok") for line in lines), proc.stdout
-    assert {"allgather", "ring", "ulysses"} == {line.split("|")[-6].strip() for line in lines}
+    assert set(COMM_VARIANTS) == {line.split("|")[-6].strip() for line in lines}
     assert "all plans exact" in proc.stdout

@@ -22,4 +22,4 @@ def model_for(world_size: int, gpus_per_node: int = 8, max_tokens_per_rank: int 
 @pytest.fixture(scope="session")
 def planners():
     """One instance of each planner (megatron-core is imported once), MILPs capped at 1 s."""
-    return {name: build_planner(name, time_limit_s=TEST_TIME_LIMIT_S) for name in ("static", *PEERS)}
+    return {name: build_planner(name, {"time_limit_s": TEST_TIME_LIMIT_S}) for name in ("static", *PEERS)}

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_dhp.cli import main
+from megatron_dhp.cost.config import CostConfig, Domain
 from megatron_dhp.errors import DhpError
-from megatron_dhp.training.config import RunConfig, TrainConfig
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 
 
 def test_demo_config_loads_by_name_and_round_trips():
@@ -40,6 +44,17 @@ def test_overrides_replace_only_the_given_keys():
 def test_bad_values_name_the_key_and_the_fix(obj, match):
     with pytest.raises(DhpError, match=match):
         TrainConfig.from_dict(obj)
+
+
+@pytest.mark.parametrize("config", [
+    CostConfig.load("gpt7b-64"), Domain(8, 8, 1024), DhpConfig(), ModelConfig(), DataConfig(), RunConfig(), TrainConfig(),
+], ids=lambda c: type(c).__name__)
+def test_every_config_checks_the_type_of_every_key_on_construction(config):
+    # from_mapping leaves types to the dataclass: a config that skipped check_fields would take any YAML value
+    wrong = {"str": 5, "str | None": 5, "bool": "x", "int": "x", "int | None": "x", "float": "x"}
+    for f in dataclasses.fields(config):
+        with pytest.raises(DhpError, match=f"key '{f.name}' = .* must be "):
+            dataclasses.replace(config, **{f.name: wrong.get(f.type, {})})
 
 
 def test_missing_config_file_is_a_clear_error():

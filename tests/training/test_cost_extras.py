@@ -71,7 +71,7 @@ def test_lower_bound_stays_valid_with_the_extras(seed):
     batch = Batch.from_lengths(lengths)
     bound = model.lower_bound(batch.samples)
     assert bound == pytest.approx(reference_eval.lower_bound(cost.to_dict(), [s.to_dict() for s in batch.samples]), rel=1e-12)
-    plans = [run_planner(build_planner(p, dataset_max_tokens=max(lengths)), batch, model) for p in ("static", "dhp")]
+    plans = [run_planner(build_planner(p, {"dataset_max_tokens": max(lengths)}), batch, model) for p in ("static", "dhp")]
     plans += [random_plan(batch, cost.domain, rng) for _ in range(20)]
     for plan in plans:
         step = simulate(plan, model).step_time_s

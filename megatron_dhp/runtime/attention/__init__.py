@@ -1,9 +1,27 @@
 """Dynamic context-parallel attention: pure math, one module per communication variant, the core module.
 
-The names below are plain constants so that the CLI can validate flags without importing megatron-core.
+The registries below name every choice a user can make; the CLI, `DhpConfig`, Megatron's flags and the
+modules that implement the choices all derive from them. They are plain dicts here, not the functions
+themselves, so that flags are validated without importing megatron-core.
 """
 
-COMM_VARIANTS = ("allgather", "ring", "ulysses")
-"""K/V all-gather (dK/dV reduce-scatter), P2P ring of K/V blocks, Ulysses all-to-all of heads."""
-BACKENDS = ("auto", "math", "sdpa", "flash")
+COMM_VARIANTS: dict[str, str] = {
+    "allgather": "K/V all-gather, dK/dV reduce-scatter",
+    "ring": "P2P ring of K/V blocks",
+    "ulysses": "Ulysses all-to-all of heads",
+}
+"""Context-parallel communication inside a group (`core_attention.VARIANTS` holds one function per name)."""
+
+BACKENDS: dict[str, str] = {
+    "auto": "flash-attn on GPU when it applies, else sdpa",
+    "math": "explicit softmax in fp32 (the reference)",
+    "sdpa": "torch's fused attention, sample by sample",
+    "flash": "flash-attn's varlen kernel (CUDA, bf16/fp16)",
+}
 """Local attention kernels (see `kernels.attend`)."""
+
+LAYER_SPECS: dict[str, str] = {
+    "local": "megatron-dhp's core attention (any device, any linear layers)",
+    "te": "TransformerEngine's core attention (GPU; --transformer-impl transformer_engine)",
+}
+"""Which core attention the layer spec holds (see `runtime.model.dhp_layer_spec`)."""

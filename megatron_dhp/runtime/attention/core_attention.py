@@ -22,6 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.attention.allgather import allgather_attention
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.attention.kernels import Tokens, attend
@@ -35,6 +36,7 @@ VARIANTS: dict[str, Variant] = {
     "ring": ring_attention,
     "ulysses": ulysses_attention,
 }
+assert VARIANTS.keys() == COMM_VARIANTS.keys(), "one function per name of runtime.attention.COMM_VARIANTS"
 
 
 def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
