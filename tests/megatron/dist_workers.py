@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
@@ -202,6 +203,7 @@ def hooks_checks() -> dict:
     from megatron_dhp.megatron.data import wrap_data_iterator
     from megatron_dhp.megatron.state import get_runtime, set_runtime
 
+    apply_cpu_compat()
     init_distributed(tensor_parallel=1, timeout=timedelta(seconds=90))
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
     out: dict = {"rank": dist.get_rank()}
