@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.plan.random_plan import random_plan
 from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.profile import (
     TERMS,
