@@ -10,7 +10,7 @@ import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
-from megatron_dhp.plan.random_plan import random_plan
+from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import Batch, Sample
 from tests import reference_eval
 

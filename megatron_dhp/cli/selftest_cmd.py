@@ -97,10 +97,13 @@ def worker(options: SelftestOptions) -> int:
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.plan.random_plan import random_plan
+    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
     from megatron_dhp.runtime.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
+    from megatron_dhp.solver.random_plan import random_plan
     from megatron_dhp.workload.sample import Batch
 
+    if options.backend == "gloo":
+        apply_cpu_compat()
     init_distributed(backend=options.backend, tensor_parallel=options.tensor_parallel, seed=options.seed,
                      timeout=timedelta(seconds=options.timeout_s))
     lead = dist.get_rank() == 0

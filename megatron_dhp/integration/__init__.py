@@ -1,1 +1,1 @@
-"""Glue between megatron-dhp and its users: the DHP config, step planning, CPU compatibility, Megatron hooks."""
+"""Glue between megatron-dhp and its users: the DHP config and step planning."""

@@ -7,7 +7,8 @@ In the order a run meets them (file names of the upstream checkout; `patches/` h
 - `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19's pretrain_gpt.py): attention and RoPE
   over each microbatch's dynamic group.
 - `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
-  iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator).
+  iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator) that carry them to
+  the schedule.
 - `dhp_forward_backward` (training.py, train and evaluate): the schedule of one planned step.
 - `forward_step` (pretrain_gpt.py's forward_step): one planned microbatch through the model.
 

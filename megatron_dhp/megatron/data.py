@@ -181,7 +181,9 @@ def step_iterator(data_iterator: object) -> StepIterator:
     inner = getattr(data_iterator, "iterable", None)
     if not isinstance(inner, StepIterator):
         raise DhpError(
-            "the data iterator given to the megatron-dhp schedule is not a planned-step iterator; wrap Megatron's "
-            "iterators with megatron_dhp.megatron.setup(...) (the patches do this in pretrain())"
+            "megatron-dhp is not set up: the data iterator given to the megatron-dhp schedule is not a planned-step "
+            "iterator; call megatron_dhp.megatron.setup(args, train, valid, test) on every rank once the data "
+            "iterators exist and hand the schedule the iterators it returns (the patches in patches/ do this in "
+            "pretrain())"
         )
     return inner

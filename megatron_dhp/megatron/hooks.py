@@ -19,7 +19,7 @@ from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.megatron.arguments import dhp_config_from_args
 from megatron_dhp.megatron.data import wrap_data_iterator
-from megatron_dhp.megatron.state import DhpRuntime, set_runtime
+from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import with_dynamic_cp
@@ -54,7 +54,8 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
           test_data_iterator: object) -> tuple[object, object, object]:
     """Start megatron-dhp and return Megatron's three data iterators as iterators of planned steps.
 
-    Call on every rank once the model and Megatron's data iterators exist. Collective.
+    Call on every rank once the model and Megatron's data iterators exist. Collective. The iterators carry
+    this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators.
     """
     config = dhp_config_from_args(args)
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
@@ -72,7 +73,6 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
     )
-    set_runtime(runtime)
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (
         wrap_data_iterator(train_data_iterator, runtime, lookahead=config.overlap_planning),

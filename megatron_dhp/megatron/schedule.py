@@ -20,7 +20,6 @@ from megatron.core.utils import get_model_config, get_model_type
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.data import step_iterator
 from megatron_dhp.megatron.forward import DhpMicrobatch
-from megatron_dhp.megatron.state import get_runtime
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.runtime.step import PHASE_BARRIER, execution_order, microbatch_context
@@ -54,12 +53,13 @@ def dhp_forward_backward(
     model, data_iterator = _only(model, "model"), _only(data_iterator, "data iterator")
     if adjust_tensor_shapes_fn is not None:
         raise DhpError("adjust_tensor_shapes_fn (ModelOpt distillation) is not supported with --dhp")
-    runtime = get_runtime()
+    steps = step_iterator(data_iterator)
+    runtime = steps.runtime
     config = get_model_config(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
-    step_iterator(data_iterator).expect(num_microbatches)
+    steps.expect(num_microbatches)
     inputs = next(data_iterator)
     runtime.pool.prepare(inputs.plan)  # world-collective; a replayed or cached plan creates nothing
     work = work_items(inputs, runtime.domain.position)

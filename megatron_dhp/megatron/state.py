@@ -1,7 +1,8 @@
 """What a Megatron-LM run with --dhp holds for its whole life: the domain, its group pool and the planner.
 
-Megatron calls the schedule through a fixed signature, so the schedule finds these the way Megatron's own
-code finds its arguments: one process-wide object, set once by `setup` on every rank.
+Megatron calls the schedule through a fixed signature, but it does hand the schedule the data iterator:
+`setup` builds one `DhpRuntime` per rank and gives it to the iterators it returns, and the schedule takes
+it from there. Nothing is process-wide: each iterator plans and runs with the runtime it was built with.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import StepPlanner
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -34,21 +34,3 @@ class DhpRuntime:
     max_sample_tokens: int | None
     """Cut longer sequences to this many tokens (the domain's capacity, when `truncate` is set)."""
 
-
-_RUNTIME: DhpRuntime | None = None
-
-
-def set_runtime(runtime: DhpRuntime | None) -> None:
-    """Install (or, with None, forget) the process-wide runtime."""
-    global _RUNTIME
-    _RUNTIME = runtime
-
-
-def get_runtime() -> DhpRuntime:
-    """The runtime `setup` installed; a clear error if it never ran."""
-    if _RUNTIME is None:
-        raise DhpError(
-            "megatron-dhp is not set up: call megatron_dhp.megatron.setup(args, train, valid, test) on every rank "
-            "once the data iterators exist (the patches in patches/ do this in pretrain())"
-        )
-    return _RUNTIME

@@ -63,14 +63,11 @@ def init_distributed(
 ) -> None:
     """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1).
 
-    CPU-only machines get the megatron-core CPU shim first.
+    On a CPU-only machine the caller switches on `runtime.cpu_compat` first; this leaves megatron-core as is.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dhp.integration.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)

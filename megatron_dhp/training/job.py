@@ -60,10 +60,13 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
     from megatron_dhp.runtime.selfcheck import init_distributed
 
     warnings.filterwarnings("ignore")  # megatron-core warns once per rank about missing TE / Apex
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        apply_cpu_compat()
     world = int(os.environ["WORLD_SIZE"])
     try:
         if world % config.train.tp:

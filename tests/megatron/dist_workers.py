@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
@@ -134,7 +135,7 @@ class Harness:
             forward_only=forward_only,
         )
         total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
-        dist.all_reduce(total, group=_domain_group())
+        dist.all_reduce(total, group=data_iterator.iterable.runtime.domain.group)
         return reports, float(total[0] / total[1])
 
     def compare(self, step: int, loss: float, *, grads: bool = True) -> dict:
@@ -200,8 +201,8 @@ def hooks_checks() -> dict:
 
     from megatron_dhp.megatron import setup
     from megatron_dhp.megatron.data import wrap_data_iterator
-    from megatron_dhp.megatron.state import get_runtime, set_runtime
 
+    apply_cpu_compat()
     init_distributed(tensor_parallel=1, timeout=timedelta(seconds=90))
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
     out: dict = {"rank": dist.get_rank()}
@@ -209,7 +210,7 @@ def hooks_checks() -> dict:
     # --- planned steps with the dhp planner, planning one step ahead, against the oracle
     h = Harness(seed=3)
     train, valid, _ = setup(megatron_args(), h.train, h.valid, None)
-    runtime = get_runtime()
+    runtime = train.iterable.runtime
     out["wrapped"] = (type(train).__name__, type(train.iterable).__name__, train.iterable.source is h.train.iterable)
     out["exact"], out["counts"] = [], []
     for step in range(3):
@@ -230,17 +231,14 @@ def hooks_checks() -> dict:
     # --- hand plans with overlapped gradient reduction: a rank with no work, then barriers between phases.
     # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
     # by barriers, so it runs under no_sync and its reduction must be started after them.
-    set_runtime(None)
     runtime.planner.close()
     n = runtime.domain.size
     g = Harness(seed=4, overlap_grad_reduce=True, steps=range(3, 5))
     hand = replace(runtime, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n)))
-    set_runtime(hand)
     it = wrap_data_iterator(g.train, hand, lookahead=False)
     for name, step in (("idle", 3), ("barrier", 4)):
         reports, loss = g.run(it)
         out[name] = (g.compare(step, loss), len(reports))
-    set_runtime(None)
 
     # --- tensor parallel 2: TP rank 1 has no loader and receives its rank 0's sequences
     parallel_state.destroy_model_parallel()
@@ -248,15 +246,10 @@ def hooks_checks() -> dict:
     model_parallel_cuda_manual_seed(0)
     t = Harness(seed=5)
     train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12), t.train, None, None)
-    out["tp2_domain"] = get_runtime().domain.global_ranks
+    tp2 = train.iterable.runtime
+    out["tp2_domain"] = tp2.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
-    get_runtime().planner.close()
+    tp2.planner.close()
     dist.destroy_process_group()
     out["tolerance"] = TOLERANCE
     return out
-
-
-def _domain_group():
-    from megatron_dhp.megatron.state import get_runtime
-
-    return get_runtime().domain.group

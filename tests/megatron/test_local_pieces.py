@@ -118,10 +118,12 @@ def test_forward_step_refuses_a_two_value_loss():
 
 def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
     from megatron_dhp.megatron.data import step_iterator
-    from megatron_dhp.megatron.state import get_runtime
+    from megatron_dhp.megatron.schedule import dhp_forward_backward
 
+    # the runtime comes with the iterators setup returns: without them the schedule has none to run with
     with pytest.raises(DhpError, match="megatron-dhp is not set up"):
-        get_runtime()
+        dhp_forward_backward(forward_step_func=None, data_iterator=iter([]), model=torch.nn.Linear(1, 1),
+                             num_microbatches=1)
     with pytest.raises(DhpError, match="not a planned-step iterator"):
         step_iterator(iter([]))
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import dispatch, local_slice
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import TinyGPTConfig
@@ -50,6 +51,7 @@ def plans_of_four() -> dict[str, Plan]:
 def domain_of_four_checks() -> dict:
     """TP 1 on 4 ranks: exactness per plan and variant, token coverage, pool reuse and LRU, plan divergence."""
     warnings.filterwarnings("ignore")
+    apply_cpu_compat()
     init_distributed(tensor_parallel=1, timeout=timedelta(seconds=60))
     out: dict = {"rank": dist.get_rank()}
     check = SelfCheck(seed=5)
@@ -95,6 +97,7 @@ def domain_of_four_checks() -> dict:
 def tensor_parallel_checks() -> dict:
     """TP 2 on 4 ranks (two domains of 2): exactness for every variant on a plan with sizes 1 and 2."""
     warnings.filterwarnings("ignore")
+    apply_cpu_compat()
     init_distributed(tensor_parallel=2, timeout=timedelta(seconds=60))
     check = SelfCheck(seed=7)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
@@ -129,3 +132,28 @@ def _mislabelled(plan: Plan):
     samples = tuple(replace(s, tokens=s.tokens + 1) if s.id == 3 else s for s in plan.samples)
     other = replace(plan, samples=samples)
     return lambda position: other if position == 1 else plan
+
+
+def init_distributed_leaves_megatron_core_alone() -> dict:
+    """One fresh rank: the CPU shim's marks before and after `init_distributed` (CPU entry points switch it on)."""
+    import importlib
+
+    import torch
+
+    from megatron_dhp.runtime import cpu_compat
+
+    def marks() -> dict:
+        utils = importlib.import_module("megatron.core.transformer.utils")
+        return {"applied": cpu_compat._APPLIED, "current_device": torch.cuda.current_device.__module__,
+                "literals_redirected": utils.torch is not torch}
+
+    before = marks()
+    try:
+        init_distributed(tensor_parallel=1, timeout=timedelta(seconds=60))
+        error = ""
+    except Exception as e:  # noqa: BLE001 - on a CPU machine megatron-core without the shim refuses; expected
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"before": before, "after": marks(), "error": error}

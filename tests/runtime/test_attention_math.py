@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron_dhp.runtime.attention import flash
-from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.kernels import attend
 from megatron_dhp.runtime.attention.math import block_attention, merge_partials, visible
+from megatron_dhp.runtime.attention.tokens import Tokens
 from megatron_dhp.runtime.attention.ulysses import head_split
 from megatron_dhp.runtime.layout import MicrobatchLayout
 

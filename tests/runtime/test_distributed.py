@@ -95,3 +95,10 @@ def test_tensor_parallel_two_matches_single_process(tp2, comm):
     assert sorted(rank["domain"] for rank in tp2) == [(0, 2), (0, 2), (1, 3), (1, 3)]
     for rank in tp2:
         assert_exact(rank["exact"][comm])
+
+
+def test_init_distributed_does_not_switch_the_cpu_shim_on():
+    """A library call must leave megatron-core as shipped; only a CPU entry point calls `apply_cpu_compat`."""
+    (result,) = launch(dist_workers.init_distributed_leaves_megatron_core_alone, 1, timeout_s=200)
+    unpatched = {"applied": False, "current_device": "torch.cuda", "literals_redirected": False}
+    assert result["before"] == unpatched and result["after"] == unpatched, result

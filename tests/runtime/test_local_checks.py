@@ -82,7 +82,7 @@ def test_attention_and_spec_reject_what_they_cannot_run():
 
 
 def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
-    from megatron_dhp.integration.cpu_compat import apply_cpu_compat
+    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 
     if torch.cuda.is_available():
         assert apply_cpu_compat() is False

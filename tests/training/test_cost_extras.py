@@ -12,8 +12,8 @@ import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.fit import GridPoint
-from megatron_dhp.plan.random_plan import random_plan
 from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.profile import ProfileReport
 from megatron_dhp.training.timing import data_grid, microbatches, point_plan

@@ -10,7 +10,8 @@ import torch
 
 from megatron_dhp.runtime.attention.comm import all_gather
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.kernels import attend
+from megatron_dhp.runtime.attention.tokens import Tokens
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:

@@ -25,8 +25,9 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.attention.allgather import allgather_attention
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
-from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.kernels import attend
 from megatron_dhp.runtime.attention.ring import ring_attention
+from megatron_dhp.runtime.attention.tokens import Tokens
 from megatron_dhp.runtime.attention.ulysses import ulysses_attention
 
 Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CPContext, float], torch.Tensor]

@@ -10,15 +10,13 @@ causal mask expresses directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from megatron_dhp.runtime.attention.tokens import Tokens
 from megatron_dhp.runtime.fused import gather_rows, zigzag_pack, zigzag_unpack
-
-if TYPE_CHECKING:
-    from megatron_dhp.runtime.attention.kernels import Tokens
-    from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.layout import MicrobatchLayout
 
 
 def _varlen_kernel() -> Any | None:

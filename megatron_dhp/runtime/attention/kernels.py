@@ -9,25 +9,12 @@ otherwise. sdpa goes sample by sample so that a packed microbatch costs sum L^2 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention import flash
 from megatron_dhp.runtime.attention.math import block_attention, sdpa_attention, visible
-from megatron_dhp.runtime.layout import MicrobatchLayout
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """Sample index and true position of each row of a q/k/v tensor."""
-
-    positions: torch.Tensor
-    segments: torch.Tensor
-    whole_samples: MicrobatchLayout | None = None
-    """Set when the rows are every slot of every sample of this layout, in group (rank-major) order:
-    then they can be sorted into natural order for a varlen kernel."""
+from megatron_dhp.runtime.attention.tokens import Tokens
 
 
 def attend(

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from megatron_dhp.runtime.attention.comm import all_to_all
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.kernels import Tokens, attend
+from megatron_dhp.runtime.attention.kernels import attend
 from megatron_dhp.runtime.attention.math import expand_kv_heads
+from megatron_dhp.runtime.attention.tokens import Tokens
 
 
 def head_split(num_heads: int, size: int) -> list[int]:

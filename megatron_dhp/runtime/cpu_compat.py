@@ -2,8 +2,9 @@
 
 megatron-core 0.16 hard-codes the CUDA device in a handful of places (RoPE frequencies, the DDP grad buffer,
 the causal-mask helper, the schedules' token counter, the CUDA RNG tracker). On a CPU-only machine those
-calls fail before any math runs, so tests and the `selftest` command redirect them to the CPU. Nothing is
-changed when CUDA is available: a GPU run uses megatron-core exactly as shipped.
+calls fail before any math runs, so a job that starts on the CPU (a gloo trainer rank, `selftest`, the test
+workers) switches this on first, explicitly; no library call does it for them. Nothing is changed when CUDA
+is available: a GPU run uses megatron-core exactly as shipped.
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.errors import DhpError
-from megatron_dhp.plan.random_plan import random_plan
+from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload.sample import Batch
 
 
@@ -39,3 +42,11 @@ def _replay(seed: int) -> random.Random:
 def test_sample_longer_than_the_domain_is_a_clear_error():
     with pytest.raises(DhpError, match="sample 1 has 300 tokens"):
         random_plan(Batch.from_lengths([5, 300]), Domain(2, 2, 100), random.Random(0))
+
+
+def test_random_plan_imports_without_torch():
+    """Planning code: the selftest's adversary is built where no torch (or megatron-core) is loaded."""
+    code = "import sys, megatron_dhp.solver.random_plan; print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parents[2])
+    assert result.stdout.strip() == "[]", result.stdout
