@@ -158,24 +158,27 @@ def to_mapping(obj: object) -> dict:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string right under its annotation), read from the class source."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
+    """Each field's docstring (the string right under its annotation), read from the source of the class and
+    of the dataclasses it inherits from (a subclass's docstring wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
 
-def markdown_table(cls: type) -> str:
-    """The keys of a config dataclass as a Markdown table (key, default, meaning): docs kept with the code."""
+def markdown_table(cls: type, *, prefix: str = "") -> str:
+    """The keys of a config dataclass as a Markdown table (key, default, meaning): docs kept with the code.
+    `prefix` names the YAML section the keys sit in (e.g. `model.`)."""
     docs = field_docs(cls)
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.init and not f.name.startswith("_"):
             default = "(required)" if f.default is dataclasses.MISSING else _yaml_scalar(f.default)
-            rows.append(f"| `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+            rows.append(f"| `{prefix}{f.name}` | `{default}` | {docs.get(f.name, '')} |")
     return "\n".join(rows)
 
 

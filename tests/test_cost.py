@@ -192,12 +192,3 @@ def test_overrides_and_world_size_below_one(gpt7b_config):
     assert c.world_size == 48 and c.gpus_per_node == 8
     with pytest.raises(DhpError, match="world_size = 0 must be an integer >= 1"):
         gpt7b_config.with_overrides(world_size=0)
-
-
-def test_readme_documents_every_cost_key():
-    from pathlib import Path
-
-    from megatron_dhp.config_io import markdown_table
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert markdown_table(CostConfig) in readme, "regenerate the table: megatron_dhp.config_io.markdown_table(CostConfig)"

@@ -96,13 +96,19 @@ class TinyGPTConfig:
     """A GPT small enough for a 2-core CPU yet with every feature the runtime must keep exact."""
 
     num_layers: int = 2
+    """Transformer layers."""
     hidden_size: int = 64
+    """Model width; a multiple of num_attention_heads."""
     num_attention_heads: int = 4
+    """Query heads."""
     num_query_groups: int = 2
-    """GQA: two query heads share a key/value head."""
+    """Key/value heads (GQA): num_attention_heads / num_query_groups query heads share one."""
     ffn_hidden_size: int = 128
+    """Width of the MLP."""
     vocab_size: int = 128
+    """Token ids are drawn below it."""
     max_sequence_length: int = 4096
+    """Length of the RoPE table: at least the longest sample (checked)."""
 
     def transformer_config(self, *, tensor_parallel: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""

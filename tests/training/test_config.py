@@ -98,15 +98,3 @@ def test_bad_yaml_key_through_the_cli(tmp_path, capsys):
     cfg.write_text("train:\n  stesp: 3\n")
     assert main(["train", "--config", str(cfg)]) == 2
     assert "unknown key 'stesp'; did you mean 'steps'?" in capsys.readouterr().err
-
-
-def test_readme_documents_every_key():
-    import dataclasses
-    from pathlib import Path
-
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    section = text[text.index("## Training on CPU"):]
-    config = TrainConfig()
-    for name in ("model", "data", "train", "dhp"):
-        for field in dataclasses.fields(getattr(config, name)):
-            assert field.name in section, f"README does not document {name}.{field.name}"
