@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.solver import PlannerContext
@@ -54,21 +55,43 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     return context
 
 
-def load_cost(args: argparse.Namespace) -> CostConfig:
-    """The YAML named by --cost with the domain flags applied."""
-    return CostConfig.load(args.cost).with_overrides(
+def add_planning_args(p: argparse.ArgumentParser, *, default_dist: str | None = None,
+                      default_batch: int | None = None) -> None:
+    """The workload, cost-model and planner flags of a command that plans batches."""
+    add_workload_args(p, default_dist=default_dist, default_batch=default_batch)
+    add_cost_args(p)
+    add_planner_args(p)
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What a planning command plans: its batches under one cost config, and the facts planners get."""
+
+    config: CostConfig
+    source: LengthSource
+    batches: list[Batch]
+    context: PlannerContext
+
+
+def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1) -> PlanningInputs:
+    """Batches `first` .. `first + count - 1` of the flags' workload (batch k depends only on the seed and k),
+    the cost config of --cost with the domain flags, and the planner context of those batches."""
+    config = CostConfig.load(args.cost).with_overrides(
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, max_tokens_per_rank=args.max_tokens_per_rank
     )
+    source, batches = draw_batches(args, config, range(first, first + count))
+    return PlanningInputs(config, source, batches,
+                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)))
 
 
-def draw_batches(args: argparse.Namespace, config: CostConfig, count: int) -> tuple[LengthSource, list[Batch]]:
-    """`count` batches of the workload flags, cut to the domain with --truncate.
+def draw_batches(args: argparse.Namespace, config: CostConfig, indices: range) -> tuple[LengthSource, list[Batch]]:
+    """The batches of the workload flags at these indices, cut to the domain with --truncate.
 
     Without --truncate a sample the domain cannot hold is left for `run_planner`, the one check of every plan.
     """
     source = LengthSource.from_args(lengths=args.lengths, dist=None if args.lengths else args.dist)
     capacity = config.domain.capacity
-    batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity) for k in range(count)]
+    batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity) for k in indices]
     if args.truncate:
         batches = [fit_to_domain(b, capacity, truncate=True) for b in batches]
     return source, batches

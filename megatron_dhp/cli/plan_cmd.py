@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dhp.cli.common import (
-    add_cost_args,
-    add_planner_args,
-    add_workload_args,
-    dataset_max_tokens,
-    draw_batches,
-    load_cost,
-    planner_context,
-)
+from megatron_dhp.cli.common import add_planning_args, planning_inputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `plan`."""
     p = sub.add_parser("plan", help="plan one batch and write plan.json",
                        description="Plan one global batch with a planner and write the validated plan as JSON.")
-    add_workload_args(p)
-    add_cost_args(p)
-    add_planner_args(p)
+    add_planning_args(p)
     from megatron_dhp.solver import PLANNERS
 
     p.add_argument("--planner", default="dhp", choices=sorted(PLANNERS), help="planner (default dhp)")
@@ -35,12 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.cost import build_cost_model
     from megatron_dhp.solver import build_planner, run_planner
 
-    config = load_cost(args)
-    source, batches = draw_batches(args, config, args.batch_index + 1)
-    batch = batches[-1]
-    longest = dataset_max_tokens(source, [batch], config.domain.capacity)
-    planner = build_planner(args.planner, planner_context(args, longest))
-    plan = run_planner(planner, batch, build_cost_model(config))
+    inputs = planning_inputs(args, first=args.batch_index)
+    planner = build_planner(args.planner, inputs.context)
+    plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config))
     plan.save(args.out)
     print(plan.summary())
     print(f"wrote {args.out} ({len(plan.samples)} samples, {len(plan.groups)} groups, fingerprint {plan.fingerprint()})")

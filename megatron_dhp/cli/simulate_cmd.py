@@ -7,15 +7,7 @@ import json
 
 import numpy as np
 
-from megatron_dhp.cli.common import (
-    add_cost_args,
-    add_planner_args,
-    add_workload_args,
-    dataset_max_tokens,
-    draw_batches,
-    load_cost,
-    planner_context,
-)
+from megatron_dhp.cli.common import add_planning_args, planning_inputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,9 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="compare planners on K batches under a cost model",
                        description="Draw K batches, plan each with every planner, and print step time, "
                                    "step / lower bound and solver time side by side.")
-    add_workload_args(p, default_dist="wlbllm", default_batch=512)
-    add_cost_args(p)
-    add_planner_args(p)
+    add_planning_args(p, default_dist="wlbllm", default_batch=512)
     p.add_argument("--batches", type=int, default=5, metavar="K", help="batches to draw (default 5)")
     fast = [n for n in PLANNERS if n != "flexsp-milp"]
     p.add_argument("--planners", default=",".join(fast),
@@ -51,11 +41,10 @@ def run(args: argparse.Namespace) -> int:
     if args.batches < 1:
         raise DhpError(f"--batches {args.batches} must be at least 1")
     names = [n.strip() for n in args.planners.split(",") if n.strip()]
-    config = load_cost(args)
+    inputs = planning_inputs(args, count=args.batches)
+    config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    source, batches = draw_batches(args, config, args.batches)
-    longest = dataset_max_tokens(source, batches, config.domain.capacity)
-    planners = [build_planner(n, planner_context(args, longest)) for n in names]
+    planners = [build_planner(n, inputs.context) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}

@@ -21,9 +21,13 @@ class GroupSpan:
     """When one group of the plan runs, and how long each of its microbatches takes."""
 
     group_index: int
+    """Index of the group in `plan.groups`."""
     start_s: float
+    """When the last of its ranks is free (phase order, and every barrier before it)."""
     end_s: float
+    """`start_s` plus the sum of its microbatches."""
     microbatch_s: tuple[float, ...]
+    """Each microbatch's seconds: the overhead of the group's size plus its samples' times."""
 
 
 @dataclass(frozen=True)

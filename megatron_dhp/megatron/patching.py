@@ -26,7 +26,9 @@ class Checkout:
     """A Megatron-LM source tree and the supported tag its patch is for."""
 
     path: Path
+    """The checkout's root folder."""
     tag: str
+    """The supported tag it is (one of `SUPPORTED_TAGS`)."""
     found_by: str
     """How the tag was found: `git tag` or `package_info X.Y.Z`."""
 
