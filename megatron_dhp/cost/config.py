@@ -83,7 +83,7 @@ class CostConfig:
     cp_microbatch_overhead_s: float = 0.0
     """lambda: extra seconds of a microbatch on a group of more than one rank, the fixed latency of its
     context-parallel collectives (large for gloo on a CPU; 0 in the reference model). The simulated step time
-    and the dhp planner include it; the lower bound ignores it and stays valid because it only adds time."""
+    and every planner that prices microbatches include it; the lower bound ignores it and stays valid because it only adds time."""
     step_overhead_s: float = 0.0
     """sigma: fixed seconds every step adds to its microbatches (on a CPU a few ms: the gaps between them,
     caches cold after the optimizer, the planning thread; 0 in the reference model). Every plan pays it once,

@@ -7,7 +7,7 @@ gloo collectives block), relative to each measurement so that short microbatches
 
 where c = gamma / bw is what the data determine about communication, and s (`sample_overhead_s`) and
 lambda (`cp_microbatch_overhead_s`) are the cost model's optional terms for per-sample work every rank of a
-group repeats and the collective latency of a multi-rank microbatch (see README). Coefficients are kept
+group repeats and the collective latency of a multi-rank microbatch (docs/cost-model.md). Coefficients are kept
 non-negative by an exact non-negative least-squares fit (`fit`).
 
 The measurements are of microbatch shapes (`GridPoint`); `default_grid` picks shapes that separate the terms.

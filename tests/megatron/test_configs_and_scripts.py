@@ -1,4 +1,4 @@
-"""The presets, the README's key table and flag list, and the two scripts."""
+"""The shipped presets, and the two scripts."""
 
 from __future__ import annotations
 
