@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.solver.dhp.planner import cell_sizes
+from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.dhp.planner import cell_sizes, wide_degrees
 from megatron_dhp.workload import Batch, LengthSource, Sample
 from tests import reference_eval
 
@@ -38,9 +39,24 @@ def problems(draw):
     return n, gpn, cap, overlap, extras, Batch(tuple(samples))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
+@st.composite
+def wide_samples_on_uneven_domains(draw):
+    """Small domains that are no whole number of nodes, one sample on every rank, one nearly as wide and one
+    that needs a few ranks of a node, without overlap: wide groups can then split every cell below what the
+    last sample needs (the case where a sample became wide on one rank, under its memory minimum)."""
+    gpn = draw(st.sampled_from([2, 4, 8]))
+    n = draw(st.integers(3, 12).filter(lambda k: k % gpn))
+    cap = draw(st.sampled_from([512, 2048]))
+    samples = []
+    for ranks in (n, draw(st.integers(2, n)), draw(st.integers(2, min(gpn, n)))):
+        tokens = (ranks - 1) * cap + draw(st.integers(1, cap))
+        samples.append(Sample(len(samples), tokens, tuple([tokens // 8] * draw(st.integers(0, 3)))))
+    samples += [Sample(len(samples) + i, 1) for i in range(draw(st.integers(0, 60)))]
+    return n, gpn, cap, False, {}, Batch(tuple(samples))
+
+
+def check_plan(gpt7b_config, problem):
+    """Plan the problem; the plan is valid, not below the bound, and timed as the independent oracle times it."""
     n, gpn, cap, overlap, extras, batch = problem
     config = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=gpn, max_tokens_per_rank=cap,
                                  overlap_comm=overlap, **extras)
@@ -52,6 +68,35 @@ def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
     oracle = reference_eval.step_time(config.to_dict(), plan.to_dict())
     assert plan.predicted_step_time_s == pytest.approx(oracle, rel=1e-9)
     assert plan.lower_bound_s == pytest.approx(reference_eval.lower_bound(config.to_dict(), plan.to_dict()["samples"]), rel=1e-9)
+    return plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_plans_are_valid_and_above_the_bound(gpt7b_config, problem):
+    check_plan(gpt7b_config, problem)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wide_samples_on_uneven_domains())
+def test_wide_samples_on_uneven_domains_are_valid(gpt7b_config, problem):
+    check_plan(gpt7b_config, problem)
+
+
+def test_sample_that_no_cell_run_holds_gets_its_memory_minimum(gpt7b_config):
+    # Found by hypothesis: on 6 ranks with 4 per node, the 12284- and 8503-token samples take ranks 0-5 and
+    # 1-5, so no run of a 4-rank cell is left for the 6145-token sample (ceil(6145 / 2048) = 4 ranks). It
+    # becomes wide, and once went on 1 rank: 6145 tokens above the cap of 2048.
+    special = {10: (6145, ()), 24: (8503, ()), 36: (12284, (1535, 1535, 1535))}
+    batch = Batch(tuple(Sample(i, *special.get(i, (1, ()))) for i in range(60)))
+    plan = check_plan(gpt7b_config, (6, 4, 2048, False, {}, batch))
+    assert next(g for g in plan.groups if 10 in g.sample_ids).size == 4
+
+
+def test_wide_degrees_without_a_target_are_the_memory_minimum(gpt7b_config):
+    model = build_cost_model(dataclasses.replace(gpt7b_config, world_size=6, gpus_per_node=4, max_tokens_per_rank=2048))
+    inst = Instance.from_batch(Batch.from_lengths([1, 2049, 6145, 12288]), model)
+    assert wide_degrees(inst, np.arange(4), float("inf")).tolist() == [1, 2, 4, 6]
 
 
 @pytest.mark.parametrize("dist", ["wlbllm", "bimodal", "multimodal", "giant"])

@@ -48,7 +48,7 @@ def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarr
         chunk = items[begin : begin + step]
         t = inst.model.time_table(inst.tokens[chunk], inst.work[chunk], ds)
         t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + overhead[None, :], np.inf)
-        within = t <= target_s
+        within = np.isfinite(t) & (t <= target_s)  # inf <= inf: without isfinite, an inf target picks degree 1
         first = np.argmax(within, axis=1)
         degrees[begin : begin + len(chunk)] = np.where(within.any(axis=1), first, np.argmin(t, axis=1)) + 1
     return degrees
