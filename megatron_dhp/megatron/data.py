@@ -3,8 +3,9 @@
 Megatron's loader gives every data-parallel rank microbatches of `--micro-batch-size` rows (only tensor-
 parallel rank 0 reads it). One step takes the K microbatches Megatron would run (K is the count Megatron
 hands its schedule), cuts rows into sequences, shares them with the other TP ranks, gathers every length
-over the domain, plans, and moves the tokens: the result is this rank's `StepInputs`. The train iterator
-reads and gathers the next step too, so its plan is solved in the background while this step trains.
+over the domain, plans, and moves the tokens (the step engine, `runtime/engine.py`): the result is this
+rank's `StepInputs`. The train iterator reads and gathers the next step too, so its plan is solved in the
+background while this step trains.
 
 The iterator sits inside a `RerunDataIterator` (it replaces the one Megatron put around the loader), so
 Megatron's rerun state machine replays whole planned steps: a rerun runs the same microbatches on the same
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,15 +24,8 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.runtime.dispatch import (
-    GatheredBatch,
-    StepInputs,
-    TokenSample,
-    check_plan,
-    check_world,
-    gather_batch,
-    move_tokens,
-)
+from megatron_dhp.runtime.dispatch import StepInputs, TokenSample
+from megatron_dhp.runtime.engine import StepEngine
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +61,6 @@ def _document_bounds(batch: Mapping[str, torch.Tensor], row: int, split_document
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-@dataclass(frozen=True)
-class _Pulled:
-    """One step's data on this rank before dispatch: its sequences and the gathered lengths of all."""
-
-    local: list[TokenSample]
-    gathered: GatheredBatch
-
-
 class StepIterator:
     """Yields this rank's `StepInputs` for each step; Megatron's schedule says how big a step is (`expect`)."""
 
@@ -83,9 +68,9 @@ class StepIterator:
         self.source = source
         """Megatron's loader iterator on tensor-parallel rank 0; None on the other TP ranks."""
         self.runtime = runtime
-        self.lookahead = lookahead
+        self.engine = StepEngine(runtime.domain, runtime.pool, runtime.planner, source=self._read, lookahead=lookahead)
+        """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
-        self._ahead: _Pulled | None = None
 
     def __iter__(self) -> StepIterator:
         return self
@@ -95,25 +80,16 @@ class StepIterator:
         self.num_microbatches = num_microbatches
 
     def __next__(self) -> StepInputs:
-        """Read (or take the read-ahead), plan, dispatch. Collective over the world."""
-        current = self._ahead if self._ahead is not None else self._pull()
-        self._ahead = None
-        if current is None:
+        """The next planned step, dispatched. Collective over the world."""
+        inputs = self.engine.next()
+        if inputs is None:
             raise StopIteration
-        runtime = self.runtime
-        plan = runtime.planner.plan(current.gathered.batch)
-        if self.lookahead:
-            self._ahead = self._pull()
-            if self._ahead is not None:
-                runtime.planner.prefetch(self._ahead.gathered.batch)
-        check_world(plan, runtime.domain)
-        check_plan(plan, current.gathered, runtime.domain)
-        if runtime.config.log_plans and dist.get_rank() == 0:
-            logger.info("dhp plan: %s", plan.summary())
-        return move_tokens(current.local, plan, current.gathered, runtime.domain)
+        if self.runtime.config.log_plans and dist.get_rank() == 0:
+            logger.info("dhp plan: %s", inputs.plan.summary())
+        return inputs
 
-    def _pull(self) -> _Pulled | None:
-        """The next step's sequences from the loader, on every TP rank, with lengths gathered; None at the end."""
+    def _read(self) -> list[TokenSample] | None:
+        """The next step's sequences from the loader, on every TP rank; None at the end. Collective over TP."""
         if self.num_microbatches is None:
             raise DhpError("StepIterator.expect(num_microbatches) must run before the first step (the schedule does it)")
         found = None
@@ -129,8 +105,7 @@ class StepIterator:
             return None
         domain, cap = self.runtime.domain, self.runtime.max_sample_tokens
         # ids unique over the domain without a collective: k-th sequence of position p is k * N + p
-        local = [_token_sample(k * domain.size + domain.position, seq, cap) for k, seq in enumerate(found)]
-        return _Pulled(local, gather_batch(local, domain))
+        return [_token_sample(k * domain.size + domain.position, seq, cap) for k, seq in enumerate(found)]
 
 
 def _token_sample(sample_id: int, seq: Sequence, cap: int | None) -> TokenSample:

@@ -1,6 +1,6 @@
 """`forward_step` of a planned microbatch: the model runs it as THD over the microbatch's dynamic group.
 
-The schedule hands Megatron's `forward_step` an iterator over one `DhpMicrobatch`; the training script's
+The schedule hands Megatron's `forward_step` an iterator over one step-engine `Slot`; the training script's
 `forward_step` passes it here (one line in pretrain_gpt.py) together with its own loss function, so the
 script's loss, NaN checks and reports stay as they are.
 """
@@ -8,27 +8,17 @@ script's loss, NaN checks and reports stay as they are.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.dispatch import MicrobatchInputs
+from megatron_dhp.runtime.engine import Slot
 from megatron_dhp.runtime.step import per_token_losses
 
 
-@dataclass(frozen=True)
-class DhpMicrobatch:
-    """One microbatch of the plan as this rank runs it, with its group's attention context."""
-
-    inputs: MicrobatchInputs
-    context: CPContext
-
-
 def forward_step(
-    data_iterator: Iterator[DhpMicrobatch], model: torch.nn.Module, loss_func: Callable
+    data_iterator: Iterator[Slot], model: torch.nn.Module, loss_func: Callable
 ) -> tuple[torch.Tensor, Callable]:
     """Run the next planned microbatch; returns Megatron's (output, loss function of this microbatch).
 

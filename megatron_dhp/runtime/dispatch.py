@@ -4,19 +4,20 @@ Every rank starts with the samples a Megatron data loader would give it (`local_
 size 1, domain position i holds samples i, i+N, i+2N, ...). A step then
 
 1. gathers every sample's id, length and loss-token count over the domain (`gather_batch`),
-2. builds the plan from that batch or takes one given, and checks that every rank holds the same plan
+2. checks that every rank holds the same plan for that batch
    (`check_plan`: one all-gather of the plan fingerprint; any difference or local rejection stops every
    rank with a `DhpError` instead of leaving some waiting in a later collective),
 3. moves token ids, labels and loss mask with one `all_to_all_single` (uneven splits) so each rank holds
    exactly its zigzag shards, packed per microbatch as THD tensors (`move_tokens`).
 
-A plan whose world size differs from the domain is rejected before any collective.
+These are the pieces; `engine.StepEngine` runs them in order for every entry point. A plan whose world
+size differs from the domain is rejected (`check_world`) before any collective.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,6 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.fused import gather_rows, scatter_rows
 from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
 from megatron_dhp.workload.sample import Batch, Sample
-
-PlanFn = Callable[[Batch], Plan]
-"""Plans a gathered batch: a `solver.Planner` bound to its cost model (e.g. `lambda b: run_planner(p, b, model)`)."""
 
 
 @dataclass(frozen=True)
@@ -207,26 +205,6 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
         num_loss_tokens=gathered.num_loss_tokens,
         num_tokens=gathered.batch.num_tokens,
     )
-
-
-def dispatch(
-    local: Sequence[TokenSample],
-    domain: DynamicDomain,
-    *,
-    plan: Plan | None = None,
-    planner: PlanFn | None = None,
-) -> StepInputs:
-    """Gather lengths, get the plan (given, or `planner(batch)` on every rank), check it, move the tokens."""
-    if (plan is None) == (planner is None):
-        raise DhpError("dispatch needs exactly one of plan= or planner=")
-    if plan is not None:
-        check_world(plan, domain)
-    gathered = gather_batch(local, domain)
-    if plan is None:
-        plan = planner(gathered.batch)
-        check_world(plan, domain)
-    check_plan(plan, gathered, domain)
-    return move_tokens(local, plan, gathered, domain)
 
 
 def _local_problem(plan: Plan, gathered: GatheredBatch) -> str | None:

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import TokenSample, dispatch, local_slice
+from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
@@ -116,9 +117,9 @@ class SelfCheck:
         """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
-        inputs = dispatch(local, self.domain, plan=plan)
-        self.pool.prepare(plan)
-        step = run_step(self.model, inputs, self.pool, self.domain, comm=comm, backend=self.backend)
+        engine = StepEngine(self.domain, self.pool)
+        inputs = engine.prepare(local, plan)
+        step = run_step(engine, self.model, inputs, comm=comm, backend=self.backend)
         device = self.domain.device
         totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=self.domain.group)

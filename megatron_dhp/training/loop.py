@@ -1,10 +1,10 @@
-"""The train loop: plan one step ahead, dispatch, forward and backward per plan, reduce, optimizer step.
+"""The train loop: the step engine's planned steps, forward and backward per plan, reduce, optimizer step.
 
-Per step t, in the order the collectives must happen on every rank:
-1. take step t's plan (solved in the background while step t-1 trained) and check it on every rank;
-2. gather step t+1's lengths and start planning it in the background (no planning stall);
-3. create step t's missing groups, send every token to its rank, run the microbatches (`run_step`);
-4. reduce gradients over the domain, step the megatron-core optimizer, and gather the step's numbers.
+Per step t (the collectives' order is the engine's, `runtime/engine.py`):
+1. the engine takes step t's plan (solved in the background while step t-1 trained), checks it on every
+   rank, gathers step t+1's lengths and starts planning it, creates step t's groups and moves its tokens;
+2. the microbatches run (`run_step`, the engine's walk);
+3. gradients are reduced over the domain, the megatron-core optimizer steps, the step's numbers are gathered.
 
 "meas" is what the plan predicts: the forward+backward makespan, from a barrier at the step's start to the
 end of the slowest rank's last backward. Gradient sync and the optimizer are timed apart.
@@ -26,15 +26,9 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import all_gather_single
-from megatron_dhp.runtime.dispatch import (
-    GatheredBatch,
-    TokenSample,
-    check_plan,
-    check_world,
-    gather_batch,
-    move_tokens,
-)
+from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.solver import static_cp_size
@@ -86,16 +80,6 @@ class StepRecord:
 
 
 StepCallback = Callable[[StepRecord], None]
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A step whose lengths are gathered and whose plan is being solved in the background."""
-
-    step: int
-    """0-based."""
-    local: list[TokenSample]
-    gathered: GatheredBatch
 
 
 class Trainer:
@@ -154,10 +138,16 @@ class Trainer:
     def steps(self) -> Iterator[StepRecord]:
         """Train step after step up to `train.steps`, yielding each record (lets a caller interleave runs)."""
         run = self.config.train
-        pending = self._gather(self.completed) if self.completed < run.steps else None
+        position, size = self.domain.position, self.domain.size
+        batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
+        engine = StepEngine(self.domain, self.pool, self.planner, source=lambda: next(batches, None), lookahead=True)
         try:
-            while pending is not None:
-                record, pending = self._step(pending)
+            while True:
+                start = time.perf_counter()
+                inputs = engine.next()
+                if inputs is None:
+                    break
+                record = self._step(engine, inputs, start)
                 if run.save and (self.completed == run.steps or
                                  (run.save_interval and self.completed % run.save_interval == 0)):
                     self.checkpointer.save(run.save, self.completed, self.model, self.optimizer, self.scheduler)
@@ -165,26 +155,10 @@ class Trainer:
         finally:
             self.planner.close()
 
-    def _gather(self, step: int) -> _Pending:
-        """Build this rank's samples of step `step`, gather all lengths (collective), start planning."""
-        local = self.pipeline.local_samples(step, self.domain.position, self.domain.size)
-        gathered = gather_batch(local, self.domain)
-        self.planner.prefetch(gathered.batch)
-        return _Pending(step, local, gathered)
-
-    def _step(self, pending: _Pending) -> tuple[StepRecord, _Pending | None]:
-        """Train step `pending.step`; returns its record and the next step, already being planned."""
-        start = time.perf_counter()
-        step, local, gathered = pending.step, pending.local, pending.gathered
-        plan = self.planner.plan(gathered.batch)
+    def _step(self, engine: StepEngine, inputs: StepInputs, start: float) -> StepRecord:
+        """Train the step the engine dispatched since `start` (the data position's, `completed`); its record."""
+        plan = inputs.plan
         self.last_plan = plan
-        planned = time.perf_counter()
-        check_world(plan, self.domain)
-        check_plan(plan, gathered, self.domain)
-        upcoming = self._gather(step + 1) if step + 1 < self.config.train.steps else None
-        self.pool.prepare(plan)
-        inputs = move_tokens(local, plan, gathered, self.domain)
-
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the learning rate of step k is the schedule's value at k
@@ -192,18 +166,18 @@ class Trainer:
         dhp = self.config.dhp
         dist.barrier(group=self.domain.group)
         t0 = time.perf_counter()
-        result = run_step(self.model, inputs, self.pool, self.domain, comm=dhp.comm, backend=dhp.attention_backend,
-                          grad_sync=False)
+        result = run_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend, grad_sync=False)
         t1 = time.perf_counter()
         self.model.finish_grad_sync()
         t2 = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
         t3 = time.perf_counter()
+        step = self.completed
         if not ok:
             raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
         self.completed = step + 1
-        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, planned - start, t3 - start]
-        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens), upcoming
+        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s, t3 - start]
+        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens)
 
     def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
                 loss_tokens: int) -> StepRecord:

@@ -90,12 +90,13 @@ class GridTimer:
     def __init__(self, config: TrainConfig, grid: list[GridPoint]) -> None:
         from megatron_dhp.runtime.dispatch import local_slice
         from megatron_dhp.runtime.domain import DynamicDomain
+        from megatron_dhp.runtime.engine import StepEngine
         from megatron_dhp.runtime.group_pool import GroupPool
         from megatron_dhp.training.model import build_model
 
         self.config = config
         self.domain = DynamicDomain.from_parallel_state()
-        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups)
+        self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups))
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
         n, position = self.domain.size, self.domain.position
         self.steps = []
@@ -109,18 +110,15 @@ class GridTimer:
         import torch
         import torch.distributed as dist
 
-        from megatron_dhp.runtime.dispatch import dispatch
         from megatron_dhp.runtime.step import run_step
 
         dhp = self.config.dhp
         for (plan, local), seen in zip(self.steps, self.times):
-            inputs = dispatch(local, self.domain, plan=plan)  # fresh every round, as every training step's are
-            self.pool.prepare(plan)
+            inputs = self.engine.prepare(local, plan)  # fresh every round, as every training step's are
             self.model.zero_grad_buffer()
             dist.barrier(group=self.domain.group)
             start = time.perf_counter()
-            run_step(self.model, inputs, self.pool, self.domain, comm=dhp.comm, backend=dhp.attention_backend,
-                     grad_sync=False)
+            run_step(self.engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend, grad_sync=False)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             seen.append(float(elapsed) / REPEATS)

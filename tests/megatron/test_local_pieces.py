@@ -86,10 +86,10 @@ def _plan(groups, *, barrier=False, n=3) -> Plan:
 
 
 def test_work_items_follow_phases_with_barriers_and_fill_idle_ranks():
-    from megatron_dhp.megatron.schedule import work_items
     from megatron_dhp.runtime.dispatch import MicrobatchInputs
     from megatron_dhp.runtime.layout import MicrobatchLayout
-    from megatron_dhp.runtime.step import PHASE_BARRIER as BARRIER
+    from megatron_dhp.runtime.slots import PHASE_BARRIER as BARRIER
+    from megatron_dhp.runtime.slots import work_items
 
     def mb(phase):
         layout = MicrobatchLayout((0,), (4,), 1, 0)

@@ -16,7 +16,8 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
-from megatron_dhp.runtime.dispatch import dispatch, local_slice
+from megatron_dhp.runtime.dispatch import local_slice
+from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import TinyGPTConfig
 from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed, random_samples

@@ -1,0 +1,214 @@
+"""One step from this rank's samples to finished backward; every entry point runs its steps through here.
+
+`StepEngine` owns the order of a step's collectives, which must be the same on every rank of the world:
+
+1. **gather** every sample's id, length and loss-token count over the domain (`dispatch.gather_batch`);
+2. **plan** the gathered batch (a `StepPlanning`, e.g. `integration.planning.StepPlanner`), or take a plan
+   given with the samples;
+3. **check** that every rank holds the same valid plan (`dispatch.check_plan`);
+4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background,
+   so the planner never stalls a step;
+5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective);
+6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`);
+7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, the idle slot) and run
+   each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
+
+The walk is the seam a pipeline schedule replaces: it only needs the work list and each slot's context.
+
+Loss normalisation, the one rule: a microbatch's loss is the *sum* of its masked per-token losses, its
+token count is its loss tokens, and the step's gradient is divided exactly once by the loss-token count of
+the global batch (`StepInputs.num_loss_tokens`, known from the gather before any microbatch runs) while
+the reduction over the domain sums. Who divides is the work's choice: the plain runner
+(`step.run_step`) scales each backward by 1 / that count; the Megatron-LM schedule leaves it to megatron-
+core's `finalize_model_grads` with the token count its loss function reports. Either way the gradient is
+the mean over every loss token of the global batch, exactly as one process computes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.attention.context import CPContext
+from megatron_dhp.runtime.dispatch import (
+    GatheredBatch,
+    MicrobatchInputs,
+    StepInputs,
+    TokenSample,
+    check_plan,
+    check_world,
+    gather_batch,
+    move_tokens,
+)
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.slots import PHASE_BARRIER, work_items
+from megatron_dhp.workload.sample import Batch
+
+
+class StepPlanning(Protocol):
+    """Plans gathered batches; `prefetch` may start one in the background (`integration.planning.StepPlanner`)."""
+
+    def plan(self, batch: Batch) -> Plan:
+        """The plan of `batch`, the same on every rank."""
+        ...
+
+    def prefetch(self, batch: Batch) -> None:
+        """Start planning `batch`, which a later `plan` asks for (may do nothing)."""
+        ...
+
+
+SampleSource = Callable[[], list[TokenSample] | None]
+"""This rank's samples of the next step (a Megatron loader slice), or None when there are no more steps."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One microbatch as the walk hands it to the caller's forward."""
+
+    inputs: MicrobatchInputs
+    context: CPContext
+    """Its layout and this rank's communicator for its group (reaches attention and RoPE via PackedSeqParams)."""
+    index: int
+    """0-based among this rank's microbatches of the step."""
+    count: int
+    """How many microbatches this rank runs in the step (the idle slot included)."""
+
+
+class MicrobatchWork(Protocol):
+    """What the caller runs per microbatch: a forward that returns what its backward needs."""
+
+    def forward(self, slot: Slot) -> object:
+        """Run the slot's microbatch forward."""
+        ...
+
+    def backward(self, output: object) -> None:
+        """Run the backward of what `forward` returned (or nothing, e.g. in evaluation)."""
+        ...
+
+
+@dataclass(frozen=True)
+class OverlappedReduction:
+    """A model whose gradient reduction overlaps the last backward (megatron DDP, `overlap_grad_reduce`)."""
+
+    no_sync: Callable[[], AbstractContextManager]
+    """Holds the reduction back while the microbatches before the last run."""
+    start: Callable[[], None]
+    """Starts it by hand when a barrier follows the rank's last backward."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A step whose lengths are gathered (and whose plan may be solving in the background)."""
+
+    local: list[TokenSample]
+    gathered: GatheredBatch
+
+
+class StepEngine:
+    """This rank's steps: samples in, planned and dispatched `StepInputs` out, then the walk over them."""
+
+    def __init__(
+        self,
+        domain: DynamicDomain,
+        pool: GroupPool | None = None,
+        planning: StepPlanning | None = None,
+        *,
+        source: SampleSource | None = None,
+        lookahead: bool = False,
+    ) -> None:
+        self.domain = domain
+        self.pool = pool
+        """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
+        self.planning = planning
+        self.source = source
+        self.lookahead = lookahead
+        """`next` gathers the following step and starts planning it before this step's tokens move."""
+        self.plan_wait_s = 0.0
+        """Seconds the last step waited for its plan (near 0 when planning overlapped the step before)."""
+        self._ahead: _Pending | None = None
+
+    def next(self) -> StepInputs | None:
+        """The source's next step, gathered, planned, checked, its groups prepared and tokens moved; None at
+        the end of the source. Collective over the world."""
+        current = self._ahead if self._ahead is not None else self._read()
+        self._ahead = None
+        if current is None:
+            return None
+        start = time.perf_counter()
+        plan = self.planning.plan(current.gathered.batch)
+        self.plan_wait_s = time.perf_counter() - start
+        return self._dispatch(current, plan, read_ahead=self.lookahead)
+
+    def prepare(self, local: Sequence[TokenSample], plan: Plan | None = None) -> StepInputs:
+        """One step of the given samples under `plan` (or planned now), without reading ahead. Collective.
+
+        A given plan made for another domain size is rejected before any collective."""
+        if plan is not None:
+            check_world(plan, self.domain)
+        current = _Pending(list(local), gather_batch(local, self.domain))
+        if plan is None:
+            plan = self.planning.plan(current.gathered.batch)
+        return self._dispatch(current, plan, read_ahead=False)
+
+    def run(self, inputs: StepInputs, work: MicrobatchWork, *, comm: str, backend: str = "auto",
+            overlap: OverlappedReduction | None = None) -> None:
+        """Walk this rank's work list of the step: barriers over the domain, each slot's forward and backward.
+
+        With `overlap` the reduction starts during the last backward, unless the plan has phase barriers:
+        a reduction must not start before a barrier on the same ranks and every rank must issue the buckets
+        in one order, so then all ranks start it after their last barrier. Without it the caller reduces.
+        """
+        items = work_items(inputs, self.domain.position)
+        count = sum(item is not PHASE_BARRIER for item in items)
+        index = 0
+
+        def visit(item: MicrobatchInputs | None) -> None:
+            nonlocal index
+            if item is PHASE_BARRIER:
+                dist.barrier(group=self.domain.group)
+                return
+            context = CPContext(layout=item.layout, group=self.pool.get(item.group_ranks), comm=comm, backend=backend)
+            work.backward(work.forward(Slot(item, context, index, count)))
+            index += 1
+
+        barriers = inputs.plan.phase_barrier
+        with (overlap.no_sync if overlap is not None else contextlib.nullcontext)():
+            for item in items if barriers else items[:-1]:
+                visit(item)
+        if not barriers:
+            visit(items[-1])  # outside no_sync: the last backward starts the gradient reduction while it runs
+        elif overlap is not None:
+            overlap.start()
+
+    def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
+        check_world(plan, self.domain)
+        check_plan(plan, current.gathered, self.domain)
+        if read_ahead:
+            self._ahead = self._read()
+            if self._ahead is not None:
+                self.planning.prefetch(self._ahead.gathered.batch)
+        if self.pool is not None:
+            self.pool.prepare(plan)
+        return move_tokens(current.local, plan, current.gathered, self.domain)
+
+    def _read(self) -> _Pending | None:
+        local = self.source()
+        return None if local is None else _Pending(local, gather_batch(local, self.domain))
+
+
+def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,
+             planner: StepPlanning | None = None) -> StepInputs:
+    """This rank's inputs of one step (given plan, or planned by `planner` on every rank), creating no groups:
+    what a caller that only looks at the moved tokens needs. Collective."""
+    if (plan is None) == (planner is None):
+        raise DhpError("dispatch needs exactly one of plan= or planner=")
+    return StepEngine(domain, planning=planner).prepare(local, plan)
