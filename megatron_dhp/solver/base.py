@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.cost.pipeline import lower_bound as pipeline_lower_bound
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
@@ -28,7 +29,8 @@ class Planner(Protocol):
     """A planner maps one batch and a cost model to the groups of a step.
 
     A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
-    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`.
+    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`. A planner that plans for
+    pipeline parallelism has a `pipeline_stages` attribute (see `run_planner`).
     """
 
     name: str
@@ -38,12 +40,19 @@ class Planner(Protocol):
         ...
 
 
-def run_planner(planner: Planner, batch: Batch, model: CostModel) -> Plan:
-    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound."""
+def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_stages: int = 1) -> Plan:
+    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound.
+
+    With P = `pipeline_stages` > 1 the plan runs as 1F1B slots (`plan.pipeline_slots`) and is priced so. A
+    planner that plans for pipelining says so with a `pipeline_stages` attribute, which must be P; any other
+    planner is run as published on a domain whose per-rank cap is M // P, so that the P microbatches stage 0
+    keeps in flight hold at most M tokens per rank (a sample too long for that is `PlannerUnsupported`).
+    """
     domain = model.domain
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
+    planning_model = pipeline_planning_model(planner, batch, model, pipeline_stages)
     start = time.perf_counter()
-    groups = planner.solve(batch, model)
+    groups = planner.solve(batch, planning_model)
     solve_ms = (time.perf_counter() - start) * 1e3
     plan = Plan(
         planner=planner.name,
@@ -53,14 +62,34 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel) -> Plan:
         groups=tuple(groups),
         max_tokens_per_rank=domain.max_tokens_per_rank,
         phase_barrier=getattr(planner, "phase_barrier", False),
+        pipeline_stages=pipeline_stages,
     )
     plan.validate()
     return replace(
         plan,
         predicted_step_time_s=simulate(plan, model).step_time_s,
-        lower_bound_s=model.lower_bound(batch.samples),
+        lower_bound_s=pipeline_lower_bound(model, batch.samples, pipeline_stages),
         solve_time_ms=solve_ms,
     )
+
+
+def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:
+    """The model a planner plans with at `stages` pipeline stages (see `run_planner`)."""
+    plans_for = getattr(planner, "pipeline_stages", None)
+    if plans_for is not None:
+        if plans_for != stages:
+            raise DhpError(f"planner {planner.name!r} plans for {plans_for} pipeline stages but the plan runs on {stages}")
+        return model
+    if stages == 1:
+        return model
+    cap = model.domain.max_tokens_per_rank // stages
+    longest = int(batch.lengths.max())
+    if cap < 1 or longest > cap * model.domain.world_size:
+        raise PlannerUnsupported(
+            f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
+            f"M // P = {cap} tokens per rank, and a {longest}-token sample needs more than the domain's "
+            f"{model.domain.world_size} ranks of that")
+    return model.with_token_cap(cap)
 
 
 def contiguous_ranks(sizes: Iterable[int]) -> list[tuple[int, ...]]:
