@@ -83,7 +83,8 @@ def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, st
     if stages == 1:
         return model
     cap = model.domain.max_tokens_per_rank // stages
-    longest = int(batch.lengths.max())
+    # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
+    longest = max(int(batch.lengths.max()), getattr(planner, "dataset_max_tokens", None) or 0)
     if cap < 1 or longest > cap * model.domain.world_size:
         raise PlannerUnsupported(
             f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
