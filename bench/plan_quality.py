@@ -52,8 +52,6 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
                        for k in range(args.batches)]
             context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
                                      time_limit_s=args.time_limit)
-            if args.pp > 1:
-                context["pipeline_stages"] = args.pp
             planners = [build_planner(name, context) for name in args.planners]
             for k, batch in enumerate(batches):
                 for planner in planners:

@@ -56,8 +56,6 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
-    if args.pp > 1:
-        context["pipeline_stages"] = args.pp
     return context
 
 
@@ -77,11 +75,8 @@ class PlanningInputs:
     source: LengthSource
     batches: list[Batch]
     context: PlannerContext
-
-    @property
-    def pipeline_stages(self) -> int:
-        """P of --pp: the stages every plan is priced at."""
-        return self.context.get("pipeline_stages", 1)
+    pipeline_stages: int
+    """P of --pp: the stages every plan is planned and priced at."""
 
 
 def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1) -> PlanningInputs:
@@ -92,7 +87,7 @@ def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1)
     )
     source, batches = draw_batches(args, config, range(first, first + count))
     return PlanningInputs(config, source, batches,
-                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)))
+                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)), args.pp)
 
 
 def draw_batches(args: argparse.Namespace, config: CostConfig, indices: range) -> tuple[LengthSource, list[Batch]]:

@@ -38,8 +38,6 @@ class PlannerContext(TypedDict, total=False):
     """The dataset's longest sample (static sizes its one CP by it, so no later batch outgrows the groups)."""
     time_limit_s: float
     """Time limit of each solver call (flexsp-milp's MILPs)."""
-    pipeline_stages: int
-    """P: pipeline stages the job runs (dhp plans for them; `run_planner` prices every plan at them)."""
 
 
 def build_planner(name: str, context: PlannerContext | None = None, **options: object) -> Planner:

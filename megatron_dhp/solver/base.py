@@ -30,7 +30,7 @@ class Planner(Protocol):
 
     A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
     attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`. A planner that plans for
-    pipeline parallelism has a `pipeline_stages` attribute (see `run_planner`).
+    pipeline parallelism says so with `plans_pipeline = True` and takes `pipeline_stages` in `solve`.
     """
 
     name: str
@@ -44,15 +44,17 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound.
 
     With P = `pipeline_stages` > 1 the plan runs as 1F1B slots (`plan.pipeline_slots`) and is priced so. A
-    planner that plans for pipelining says so with a `pipeline_stages` attribute, which must be P; any other
-    planner is run as published on a domain whose per-rank cap is M // P, so that the P microbatches stage 0
-    keeps in flight hold at most M tokens per rank (a sample too long for that is `PlannerUnsupported`).
+    planner with `plans_pipeline` is told P; any other planner is run as published on a domain whose
+    per-rank cap is M // P, so that the P microbatches stage 0 keeps in flight hold at most M tokens per rank
+    (a sample too long for that is `PlannerUnsupported`).
     """
     domain = model.domain
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
-    planning_model = pipeline_planning_model(planner, batch, model, pipeline_stages)
+    pipelined = getattr(planner, "plans_pipeline", False)
+    planning_model = model if pipelined else pipeline_planning_model(planner, batch, model, pipeline_stages)
     start = time.perf_counter()
-    groups = planner.solve(batch, planning_model)
+    groups = planner.solve(batch, planning_model, pipeline_stages=pipeline_stages) if pipelined \
+        else planner.solve(batch, planning_model)
     solve_ms = (time.perf_counter() - start) * 1e3
     plan = Plan(
         planner=planner.name,
@@ -74,12 +76,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
 
 
 def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:
-    """The model a planner plans with at `stages` pipeline stages (see `run_planner`)."""
-    plans_for = getattr(planner, "pipeline_stages", None)
-    if plans_for is not None:
-        if plans_for != stages:
-            raise DhpError(f"planner {planner.name!r} plans for {plans_for} pipeline stages but the plan runs on {stages}")
-        return model
+    """The model a planner that does not plan for pipelining plans with at `stages` stages (see `run_planner`)."""
     if stages == 1:
         return model
     cap = model.domain.max_tokens_per_rank // stages

@@ -16,6 +16,7 @@ on the last slot's backward, twice as long), the rest longest first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -129,13 +130,12 @@ class DhpPlanner:
     """Local-search moves per candidate."""
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
-    pipeline_stages: int = 1
-    """P: pipeline stages the plan runs on (a job fact, `PlannerContext`)."""
     name: str = "dhp"
+    plans_pipeline: ClassVar[bool] = True
 
-    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel, pipeline_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
-        p = self.pipeline_stages
+        p = pipeline_stages
         inst = Instance.from_batch(batch, model, None if p == 1 else model.domain.max_tokens_per_rank // p)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
