@@ -10,6 +10,7 @@ and dhp's speed-up over every other planner; then the issue-3 targets, each with
 A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is reported as n/a there.
 
     python bench/plan_quality.py [--batches 10] [--time-limit 10] [--json out.json] [--plot out.png]
+    python bench/plan_quality.py --pp 4 --planners dhp,static,megatron-hcp,fcp-ref   # 1F1B over 4 stages
     python bench/plan_quality.py --from-json fast.json flexsp.json   # tables and targets of stored runs
 
 `--from-json` joins the records of earlier `--json` runs (e.g. the fast planners on 10 batches and
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
                 for planner in planners:
                     record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}
                     try:
-                        plan = run_planner(planner, batch, model)
+                        plan = run_planner(planner, batch, model, pipeline_stages=args.pp)
                         record.update(step_s=plan.predicted_step_time_s, lb_s=plan.lower_bound_s,
                                       ratio=plan.predicted_step_time_s / plan.lower_bound_s,
                                       solve_ms=plan.solve_time_ms, summary=plan.summary())
@@ -100,7 +101,8 @@ def print_tables(records: list[dict], args: argparse.Namespace, console: Console
         by_case[(r["domain"], r["workload"])].append(r)
     for (domain, workload), rows in by_case.items():
         batches = len({r["batch"] for r in rows})
-        table = Table(title=f"{workload} on {domain}: {batches} batches of {args.global_batch}")
+        pp = f", PP {args.pp}" if getattr(args, "pp", 1) > 1 else ""
+        table = Table(title=f"{workload} on {domain}: {batches} batches of {args.global_batch}{pp}")
         for col in ("planner", "step s", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "dhp speed-up", "n/a"):
             table.add_column(col, justify="right")
         dhp = {r["batch"]: r["step_s"] for r in rows if r["planner"] == "dhp"}
@@ -216,6 +218,8 @@ def main() -> None:
     parser.add_argument("--planners", default=",".join(["dhp", "static", *PEERS]))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--domains", default=",".join(DOMAINS))
+    parser.add_argument("--pp", type=int, default=1, metavar="P",
+                        help="pipeline stages: plan (dhp) and price (every planner) as 1F1B slots")
     parser.add_argument("--json", metavar="FILE", help="write every record and the targets as JSON")
     parser.add_argument("--plot", metavar="PNG", help="bar chart of mean step / LB")
     parser.add_argument("--markdown", action="store_true", help="also print the README summary table")

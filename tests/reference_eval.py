@@ -72,3 +72,70 @@ def lower_bound(cfg: dict, samples: list[dict]) -> float:
 def load(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def pipeline_step_time(cfg: dict, plan: dict) -> float:
+    """Replay a plan JSON dict with `pipeline_stages` P > 1 as 1F1B per stage over each position's slots.
+
+    Written from the rule's text: slots phase by phase, every phase but the last padded with idle one-token
+    microbatches to the most any position runs in it; a microbatch's PP = 1 time T costs T / (3P) forward and
+    2T / (3P) backward on each stage; warm-up min(P - s - 1, K), then F/B alternately, then the rest of the
+    backwards; an op starts when its stage neighbour's op, its stage's previous op on every member, and sigma
+    allow. Ops are relaxed to a fixed point (no topological order needed).
+    """
+    p = plan["pipeline_stages"]
+    samples = {s["id"]: s for s in plan["samples"]}
+    gpn, n = plan["gpus_per_node"], plan["world_size"]
+    groups = plan["groups"]
+    phases = 1 + max(g.get("phase", 0) for g in groups)
+    rows: list[list] = [[] for _ in range(n)]
+    for q in range(phases):
+        for gi, g in enumerate(groups):
+            if g.get("phase", 0) == q:
+                for r in g["ranks"]:
+                    rows[r] += [(gi, j) for j in range(len(g["microbatches"]))]
+        if q < phases - 1:
+            target = max(len(row) for row in rows)  # rows were equal before the phase: offset + its widest
+            for r in range(n):
+                rows[r] += [("idle", r, len(rows[r]) + i) for i in range(target - len(rows[r]))]
+
+    def unit_time(unit) -> float:
+        if unit[0] == "idle":
+            return microbatch_overhead(cfg, 1) + sample_time(cfg, 1, [], 1, True)
+        g = groups[unit[0]]
+        d, intra = len(g["ranks"]), len({r // gpn for r in g["ranks"]}) == 1
+        mb = g["microbatches"][unit[1]]
+        return microbatch_overhead(cfg, d) + sum(
+            sample_time(cfg, samples[i]["tokens"], samples[i].get("images", []), d, intra) for i in mb)
+
+    sigma = cfg.get("step_overhead_s", 0.0)
+    end: dict = {}
+    orders = []
+    for r in range(n):
+        k = len(rows[r])
+        for s in range(p):
+            w = min(p - s - 1, k)
+            order = [("F", j) for j in range(w)]
+            for i in range(k - w):
+                order += [("F", w + i), ("B", i)]
+            order += [("B", j) for j in range(k - w, k)]
+            orders.append([(kind, rows[r][j], s) for kind, j in order])
+    changed = True
+    while changed:
+        changed = False
+        for order in orders:
+            prev = sigma
+            for kind, unit, s in order:
+                dep = end.get(("F", unit, s - 1), sigma) if kind == "F" and s > 0 else sigma
+                if kind == "B":
+                    dep = end.get(("B", unit, s + 1), sigma) if s < p - 1 else end.get(("F", unit, s), sigma)
+                key = (kind, unit, s)
+                begin = max(prev, dep, end.get(key + ("start",), sigma))
+                share = 1 / 3 if kind == "F" else 2 / 3
+                finish = begin + unit_time(unit) * share / p
+                if finish > end.get(key, -1.0) + 1e-15:
+                    end[key] = finish
+                    end[key + ("start",)] = begin
+                    changed = True
+                prev = end[key]
+    return max(v for k, v in end.items() if len(k) == 3)

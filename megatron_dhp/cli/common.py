@@ -41,14 +41,18 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner options")
     g.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="time limit of each MILP a planner solves (flexsp-milp; default 10)")
+    g.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline-parallel stages: plan and price each position's microbatches as 1F1B slots (default 1)")
 
 
 def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     """The facts `build_planner` hands to every planner: the longest sample, and the flags that were given."""
-    if args.time_limit is not None and not args.time_limit > 0:
-        from megatron_dhp.errors import DhpError
+    from megatron_dhp.errors import DhpError
 
+    if args.time_limit is not None and not args.time_limit > 0:
         raise DhpError(f"--time-limit {args.time_limit} must be a positive number of seconds")
+    if args.pp < 1:
+        raise DhpError(f"--pp {args.pp} must be at least 1")
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
@@ -71,6 +75,8 @@ class PlanningInputs:
     source: LengthSource
     batches: list[Batch]
     context: PlannerContext
+    pipeline_stages: int
+    """P of --pp: the stages every plan is planned and priced at."""
 
 
 def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1) -> PlanningInputs:
@@ -81,7 +87,7 @@ def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1)
     )
     source, batches = draw_batches(args, config, range(first, first + count))
     return PlanningInputs(config, source, batches,
-                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)))
+                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)), args.pp)
 
 
 def draw_batches(args: argparse.Namespace, config: CostConfig, indices: range) -> tuple[LengthSource, list[Batch]]:

@@ -27,8 +27,10 @@ def run(args: argparse.Namespace) -> int:
 
     inputs = planning_inputs(args, first=args.batch_index)
     planner = build_planner(args.planner, inputs.context)
-    plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config))
+    plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), pipeline_stages=inputs.pipeline_stages)
     plan.save(args.out)
     print(plan.summary())
+    if plan.pipeline_stages > 1:
+        print(f"lower bound at {plan.pipeline_stages} pipeline stages: {plan.lower_bound_s:.3f}s")
     print(f"wrote {args.out} ({len(plan.samples)} samples, {len(plan.groups)} groups, fingerprint {plan.fingerprint()})")
     return 0

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         for k, batch in enumerate(batches):
             for planner in planners:
                 try:
-                    plan = run_planner(planner, batch, model)
+                    plan = run_planner(planner, batch, model, pipeline_stages=inputs.pipeline_stages)
                 except PlannerUnsupported as e:  # the planner's source cannot plan this batch: "n/a"
                     results[planner.name].append({"batch": k, "unsupported": str(e)})
                 else:
@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     d = config.domain
     table = Table(title=f"{source.name}: {len(batches)} batches of {len(batches[0])} samples, "
-                        f"N={d.world_size} ({d.gpus_per_node}/node), M={d.max_tokens_per_rank}, cost {args.cost}")
+                        f"N={d.world_size} ({d.gpus_per_node}/node), M={d.max_tokens_per_rank}, cost {args.cost}"
+                        + (f", PP={inputs.pipeline_stages}" if inputs.pipeline_stages > 1 else ""))
     for col in ("planner", "step s (mean)", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "n/a"):
         table.add_column(col, justify="right", no_wrap=col == "planner")
     mean_ratio = {}
@@ -86,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{ratio.max():.3f}", f"{np.percentile(solve, 50):.1f}", f"{np.percentile(solve, 95):.1f}",
                       skipped)
     console.print(table)
+    if inputs.pipeline_stages > 1:
+        bounds = [r["lower_bound_s"] for rows in results.values() for r in rows if "lower_bound_s" in r]
+        if bounds:
+            console.print(f"lower bound at {inputs.pipeline_stages} pipeline stages: mean {np.mean(bounds):.3f}s", highlight=False)
     for n in names:
         if n in first_plans:
             console.print(first_plans[n].summary(), highlight=False)

@@ -57,6 +57,11 @@ class CostModel(Protocol):
         """Seconds of one microbatch of `samples` on `ranks`: its overhead plus its samples' times."""
         ...
 
+    def with_token_cap(self, max_tokens_per_rank: int) -> CostModel:
+        """The same model on a domain whose per-rank token cap is `max_tokens_per_rank` (how planners that do
+        not plan for pipeline parallelism are given 1F1B's in-flight memory)."""
+        ...
+
     def lower_bound(self, samples: Sequence[Sample]) -> float:
         """A step time no plan of these samples can beat, step overhead included."""
         ...

@@ -13,6 +13,7 @@ overhead lambda on groups of more than one rank, and a per-step overhead sigma b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import chain
 
 import numpy as np
@@ -80,6 +81,10 @@ class ReferenceCostModel:
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
         t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks))
         return self.microbatch_overhead(len(ranks)) + float(t.sum())
+
+    def with_token_cap(self, max_tokens_per_rank: int) -> ReferenceCostModel:
+        """This model with another per-rank token cap M."""
+        return type(self)(replace(self.config, max_tokens_per_rank=max_tokens_per_rank))
 
     # ------------------------------------------------------------------ best degree
     def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,8 @@
 Phases run in order. A group starts at the latest finish time of its ranks so far and its ranks finish at
 start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2). A plan
 with `phase_barrier` also makes every rank wait for all ranks at each phase change. Every rank starts at the
-cost model's step overhead sigma (0 unless profiled).
+cost model's step overhead sigma (0 unless profiled). A plan with P > 1 pipeline stages is priced per stage
+in 1F1B order instead (`cost.pipeline`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.cost.pipeline import pipeline_ops
 from megatron_dhp.plan.plan import Plan
 
 
@@ -23,9 +25,10 @@ class GroupSpan:
     group_index: int
     """Index of the group in `plan.groups`."""
     start_s: float
-    """When the last of its ranks is free (phase order, and every barrier before it)."""
+    """When the last of its ranks is free (phase order, and every barrier before it); under pipeline
+    parallelism, when its first op starts on any stage."""
     end_s: float
-    """`start_s` plus the sum of its microbatches."""
+    """`start_s` plus the sum of its microbatches; under pipeline parallelism, when its last op ends."""
     microbatch_s: tuple[float, ...]
     """Each microbatch's seconds: the overhead of the group's size plus its samples' times."""
 
@@ -37,7 +40,9 @@ class Timeline:
     step_time_s: float
     spans: tuple[GroupSpan, ...]
     rank_finish_s: np.ndarray
+    """When each domain position ends its step (its last stage, under pipeline parallelism)."""
     rank_busy_s: np.ndarray
+    """Seconds each position computes (per stage, under pipeline parallelism: every stage is busy alike)."""
 
     @property
     def idle_fraction(self) -> float:
@@ -59,7 +64,9 @@ def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tu
 
 
 def simulate(plan: Plan, model: CostModel) -> Timeline:
-    """Replay the plan's groups phase by phase under the cost model."""
+    """Replay the plan's groups phase by phase under the cost model (per stage in 1F1B when P > 1)."""
+    if plan.pipeline_stages > 1:
+        return simulate_pipeline(plan, model)
     finish = np.full(plan.world_size, model.step_overhead_s)
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
@@ -77,4 +84,23 @@ def simulate(plan: Plan, model: CostModel) -> Timeline:
         busy[ranks] += end - start
         spans.append(GroupSpan(gi, start, end, mbs))
     spans.sort(key=lambda s: s.group_index)
+    return Timeline(float(finish.max()), tuple(spans), finish, busy)
+
+
+def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:
+    """The plan's slots on every stage in 1F1B order (`cost.pipeline.pipeline_ops`)."""
+    times = {gi: group_microbatch_times(plan, gi, model) for gi in range(len(plan.groups))}
+    start, end, unit_s, rows, unit_of = pipeline_ops(plan, model, times)
+    p, sigma = plan.pipeline_stages, model.step_overhead_s
+    per_unit = 2 * p  # ops of one unit are contiguous: (stage, F/B)
+    unit_start = start.reshape(-1, per_unit).min(axis=1) if len(unit_s) else start
+    unit_end = end.reshape(-1, per_unit).max(axis=1) if len(unit_s) else end
+    spans = []
+    for gi in range(len(plan.groups)):
+        units = [unit_of[(gi, j)] for j in range(len(times[gi]))] if times[gi] else []
+        first = float(unit_start[units].min()) if units else sigma
+        last = float(unit_end[units].max()) if units else sigma
+        spans.append(GroupSpan(gi, first, last, times[gi]))
+    finish = np.array([max((float(unit_end[u]) for u in row), default=sigma) for row in rows])
+    busy = np.array([float(unit_s[row].sum()) / p if row else 0.0 for row in rows])
     return Timeline(float(finish.max()), tuple(spans), finish, busy)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.pipeline import pipeline_slots, slot_tokens_per_rank
 from megatron_dhp.workload.sample import Sample
 
 SCHEMA = "megatron-dhp/plan/v1"
@@ -67,7 +68,10 @@ class Plan:
     groups: tuple[PlanGroup, ...]
     max_tokens_per_rank: int | None = None
     phase_barrier: bool = False
-    """Whether every rank waits for all ranks between phases (megatron-hcp's schedule does)."""
+    """Whether every rank waits for all ranks between phases (megatron-hcp's schedule does; under pipeline
+    parallelism the slot layout already orders the phases and no barrier runs)."""
+    pipeline_stages: int = 1
+    """P: pipeline-parallel stages; P > 1 runs each position's microbatches as 1F1B slots (`pipeline_slots`)."""
     predicted_step_time_s: float | None = None
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
@@ -101,6 +105,8 @@ class Plan:
         """One line: group sizes as `countxsize`, phases, microbatches, predicted time against the bound."""
         sizes = Counter(g.size for g in self.groups)
         parts = [f"groups {' '.join(f'{n}x{d}' for d, n in sorted(sizes.items()))}"]
+        if self.pipeline_stages > 1:
+            parts.append(f"pp {self.pipeline_stages}")
         if self.num_phases > 1:
             parts.append(f"{self.num_phases} phases")
         parts.append(f"{self.num_microbatches} mb")
@@ -120,7 +126,8 @@ class Plan:
         Invariants: every sample of the batch in exactly one microbatch of one group, only known ids;
         every rank in at least one group and at most one group per phase; no rankless group, no empty
         microbatch;
-        no microbatch above the per-rank token cap (sum of tokens / group size <= cap).
+        no microbatch above the per-rank token cap (sum of tokens / group size <= cap); with P > 1 pipeline
+        stages, no P consecutive slots of a position above the cap (stage 0 keeps them all in flight).
         """
         cap = max_tokens_per_rank if max_tokens_per_rank is not None else self.max_tokens_per_rank
         n = self.world_size
@@ -128,6 +135,8 @@ class Plan:
             raise PlanError(f"world_size {n!r} must be a positive integer")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise PlanError(f"gpus_per_node {self.gpus_per_node!r} must be a positive integer")
+        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+            raise PlanError(f"pipeline_stages {self.pipeline_stages!r} must be a positive integer")
         if len(self._by_id) != len(self.samples):
             dup = next(i for i, c in Counter(s.id for s in self.samples).items() if c > 1)
             raise PlanError(f"sample id {dup} is listed twice in the plan's samples")
@@ -173,6 +182,23 @@ class Plan:
         idle = sorted(set(range(n)) - {r for _, r in seen_in_phase})
         if idle:
             raise PlanError(f"rank {idle[0]} is in no group ({len(idle)} ranks idle); every rank must join one")
+        if cap is not None and self.pipeline_stages > 1:
+            self._validate_in_flight(cap)
+
+    def _validate_in_flight(self, cap: int) -> None:
+        """The memory rule under pipeline parallelism: tokens per rank over any P consecutive slots <= cap."""
+        p = self.pipeline_stages
+        for r, slots in enumerate(pipeline_slots(self)):
+            per_slot = slot_tokens_per_rank(self, slots)
+            for first in range(max(1, len(per_slot) - p + 1)):
+                held = sum(per_slot[first : first + p])
+                if held > cap:
+                    last = min(first + p, len(per_slot)) - 1
+                    raise PlanError(
+                        f"position {r} holds {held:.0f} tokens per rank over slots {first}..{last}, which stage 0 "
+                        f"keeps in flight at {p} pipeline stages, above the cap of {cap}; use smaller "
+                        "microbatches or more ranks"
+                    )
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self, *, timings: bool = True) -> dict:
@@ -187,6 +213,8 @@ class Plan:
             out["max_tokens_per_rank"] = self.max_tokens_per_rank
         if self.phase_barrier:
             out["phase_barrier"] = True
+        if self.pipeline_stages != 1:
+            out["pipeline_stages"] = self.pipeline_stages
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
@@ -229,6 +257,7 @@ class Plan:
                 groups=groups,
                 max_tokens_per_rank=obj.get("max_tokens_per_rank"),
                 phase_barrier=bool(obj.get("phase_barrier", False)),
+                pipeline_stages=obj.get("pipeline_stages", 1),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),
                 solve_time_ms=obj.get("solve_time_ms"),

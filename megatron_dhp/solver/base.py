@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.cost.pipeline import lower_bound as pipeline_lower_bound
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
@@ -28,7 +29,8 @@ class Planner(Protocol):
     """A planner maps one batch and a cost model to the groups of a step.
 
     A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
-    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`.
+    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`. A planner that plans for
+    pipeline parallelism says so with `plans_pipeline = True` and takes `pipeline_stages` in `solve`.
     """
 
     name: str
@@ -38,12 +40,21 @@ class Planner(Protocol):
         ...
 
 
-def run_planner(planner: Planner, batch: Batch, model: CostModel) -> Plan:
-    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound."""
+def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_stages: int = 1) -> Plan:
+    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound.
+
+    With P = `pipeline_stages` > 1 the plan runs as 1F1B slots (`plan.pipeline_slots`) and is priced so. A
+    planner with `plans_pipeline` is told P; any other planner is run as published on a domain whose
+    per-rank cap is M // P, so that the P microbatches stage 0 keeps in flight hold at most M tokens per rank
+    (a sample too long for that is `PlannerUnsupported`).
+    """
     domain = model.domain
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
+    pipelined = getattr(planner, "plans_pipeline", False)
+    planning_model = model if pipelined else pipeline_planning_model(planner, batch, model, pipeline_stages)
     start = time.perf_counter()
-    groups = planner.solve(batch, model)
+    groups = planner.solve(batch, planning_model, pipeline_stages=pipeline_stages) if pipelined \
+        else planner.solve(batch, planning_model)
     solve_ms = (time.perf_counter() - start) * 1e3
     plan = Plan(
         planner=planner.name,
@@ -53,14 +64,30 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel) -> Plan:
         groups=tuple(groups),
         max_tokens_per_rank=domain.max_tokens_per_rank,
         phase_barrier=getattr(planner, "phase_barrier", False),
+        pipeline_stages=pipeline_stages,
     )
     plan.validate()
     return replace(
         plan,
         predicted_step_time_s=simulate(plan, model).step_time_s,
-        lower_bound_s=model.lower_bound(batch.samples),
+        lower_bound_s=pipeline_lower_bound(model, batch.samples, pipeline_stages),
         solve_time_ms=solve_ms,
     )
+
+
+def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:
+    """The model a planner that does not plan for pipelining plans with at `stages` stages (see `run_planner`)."""
+    if stages == 1:
+        return model
+    cap = model.domain.max_tokens_per_rank // stages
+    # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
+    longest = max(int(batch.lengths.max()), getattr(planner, "dataset_max_tokens", None) or 0)
+    if cap < 1 or longest > cap * model.domain.world_size:
+        raise PlannerUnsupported(
+            f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
+            f"M // P = {cap} tokens per rank, and a {longest}-token sample needs more than the domain's "
+            f"{model.domain.world_size} ranks of that")
+    return model.with_token_cap(cap)
 
 
 def contiguous_ranks(sizes: Iterable[int]) -> list[tuple[int, ...]]:

@@ -19,29 +19,27 @@ class Instance:
     tokens: np.ndarray
     work: np.ndarray
     min_degree: np.ndarray
+    cap: int
+    """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism."""
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_batch(cls, batch: Batch, model: CostModel) -> Instance:
-        """Flatten the batch; every array is in batch order."""
+    def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None) -> Instance:
+        """Flatten the batch; every array is in batch order. `cap` (default M) bounds each microbatch."""
         tokens = batch.lengths
         return cls(
             model=model,
             ids=np.array(batch.ids, dtype=np.int64),
             tokens=tokens,
             work=model.sample_work(batch.samples),
-            min_degree=np.maximum(1, model.min_degree(tokens)),
+            min_degree=np.maximum(1, model.min_degree(tokens) if cap is None else -(-tokens.astype(np.int64) // cap)),
+            cap=cap or model.domain.max_tokens_per_rank,
         )
 
     @property
     def num_ranks(self) -> int:
         """N, the ranks of the dynamic domain."""
         return self.model.domain.world_size
-
-    @property
-    def cap(self) -> int:
-        """M, the per-rank token cap."""
-        return self.model.domain.max_tokens_per_rank
 
     def overhead(self, size: int) -> float:
         """The fixed cost of one microbatch on a group of `size` ranks (m, plus any multi-rank latency)."""

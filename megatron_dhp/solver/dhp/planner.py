@@ -5,16 +5,24 @@ would run longer than the lower bound on one, become wide groups of just enough 
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
+
+Under pipeline parallelism (P > 1 stages) the same search runs with microbatches of at most M // P tokens
+per rank (so any P consecutive slots hold at most M); the bins then all run in one last phase after every
+wide group (the last phase is not padded with idle slots, and the wide groups' phases hold few microbatches),
+and each group's microbatches are ordered for 1F1B: its shortest last and its second shortest first (the fill waits on the first slot's forward, the drain
+on the last slot's backward, twice as long), the rest longest first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
@@ -27,6 +35,8 @@ class Draft:
 
     groups: list[DraftGroup]
     makespan_s: float
+    num_wide: int
+    """The first `num_wide` groups are wide groups, the rest bins."""
 
 
 def cell_sizes(num_ranks: int, gpus_per_node: int) -> list[int]:
@@ -107,7 +117,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
         wide = np.union1d(wide, homeless)
     binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
     groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
-    return Draft(groups, max(g.finish_s for g in groups))
+    return Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
 
 
 @dataclass
@@ -121,10 +131,18 @@ class DhpPlanner:
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
     name: str = "dhp"
+    plans_pipeline: ClassVar[bool] = True
 
-    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
+    def solve(self, batch: Batch, model: CostModel, pipeline_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
-        inst = Instance.from_batch(batch, model)
+        p = pipeline_stages
+        inst = Instance.from_batch(batch, model, None if p == 1 else model.domain.max_tokens_per_rank // p)
+        too_long = inst.min_degree > inst.num_ranks
+        if too_long.any():
+            raise PlannerUnsupported(
+                f"dhp packs microbatches of at most M // P = {inst.cap} tokens per rank at {p} pipeline stages, "
+                f"and a {int(inst.tokens[too_long].max())}-token sample needs more than the domain's "
+                f"{inst.num_ranks} ranks of that")
         target = model.lower_bound_arrays(inst.tokens, inst.work)
         domain = model.domain
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
@@ -141,8 +159,29 @@ class DhpPlanner:
             draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
+        if p > 1:
+            return pipeline_groups(inst, best)
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
             for g in best.groups
         ]
+
+
+def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
+    """A draft's groups for 1F1B: the bins in one last phase, each group's microbatches in `pipeline_order`."""
+    last = 1 + max((g.phase for g in draft.groups[:draft.num_wide]), default=-1)
+    return [
+        PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in pipeline_order(inst, g)),
+                  phase=g.phase if k < draft.num_wide else last)
+        for k, g in enumerate(draft.groups)
+    ]
+
+
+def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
+    """The group's microbatches in 1F1B order: second shortest, the rest longest first, shortest."""
+    times = inst.times(group.size, inst.model.is_intra(group.ranks))
+    by_time = sorted(group.microbatches, key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb)))
+    if len(by_time) < 3:
+        return by_time[::-1]
+    return [by_time[-2], *by_time[:-2], by_time[-1]]

@@ -1,0 +1,156 @@
+"""Pipeline parallelism in planning: the slot layout, the memory rule, the 1F1B simulator and its bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from megatron_dhp.cost import build_cost_model, simulate
+from megatron_dhp.cost.pipeline import idle_slot_time, lower_bound, one_f_one_b
+from megatron_dhp.plan import Plan, PlanError, PlanGroup, Slot, pipeline_slots
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.random_plan import random_plan
+from megatron_dhp.workload import Batch, Sample
+from tests import reference_eval
+from tests.test_cost import EXTRAS
+
+
+def one_position(k: int, stages: int, tokens: int = 4000) -> Plan:
+    samples = tuple(Sample(i, tokens) for i in range(k))
+    return Plan("t", 1, 8, samples, (PlanGroup((0,), tuple((i,) for i in range(k))),),
+                max_tokens_per_rank=k * tokens, pipeline_stages=stages)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_equal_microbatches_take_k_plus_p_minus_1_slots(gpt7b, stages, k):
+    plan = one_position(k, stages)
+    t = gpt7b.microbatch_time([plan.samples[0]], [0])
+    assert simulate(plan, gpt7b).step_time_s == pytest.approx((k + stages - 1) * t / stages)
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b(4, 0, 3) == [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert one_f_one_b(4, 2, 3) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    assert one_f_one_b(1, 0, 4) == [(0, 0), (1, 0)]
+
+
+def test_group_collective_waits_for_its_slower_member(gpt7b):
+    # P = 2. Position 0 runs a long microbatch (phase 0), position 1 a short one; then both run one shared
+    # microbatch (phase 1). Phase 0 is padded to one slot on both, so the shared one is slot 1 everywhere.
+    samples = (Sample(0, 8000), Sample(1, 1000), Sample(2, 6000))
+    plan = Plan("t", 2, 8, samples, (PlanGroup((0,), ((0,),)), PlanGroup((1,), ((1,),)),
+                                     PlanGroup((0, 1), ((2,),), 1)), max_tokens_per_rank=20000, pipeline_stages=2)
+    a = gpt7b.microbatch_time([samples[0]], [0])
+    c = gpt7b.microbatch_time([samples[2]], [0, 1])
+    f, b = 1 / 6, 2 / 6  # shares of T at P = 2
+    # Stage 0 of position 0: F(a) [0, fa]; stage 1: F(a), B(a) after it; stage 0 runs F(c) at fa (its warm-up
+    # is one op), then B(a) after stage 1's. Position 1 is ready earlier, so the shared ops follow position 0.
+    fa, fc = f * a, f * c
+    s1_fa_end = 2 * fa
+    s1_ba_end = s1_fa_end + b * a
+    s0_fc_end = fa + fc  # F(c, 0) starts when position 0's stage 0 is free, after F(a, 0)
+    s1_fc_end = max(s1_ba_end, s0_fc_end) + fc
+    s1_bc_end = s1_fc_end + b * c
+    s0_ba_end = max(s0_fc_end, s1_ba_end) + b * a
+    s0_bc_end = max(s0_ba_end, s1_bc_end) + b * c
+    assert simulate(plan, gpt7b).step_time_s == pytest.approx(s0_bc_end)
+    short = dataclasses.replace(plan, groups=plan.groups[1:2] + plan.groups[:1] + plan.groups[2:])
+    assert simulate(short, gpt7b).step_time_s == pytest.approx(s0_bc_end)  # group order does not matter
+
+
+def test_slot_layout_pads_every_phase_but_the_last():
+    samples = tuple(Sample(i, 100) for i in range(7))
+    plan = Plan("t", 3, 8, samples, (
+        PlanGroup((0,), ((0,), (1,), (2,))), PlanGroup((1, 2), ((3,),)),
+        PlanGroup((0, 1), ((4,), (5,)), 1), PlanGroup((2,), ((6,),), 2)), pipeline_stages=2)
+    slots = pipeline_slots(plan)
+    assert slots[0] == [Slot(0, 0), Slot(0, 1), Slot(0, 2), Slot(2, 0), Slot(2, 1)]  # last phase: not padded
+    assert slots[1] == [Slot(1, 0), None, None, Slot(2, 0), Slot(2, 1)]
+    assert slots[2] == [Slot(1, 0), None, None, None, None, Slot(3, 0)]
+    # a group's microbatch sits at the same slot on all its members
+    for gi, g in enumerate(plan.groups):
+        for j in range(len(g.microbatches)):
+            assert len({slots[r].index(Slot(gi, j)) for r in g.ranks}) == 1
+
+
+def test_idle_slot_costs_a_one_token_microbatch(gpt7b):
+    samples = (Sample(0, 4000), Sample(1, 4000), Sample(2, 4000))
+    plan = Plan("t", 2, 8, samples, (PlanGroup((0,), ((0,), (1,))), PlanGroup((1,), ((2,),)),
+                                     PlanGroup((0, 1), (), 1)), pipeline_stages=2)
+    tl = simulate(plan, gpt7b)
+    t = gpt7b.microbatch_time([samples[0]], [0])
+    assert idle_slot_time(gpt7b) == pytest.approx(0.05 + 1.84e-4 + 5.128e-9)
+    # Position 1 runs [t, idle] at P = 2; by hand, its stage 0 ends with B(idle) after B(t): t + 2 i / 6.
+    assert pipeline_slots(plan)[1] == [Slot(1, 0), None]
+    assert tl.rank_finish_s[1] == pytest.approx(t + idle_slot_time(gpt7b) / 3)
+    assert tl.rank_busy_s[1] == pytest.approx((t + idle_slot_time(gpt7b)) / 2)
+
+
+def test_memory_rule_over_p_consecutive_slots():
+    samples = tuple(Sample(i, 3000) for i in range(4))
+    groups = (PlanGroup((0,), tuple((i,) for i in range(4))),)
+    Plan("t", 1, 8, samples, groups, max_tokens_per_rank=3000).validate()  # PP 1: one microbatch at a time
+    Plan("t", 1, 8, samples, groups, max_tokens_per_rank=6000, pipeline_stages=2).validate()
+    with pytest.raises(PlanError, match="position 0 holds 9000 tokens per rank over slots 0..2.*3 pipeline stages"):
+        Plan("t", 1, 8, samples, groups, max_tokens_per_rank=8000, pipeline_stages=3).validate()
+    with pytest.raises(PlanError, match="pipeline_stages 0"):
+        Plan("t", 1, 8, samples, groups, pipeline_stages=0).validate()
+
+
+def test_plan_json_keeps_v1_at_one_stage():
+    plan = one_position(2, 1)
+    assert "pipeline_stages" not in plan.to_dict()
+    pp = dataclasses.replace(plan, pipeline_stages=4)
+    assert pp.to_dict()["pipeline_stages"] == 4
+    assert Plan.from_dict(pp.to_dict()) == pp and pp.fingerprint() != plan.fingerprint()
+
+
+@pytest.mark.parametrize("extras", [{}, EXTRAS])
+def test_simulator_matches_the_oracle_and_the_bound_holds(gpt7b_config, extras):
+    cfg = dataclasses.replace(gpt7b_config, world_size=6, gpus_per_node=4, **extras)
+    model = build_cost_model(cfg)
+    rng = random.Random(0)
+    for trial in range(40):
+        nprng = np.random.default_rng(trial)
+        batch = Batch([Sample(i, int(n)) for i, n in enumerate(nprng.integers(100, 30000, rng.randint(1, 12)))])
+        stages = rng.randint(1, 4)
+        plan = dataclasses.replace(random_plan(batch, cfg.domain, rng, max_phases=3), pipeline_stages=stages)
+        step = simulate(plan, model).step_time_s
+        if stages > 1:
+            assert step == pytest.approx(reference_eval.pipeline_step_time(cfg.to_dict(), plan.to_dict()), rel=1e-9)
+        else:
+            assert step == pytest.approx(reference_eval.step_time(cfg.to_dict(), plan.to_dict()), rel=1e-9)
+        bound = lower_bound(model, batch.samples, stages)
+        assert bound <= step * (1 + 1e-9)
+        if stages == 1:
+            assert bound == model.lower_bound(batch.samples)
+
+
+def test_planners_under_pp_give_valid_plans(gpt7b):
+    rng = np.random.default_rng(3)
+    batch = Batch([Sample(i, int(n)) for i, n in enumerate(rng.lognormal(8.5, 1.2, 256).astype(int) + 1) if n < 100000])
+    for name in ("dhp", "static", "megatron-hcp", "fcp-ref"):
+        plan = run_planner(build_planner(name), batch, gpt7b, pipeline_stages=4)
+        assert plan.pipeline_stages == 4 and plan.lower_bound_s <= plan.predicted_step_time_s
+        plan.validate()  # the memory rule over any 4 consecutive slots
+
+
+def test_dhp_plan_at_one_stage_is_unchanged(gpt7b):
+    rng = np.random.default_rng(4)
+    batch = Batch([Sample(i, int(n)) for i, n in enumerate(rng.integers(100, 60000, 128))])
+    a = run_planner(build_planner("dhp"), batch, gpt7b)
+    b = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=1)
+    assert a.to_dict(timings=False) == b.to_dict(timings=False) and a.predicted_step_time_s == b.predicted_step_time_s
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_bound_is_tight_for_one_tiny_microbatch(gpt7b, stages):
+    # One one-token sample: the step is its fill and drain, T = m + t(1, 1); the bound misses only t's share.
+    plan = dataclasses.replace(one_position(1, stages, tokens=1), world_size=1)
+    step = simulate(plan, gpt7b).step_time_s
+    bound = lower_bound(gpt7b, plan.samples, stages)
+    assert step * (1 - 1e-2) <= bound <= step
