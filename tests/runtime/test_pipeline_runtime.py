@@ -1,0 +1,49 @@
+"""PP 2 through megatron-core's own 1F1B with dynamic groups, against the single-process oracle (gloo, CPU).
+
+One launch of 4 ranks (two stages, domains of 2) shares its start-up across the checks; the deadline turns
+a hang (a deadlock of the schedule) into a failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dhp.plan.pipeline import pipeline_slots
+from megatron_dhp.runtime.launch import launch
+from megatron_dhp.runtime.selfcheck import TOLERANCE
+from tests.runtime import dist_workers, pipeline_workers
+
+
+@pytest.fixture(scope="module")
+def pp2() -> list[dict]:
+    return launch(pipeline_workers.pipeline_two_checks, 4, timeout_s=300)
+
+
+def test_the_plans_cover_idle_slots_uneven_counts_and_the_naive_deadlock():
+    slots = {name: pipeline_slots(plan) for name, plan in pipeline_workers.plans_of_two().items()}
+    naive = slots["naive deadlock [g, h] vs [g, b1, h]"]
+    assert naive[0][1] is None and naive[1][1] is not None  # position 0 waits one idle slot for h
+    uneven = slots["idle slot, then 2 vs 4 slots in the last phase"]
+    assert [len(row) for row in uneven] == [7, 5] and uneven[1][1] is None
+
+
+def test_domains_are_the_pipeline_stages(pp2):
+    assert [r["domain"] for r in pp2] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+
+
+@pytest.mark.parametrize("key", [(name, comm) for name in pipeline_workers.plans_of_two()
+                                 for comm in pipeline_workers.comms_of(name)])
+def test_pp2_loss_and_every_gradient_match_single_process(pp2, key):
+    for rank in pp2:  # each stage compares its own parameters (the tied output layer on the last stage)
+        result = rank["exact"][key]
+        assert result.max_loss_diff <= TOLERANCE and result.max_grad_diff <= TOLERANCE, result
+        assert result.tokens_computed == result.batch_tokens == sum(dist_workers.LENGTHS), result
+        assert result.loss_tokens_computed == result.batch_loss_tokens, result
+        assert result.ok
+
+
+def test_stages_with_different_plans_stop_every_rank_with_a_clear_error(pp2):
+    for rank in pp2:  # the last stage's rank 3 holds the other plan
+        assert rank["divergent"].startswith("ranks hold different plans: rank")
+        assert ("ranks [3]" if rank["rank"] != 3 else "ranks [0, 1, 2]") in rank["divergent"]
+    assert all(rank["after_errors"].ok for rank in pp2)
