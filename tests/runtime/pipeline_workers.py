@@ -70,3 +70,31 @@ def pipeline_two_checks() -> dict:
     out["after_errors"] = check.check(first, samples, "ring")
     dist.destroy_process_group()
     return out
+
+
+def plans_of_three() -> dict[str, Plan]:
+    """Plans on a domain of 3 (not a power of two) with group sizes 1, 2 and 3, idle slots, uneven counts."""
+    b = batch().samples
+    return {
+        "3, then 2+1, then 1+2": Plan("t", 3, 3, b, (
+            PlanGroup((0, 1, 2), ((0, 1, 2, 3),)),
+            PlanGroup((2, 0), ((4, 5), (6,)), phase=1),
+            PlanGroup((1,), ((7,),), phase=1),
+            PlanGroup((0,), ((8,), (9,)), phase=2),
+            PlanGroup((1, 2), ((10, 11),), phase=2),
+        )),
+    }
+
+
+def pipeline_three_checks() -> dict:
+    """PP 2 x domain 3 on 6 ranks: one plan under every comm variant."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(pipeline_parallel=2, timeout=timedelta(seconds=60))
+    check = SelfCheck(seed=8)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    out = {"domain": check.domain.global_ranks,
+           "exact": {(name, comm): check.check(plan, samples, comm)
+                     for name, plan in plans_of_three().items() for comm in COMM_VARIANTS}}
+    dist.destroy_process_group()
+    return out

@@ -47,3 +47,28 @@ def test_stages_with_different_plans_stop_every_rank_with_a_clear_error(pp2):
         assert rank["divergent"].startswith("ranks hold different plans: rank")
         assert ("ranks [3]" if rank["rank"] != 3 else "ranks [0, 1, 2]") in rank["divergent"]
     assert all(rank["after_errors"].ok for rank in pp2)
+
+
+@pytest.fixture(scope="module")
+def pp2_domain3() -> list[dict]:
+    return launch(pipeline_workers.pipeline_three_checks, 6, timeout_s=400)
+
+
+def test_pp2_with_a_domain_of_three_matches_single_process(pp2_domain3):
+    assert [r["domain"] for r in pp2_domain3] == [(0, 1, 2)] * 3 + [(3, 4, 5)] * 3
+    for rank in pp2_domain3:
+        for key, result in rank["exact"].items():
+            assert result.ok and result.tokens_computed == sum(dist_workers.LENGTHS), (key, result)
+
+
+def test_interleaved_pipelining_is_refused_with_one_clear_line(monkeypatch):
+    from megatron.core import parallel_state
+
+    from megatron_dhp.errors import DhpError
+    from megatron_dhp.runtime.domain import DynamicDomain
+    from megatron_dhp.runtime.pipeline import check_pipeline
+
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    domain = DynamicDomain(global_ranks=(0, 1), rank=0, all_domains=((0, 1), (2, 3)))
+    with pytest.raises(DhpError, match=r"interleaved \(virtual\) pipelining \(virtual size 2\) is not supported"):
+        check_pipeline(domain)
