@@ -140,12 +140,14 @@ def build_tiny_gpt(
     spec: ModuleSpec | None = None,
     pg_collection: ProcessGroupCollection | None = None,
     seed: int = 0,
+    tied_embeddings: bool = False,
 ) -> GPTModel:
     """A tiny RoPE GPT (dynamic-CP spec unless `spec` is given) with weights set by `init_weights_`.
 
     The tensor- and pipeline-parallel sizes are those of `pg_collection.tp` and `.pp` (default: megatron's
     parallel state); a pipeline stage builds its share of the layers, the embedding on the first stage and
-    the output layer (tied to the embedding) on the last.
+    the output layer on the last; `tied_embeddings` shares the output layer with the embedding (under
+    pipeline parallelism each end holds a copy and megatron-core all-reduces their gradients).
     """
     config = config or TinyGPTConfig()
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
@@ -156,6 +158,7 @@ def build_tiny_gpt(
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied_embeddings,
         pre_process=stage == 0,
         post_process=stage == stages - 1,
         pg_collection=pgs,

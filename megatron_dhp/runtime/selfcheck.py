@@ -98,7 +98,8 @@ def random_samples(batch: Batch, *, vocab_size: int, seed: int) -> list[TokenSam
 class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
-    def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto") -> None:
+    def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
+                 tied_embeddings: bool = False) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -111,7 +112,7 @@ class SelfCheck:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         if self.pp_group.size() > 1:
             check_pipeline(self.domain)
-        inner = build_tiny_gpt(config, seed=seed)
+        inner = build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings)
         if torch.cuda.is_available():
             inner.cuda()
         self.model = DistributedDataParallel(
@@ -119,7 +120,7 @@ class SelfCheck:
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
             module=inner,
         )
-        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed)
+        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
 
     def check(self, plan: Plan, samples: list[TokenSample], comm: str) -> CheckResult:
         """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""

@@ -68,6 +68,8 @@ def pipeline_two_checks() -> dict:
     except DhpError as e:
         out["divergent"] = str(e)
     out["after_errors"] = check.check(first, samples, "ring")
+    tied = SelfCheck(seed=9, tied_embeddings=True)
+    out["tied"] = {name: tied.check(plan, samples, "allgather") for name, plan in plans.items()}
     dist.destroy_process_group()
     return out
 

@@ -42,6 +42,12 @@ def test_pp2_loss_and_every_gradient_match_single_process(pp2, key):
         assert result.ok
 
 
+@pytest.mark.parametrize("name", list(pipeline_workers.plans_of_two()))
+def test_pp2_tied_embeddings_match_single_process(pp2, name):
+    for rank in pp2:  # stage 0's embedding and stage 1's output layer both hold the whole shared gradient
+        assert rank["tied"][name].ok, rank["tied"][name]
+
+
 def test_stages_with_different_plans_stop_every_rank_with_a_clear_error(pp2):
     for rank in pp2:  # the last stage's rank 3 holds the other plan
         assert rank["divergent"].startswith("ranks hold different plans: rank")
