@@ -100,3 +100,18 @@ def pipeline_three_checks() -> dict:
                      for name, plan in plans_of_three().items() for comm in COMM_VARIANTS}}
     dist.destroy_process_group()
     return out
+
+
+def tensor_and_pipeline_checks() -> dict:
+    """TP 2 x PP 2 on 4 ranks (a domain of 1 per coordinate): two microbatches, tied and untied embeddings."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(tensor_parallel=2, pipeline_parallel=2, timeout=timedelta(seconds=60))
+    plan = Plan("t", 1, 1, batch().samples, (PlanGroup((0,), ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11))),))
+    out = {}
+    for tied in (False, True):
+        check = SelfCheck(seed=10, tied_embeddings=tied)
+        samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+        out[tied] = check.check(plan, samples, "allgather")
+    dist.destroy_process_group()
+    return out

@@ -78,3 +78,8 @@ def test_interleaved_pipelining_is_refused_with_one_clear_line(monkeypatch):
     domain = DynamicDomain(global_ranks=(0, 1), rank=0, all_domains=((0, 1), (2, 3)))
     with pytest.raises(DhpError, match=r"interleaved \(virtual\) pipelining \(virtual size 2\) is not supported"):
         check_pipeline(domain)
+
+
+def test_tp2_pp2_matches_single_process():
+    for rank in launch(pipeline_workers.tensor_and_pipeline_checks, 4, timeout_s=300):
+        assert rank[False].ok and rank[True].ok, rank
