@@ -1,8 +1,10 @@
 """`megatron-dhp selftest`: prove on this machine (or cluster) that the runtime is exact.
 
 Builds a tiny GPT on every rank, runs K random plans (group sizes that are not powers of two, several
-phases, each communication variant in turn) and compares the loss and every parameter gradient with a
-single-process run of megatron-core's own attention on the same batch. Exits 1 on any mismatch.
+phases, each communication variant in turn), or one given plan (`--plan FILE`, a plan JSON from a job,
+under each variant), and compares the loss and every parameter gradient with a single-process run of
+megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
+run by megatron-core's 1F1B (`runtime.pipeline`). Exits 1 on any mismatch.
 
 Without a torchrun environment it spawns `--nproc` local ranks itself; under torchrun (any backend,
 e.g. NCCL on a cluster) it runs as one of the ranks and rank 0 prints.
@@ -23,6 +25,7 @@ class SelftestOptions:
     """Everything a rank needs; built from the command line, sent to spawned ranks as is."""
 
     tensor_parallel: int
+    pipeline_parallel: int
     plans: int
     seed: int
     comms: tuple[str, ...]
@@ -31,6 +34,8 @@ class SelftestOptions:
     max_len: int
     attention: str
     timeout_s: int
+    plan_file: str | None = None
+    """A plan JSON to replay instead of random plans (its domain size must be nproc / (tp x pp))."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
     p.add_argument("--tp", type=int, default=1, help="static tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel stages, run by megatron-core's non-interleaved 1F1B (default 1)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
+    p.add_argument("--plan", metavar="FILE", default=None,
+                   help="check this plan JSON (e.g. one saved by a job) under each --comm variant instead of "
+                        "random plans; its world size must be the domain size nproc / (tp x pp)")
     p.add_argument("--seed", type=int, default=0, help="seed of batches, plans and weights (default 0)")
     p.add_argument("--comm", default=every_comm,
                    help=f"comma-separated CP variants, used in turn (default {every_comm})")
@@ -66,15 +76,23 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in comms if c not in COMM_VARIANTS]
     if unknown or not comms:
         raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(COMM_VARIANTS)}")
-    for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len), ("--tp", args.tp)):
+    for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
+                        ("--tp", args.tp), ("--pp", args.pp)):
         if value < 1:
             raise DhpError(f"{flag} {value} must be at least 1")
-    options = SelftestOptions(args.tp, args.plans, args.seed, comms, args.backend, args.samples, args.max_len,
-                              args.attention, args.timeout)
+    plan_file = None
+    if args.plan is not None:
+        from megatron_dhp.plan.plan import Plan
+
+        Plan.load(args.plan)  # a missing or malformed file fails here, before any rank starts
+        plan_file = os.path.abspath(args.plan)
+    options = SelftestOptions(args.tp, args.pp, args.plans, args.seed, comms, args.backend, args.samples,
+                              args.max_len, args.attention, args.timeout, plan_file)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
-    if args.nproc < 1 or args.nproc % args.tp:
-        raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}")
+    if args.nproc < 1 or args.nproc % (args.tp * args.pp):
+        stages = f" x --pp {args.pp}" if args.pp > 1 else ""
+        raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}{stages}")
 
     from megatron_dhp.runtime.launch import LaunchError, launch
 
@@ -97,28 +115,39 @@ def worker(options: SelftestOptions) -> int:
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
+    from megatron_dhp.plan.plan import Plan
     from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+    from megatron_dhp.runtime.model import TinyGPTConfig
     from megatron_dhp.runtime.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
     from megatron_dhp.solver.random_plan import random_plan
     from megatron_dhp.workload.sample import Batch
 
     if options.backend == "gloo":
         apply_cpu_compat()
-    init_distributed(backend=options.backend, tensor_parallel=options.tensor_parallel, seed=options.seed,
+    init_distributed(backend=options.backend, tensor_parallel=options.tensor_parallel,
+                     pipeline_parallel=options.pipeline_parallel, seed=options.seed,
                      timeout=timedelta(seconds=options.timeout_s))
     lead = dist.get_rank() == 0
     try:
-        check = SelfCheck(seed=options.seed, backend=options.attention)
+        given = Plan.load(options.plan_file) if options.plan_file is not None else None
+        longest = max((s.tokens for s in given.samples), default=0) if given is not None else options.max_len
+        config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest))
+        check = SelfCheck(config=config, seed=options.seed, backend=options.attention)
         n = check.domain.size
         if lead:
-            print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}, "
-                  f"domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+            pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
+            print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
+                  f"{pp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
         rng = random.Random(options.seed)
         domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
         failures = 0
-        for k in range(options.plans):
-            batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
-            plan = random_plan(batch, domain, rng)
+        runs = len(options.comms) if given is not None else options.plans
+        for k in range(runs):
+            if given is not None:
+                plan, batch = given, Batch(given.samples)
+            else:
+                batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
+                plan = random_plan(batch, domain, rng)
             comm = options.comms[k % len(options.comms)]
             result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k), comm)
             failures += not result.ok
@@ -131,7 +160,7 @@ def worker(options: SelftestOptions) -> int:
         if lead:
             pool = check.pool
             print(f"groups: {pool.created} created, {pool.hits} cached hits, {pool.released} released; "
-                  f"{'all plans exact' if not failures else f'{failures} of {options.plans} plans MISMATCH'}", flush=True)
+                  f"{'all plans exact' if not failures else f'{failures} of {runs} plans MISMATCH'}", flush=True)
         return 1 if failures else 0
     except DhpError as e:
         print(f"megatron-dhp selftest: rank {dist.get_rank()}: error: {e}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """Let megatron-core run on a machine without CUDA (gloo, CPU tensors).
 
 megatron-core 0.16 hard-codes the CUDA device in a handful of places (RoPE frequencies, the DDP grad buffer,
-the causal-mask helper, the schedules' token counter, the CUDA RNG tracker). On a CPU-only machine those
+the causal-mask helper, the schedules' token counter, the CUDA RNG tracker, the tied embedding's `.cuda()`
+under pipeline parallelism). On a CPU-only machine those
 calls fail before any math runs, so a job that starts on the CPU (a gloo trainer rank, `selftest`, the test
 workers) switches this on first, explicitly; no library call does it for them. Nothing is changed when CUDA
 is available: a GPU run uses megatron-core exactly as shipped.
@@ -100,6 +101,9 @@ def apply_cpu_compat() -> bool:
     # The "CUDA" RNG is the CPU generator, so megatron's RNG tracker forks and restores real states.
     # (`torch.manual_seed` itself calls `torch.cuda.manual_seed_all`, which therefore stays untouched.)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    # Under pipeline parallelism the tied embedding's initial sync moves the weight with `.cuda()`
+    # (language_module.py) before all-reducing it between the first and last stage; on the CPU it stays put.
+    torch.Tensor.cuda = lambda self, *_, **__: self
 
     from megatron.core.tensor_parallel import random as mc_random
 

@@ -110,7 +110,7 @@ class TinyGPTConfig:
     max_sequence_length: int = 4096
     """Length of the RoPE table: at least the longest sample (checked)."""
 
-    def transformer_config(self, *, tensor_parallel: int = 1) -> TransformerConfig:
+    def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
         return TransformerConfig(
             num_layers=self.num_layers,
@@ -119,6 +119,8 @@ class TinyGPTConfig:
             num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size,
             tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            pipeline_dtype=torch.float32 if pipeline_parallel > 1 else None,
             use_cpu_initialization=True,
             apply_rope_fusion=False,
             bias_activation_fusion=False,
@@ -138,19 +140,27 @@ def build_tiny_gpt(
     spec: ModuleSpec | None = None,
     pg_collection: ProcessGroupCollection | None = None,
     seed: int = 0,
+    tied_embeddings: bool = False,
 ) -> GPTModel:
     """A tiny RoPE GPT (dynamic-CP spec unless `spec` is given) with weights set by `init_weights_`.
 
-    The tensor-parallel size is that of `pg_collection.tp` (default: megatron's parallel state).
+    The tensor- and pipeline-parallel sizes are those of `pg_collection.tp` and `.pp` (default: megatron's
+    parallel state); a pipeline stage builds its share of the layers, the embedding on the first stage and
+    the output layer on the last; `tied_embeddings` shares the output layer with the embedding (under
+    pipeline parallelism each end holds a copy and megatron-core all-reduces their gradients).
     """
     config = config or TinyGPTConfig()
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    stage, stages = pgs.pp.rank(), pgs.pp.size()
     model = GPTModel(
-        config=config.transformer_config(tensor_parallel=pgs.tp.size()),
+        config=config.transformer_config(tensor_parallel=pgs.tp.size(), pipeline_parallel=stages),
         transformer_layer_spec=spec if spec is not None else dhp_layer_spec(),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied_embeddings,
+        pre_process=stage == 0,
+        post_process=stage == stages - 1,
         pg_collection=pgs,
     )
     init_weights_(model, seed=seed, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size())
@@ -160,12 +170,14 @@ def build_tiny_gpt(
 def init_weights_(model: torch.nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Give every parameter a value that depends only on its name and `seed`, sliced for this TP rank.
 
-    Models of any tensor-parallel size built this way hold the same full weights, which is what lets a
-    single-process oracle check a TP run. Scales are large enough that attention is far from uniform, so
+    Models of any tensor- or pipeline-parallel size built this way hold the same full weights, which is what
+    lets a single-process oracle check a TP or PP run (names are the whole model's, `global_names`). Scales are large enough that attention is far from uniform, so
     a wrong position or mask shows up in the gradients.
     """
+    names = global_names(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for local_name, param in model.named_parameters():
+            name = names[local_name]
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             shape = list(param.shape)
             if dim >= 0:
@@ -179,3 +191,18 @@ def init_weights_(model: torch.nn.Module, *, seed: int, tp_rank: int = 0, tp_siz
             if dim >= 0:
                 full = full.chunk(tp_size, dim=dim)[tp_rank]
             param.copy_(full)
+
+
+def global_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's name in the whole (one-stage) model: a pipeline stage numbers its layers from 0,
+    and the last stage's output layer tied to the embedding is the embedding weight."""
+    module = model.module if hasattr(model, "finish_grad_sync") else model
+    layers = getattr(getattr(module, "decoder", None), "layers", [])
+    offsets = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}." for i, layer in enumerate(layers)}
+    tied = getattr(module, "share_embeddings_and_output_weights", False) and not getattr(module, "pre_process", True)
+    out = {}
+    for name, _ in module.named_parameters():
+        prefix = next((p for p in offsets if name.startswith(p)), None)
+        full = offsets[prefix] + name[len(prefix):] if prefix else name
+        out[name] = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else full
+    return out

@@ -46,9 +46,11 @@ def single_rank_groups() -> ProcessGroupCollection:
     return ProcessGroupCollection(**{name: own for name in names})
 
 
-def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int) -> GPTModel:
+def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int,
+                        tied_embeddings: bool = False) -> GPTModel:
     """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test."""
-    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(), pg_collection=pgs, seed=seed)
+    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(), pg_collection=pgs, seed=seed,
+                          tied_embeddings=tied_embeddings)
 
 
 def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:

@@ -3,8 +3,9 @@
 One `SelfCheck` per rank holds the model under test (tiny GPT, dynamic-CP spec, megatron DDP over the
 domain) and the oracle (the same weights, megatron's local attention, one process). `check(plan, samples,
 comm)` runs a full step under the plan and compares the loss and every parameter gradient (TP shards
-gathered) with the oracle; the differences are reduced over the world so every rank returns the same
-verdict.
+gathered; under pipeline parallelism each stage its own, by whole-model name) with the oracle; the
+differences are reduced over the world so every rank returns the same verdict. With PP > 1 the step runs
+through megatron-core's 1F1B (`pipeline.run_pipeline_step`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names
+from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.workload.sample import Batch
@@ -60,7 +62,8 @@ class CheckResult:
 
 
 def init_distributed(
-    *, backend: str = "gloo", tensor_parallel: int = 1, seed: int = 0, timeout: timedelta = timedelta(seconds=120)
+    *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
+    timeout: timedelta = timedelta(seconds=120)
 ) -> None:
     """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1).
 
@@ -73,7 +76,9 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
     )
     model_parallel_cuda_manual_seed(seed)
 
@@ -93,7 +98,8 @@ def random_samples(batch: Batch, *, vocab_size: int, seed: int) -> list[TokenSam
 class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
-    def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto") -> None:
+    def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
+                 tied_embeddings: bool = False) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -103,7 +109,10 @@ class SelfCheck:
         self.domain = DynamicDomain.from_parallel_state()
         self.pool = GroupPool(self.domain)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        inner = build_tiny_gpt(config, seed=seed)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        if self.pp_group.size() > 1:
+            check_pipeline(self.domain)
+        inner = build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings)
         if torch.cuda.is_available():
             inner.cuda()
         self.model = DistributedDataParallel(
@@ -111,7 +120,7 @@ class SelfCheck:
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
             module=inner,
         )
-        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed)
+        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
 
     def check(self, plan: Plan, samples: list[TokenSample], comm: str) -> CheckResult:
         """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
@@ -119,15 +128,21 @@ class SelfCheck:
         local = local_slice(samples, self.domain.position, self.domain.size)
         engine = StepEngine(self.domain, self.pool)
         inputs = engine.prepare(local, plan)
-        step = run_step(engine, self.model, inputs, comm=comm, backend=self.backend)
+        pipelined = self.pp_group.size() > 1
+        run = run_pipeline_step if pipelined else run_step
+        step = run(engine, self.model, inputs, comm=comm, backend=self.backend)
         device = self.domain.device
         totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=self.domain.group)
+        if pipelined:  # only the last stage computed the loss
+            dist.all_reduce(totals, group=self.pp_group)
         loss = float(totals[0]) / step.global_loss_tokens
 
         ref = reference_step(self.reference, samples)
         worst, worst_name = 0.0, ""
-        for name, param in self.model.module.named_parameters():
+        names = global_names(self.model)
+        for local_name, param in self.model.module.named_parameters():
+            name = names[local_name]
             diff = float((full_grad(param, self.tp_group).cpu() - ref.grads[name]).abs().max())
             if diff > worst:
                 worst, worst_name = diff, name

@@ -5,13 +5,15 @@ group), a `PHASE_BARRIER` after every phase but the last when the plan separates
 megatron-core's hybrid CP scheduler does), and, for a position the plan leaves idle, one *idle slot*: a
 one-token microbatch with no loss on a group of one, so every rank runs the same per-step code and reports
 a loss entry (it adds exactly zero to the gradients). Every walk over a step, the plain one of
-`engine.StepEngine.run` and any pipeline schedule, takes its order from here.
+`engine.StepEngine.run` and the pipeline schedule (`pipeline_work`, the rule of `plan.pipeline`), takes its
+order from here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_dhp.plan.pipeline import pipeline_slots
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
@@ -34,6 +36,20 @@ def work_items(inputs: StepInputs, position: int) -> list[WorkItem]:
         if phase < plan.num_phases - 1:
             work.append(PHASE_BARRIER)
     return work
+
+
+def pipeline_work(inputs: StepInputs, position: int) -> list[MicrobatchInputs]:
+    """Domain position `position`'s 1F1B slots under pipeline parallelism (`plan.pipeline.pipeline_slots`):
+    its microbatches with idle slots where a phase pads, at least one slot. No barriers: slot alignment
+    already orders the phases."""
+    plan = inputs.plan
+    by_samples = {mb.layout.sample_ids: mb for mb in inputs.microbatches}
+    work = [
+        idle_microbatch(position) if slot is None
+        else by_samples[tuple(plan.groups[slot.group].microbatches[slot.microbatch])]
+        for slot in pipeline_slots(plan)[position]
+    ]
+    return work or [idle_microbatch(position)]
 
 
 def idle_microbatch(position: int) -> MicrobatchInputs:

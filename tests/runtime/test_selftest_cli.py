@@ -11,6 +11,7 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.runtime.attention import COMM_VARIANTS
+from tests.runtime import pipeline_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--comm", "ring,bogus"], "--comm 'ring,bogus'"),
         (["--nproc", "3", "--tp", "2"], "--nproc 3 must be a positive multiple of --tp 2"),
         (["--plans", "0"], "--plans 0 must be at least 1"),
+        (["--nproc", "4", "--tp", "2", "--pp", "3"], "--nproc 4 must be a positive multiple of --tp 2 x --pp 3"),
+        (["--pp", "0"], "--pp 0 must be at least 1"),
+        (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
@@ -29,15 +33,37 @@ def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-def test_selftest_runs_two_ranks_end_to_end():
+def selftest(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dhp", "selftest", "--nproc", "2", "--plans", "3", "--seed", "1"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
-    )
+    return subprocess.run([sys.executable, "-m", "megatron_dhp", "selftest", *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+def test_selftest_runs_two_ranks_end_to_end():
+    proc = selftest("--nproc", "2", "--plans", "3", "--seed", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(lines) == 3 and all(line.endswith("| ok") for line in lines), proc.stdout
     assert set(COMM_VARIANTS) == {line.split("|")[-6].strip() for line in lines}
     assert "all plans exact" in proc.stdout
+
+
+def test_selftest_pp2_checks_every_gradient_through_the_pipeline():
+    proc = selftest("--nproc", "4", "--pp", "2", "--plans", "2", "--seed", "2", "--samples", "6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TP 1, PP 2, domain of 2" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert len(lines) == 2 and all(line.endswith("| ok") for line in lines), proc.stdout
+
+
+def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
+    plan = pipeline_workers.plans_of_two()["naive deadlock [g, h] vs [g, b1, h]"]
+    plan.save(tmp_path / "plan.json")
+    proc = selftest("--nproc", "2", "--plan", str(tmp_path / "plan.json"), "--comm", "ring,ulysses")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert [line.split("|")[-6].strip() for line in lines] == ["ring", "ulysses"], proc.stdout
+    assert all(plan.summary() in line and line.endswith("| ok") for line in lines), proc.stdout
+    wrong = selftest("--nproc", "3", "--plan", str(tmp_path / "plan.json"), "--comm", "ring")
+    assert wrong.returncode == 2 and "the plan is for a domain of 2 ranks but this domain has 3" in wrong.stderr

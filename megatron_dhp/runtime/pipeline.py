@@ -1,0 +1,133 @@
+"""One step under pipeline parallelism (PP = P > 1): megatron-core's own non-interleaved 1F1B over the slots.
+
+Every (TP, PP) coordinate's domain applies the same plan, so a dynamic group is one pipeline: the rank at
+domain position r of stage s sends its activations to position r of stage s + 1 (megatron's pipeline group
+of a rank joins the same domain position of every stage; checked once). Each position runs
+`forward_backward_pipelining_without_interleaving`, unchanged, over its slot list (`slots.pipeline_work`),
+with `num_microbatches` its own slot count; slot alignment makes it deadlock-free (`plan.pipeline`).
+
+- Tokens: every stage moves the same tokens (the engine's step); the first stage reads the input ids, the
+  last the labels and loss mask, every stage the layout, `PackedSeqParams` (RoPE) and dynamic group.
+- Shapes: a THD microbatch's activation has as many rows as the slot's local tokens, which every stage
+  knows from the plan, so `PlannedShapes` receives each slot with its own row count (no shape exchange,
+  no silent mismatch of a fixed `seq_length` buffer).
+- Loss: the last stage's loss function returns the slot's masked loss sum and its loss-token count;
+  megatron-core's `finalize_model_grads` broadcasts the count from the last stage, sums it over the
+  domain and divides the gradients once: the mean over every loss token of the global batch.
+- Tied embeddings: `finalize_model_grads` all-reduces the embedding gradient between stage 0 and stage
+  P - 1 of the same position (megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
+from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.engine import StepEngine
+from megatron_dhp.runtime.slots import pipeline_work
+from megatron_dhp.runtime.step import StepResult
+
+
+class PlannedShapes(P2PCommunicator):
+    """megatron-core's p2p communicator, receiving each slot's activation with the row count the plan gives.
+
+    The 1F1B schedule receives forward activations in slot order and output gradients in slot order, so two
+    cursors over the slots' row counts name every buffer's shape."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, config: object, rows: list[int]) -> None:
+        super().__init__(pp_group, config)
+        self._hidden = config.hidden_size
+        self._forward: Iterator[int] = iter(rows)
+        self._backward: Iterator[int] = iter(rows)
+
+    def _communicate(self, *, recv_prev: bool, recv_next: bool, tensor_shape: object, **kwargs: object):
+        if recv_prev and recv_next:
+            raise DhpError("a receive from both neighbours happens only in interleaved pipelining, which is not supported")
+        if recv_prev:
+            tensor_shape = (next(self._forward), 1, self._hidden)
+        elif recv_next:
+            tensor_shape = (next(self._backward), 1, self._hidden)
+        return super()._communicate(recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape, **kwargs)
+
+
+def check_pipeline(domain: DynamicDomain) -> None:
+    """Refuse what the pipeline runner cannot do exactly, and check that megatron's pipeline group of this
+    rank joins the same domain position on every stage. Collective over the pipeline group."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        raise DhpError(
+            f"interleaved (virtual) pipelining (virtual size {vpp}) is not supported with dynamic groups: its "
+            "schedule needs per-chunk slot alignment and exact p2p matching that are not implemented; use 1"
+        )
+    group = parallel_state.get_pipeline_model_parallel_group()
+    positions = [0] * group.size()
+    dist.all_gather_object(positions, domain.position, group=group)
+    if len(set(positions)) != 1:
+        raise DhpError(f"the pipeline of rank {domain.rank} joins domain positions {positions}; they must be one")
+
+
+def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs, *, comm: str = "allgather",
+                      backend: str = "auto") -> StepResult:
+    """Forward and backward this position's slots of a prepared step through megatron-core's 1F1B, then
+    finalize the gradients (domain reduction, tied embedding, per-token division). `model` is a megatron
+    DDP stage with `calculate_per_token_loss`; gradients accumulate into it. The loss is the last stage's."""
+    config = model.config
+    if not config.calculate_per_token_loss:
+        raise DhpError("pipeline steps need calculate_per_token_loss=True (per-token normalisation over the pipeline)")
+    position = engine.domain.position
+    work = pipeline_work(inputs, position)
+    contexts = [CPContext(layout=mb.layout, group=engine.pool.get(mb.group_ranks), comm=comm, backend=backend)
+                for mb in work]
+    last = parallel_state.is_pipeline_last_stage()
+    totals = {"loss": 0.0, "loss_tokens": 0}
+
+    def loss_func(mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        loss = (per_token.view(-1) * mb.loss_mask.to(per_token.device)).sum()
+        count = int(mb.loss_mask.sum())
+        totals["loss"] += float(loss.detach())
+        totals["loss_tokens"] += count
+        return loss, torch.tensor(count, dtype=torch.int, device=per_token.device), {}
+
+    def forward_step(data: Iterator[tuple[MicrobatchInputs, CPContext]], stage: torch.nn.Module):
+        mb, context = next(data)
+        device = next(stage.parameters()).device
+        output = stage(
+            mb.input_ids[None].to(device),
+            mb.position_ids[None].to(device),
+            None,
+            labels=mb.labels[None].to(device) if last else None,
+            packed_seq_params=DhpPackedSeqParams.for_microbatch(context, device=device),
+        )
+        return output, functools.partial(loss_func, mb)
+
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward_pipelining_without_interleaving(
+        forward_step_func=forward_step,
+        data_iterator=iter(zip(work, contexts)),
+        model=model,
+        num_microbatches=len(work),
+        seq_length=1,  # unused: `PlannedShapes` gives every receive its slot's row count
+        micro_batch_size=1,
+        p2p_communicator=PlannedShapes(parallel_state.get_pipeline_model_parallel_group(), config,
+                                       [mb.layout.num_slots for mb in work]),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    return StepResult(
+        loss_sum=totals["loss"],
+        num_loss_tokens=totals["loss_tokens"],
+        num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches) if last else 0,
+        global_loss_tokens=inputs.num_loss_tokens,
+    )

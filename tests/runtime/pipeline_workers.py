@@ -1,0 +1,117 @@
+"""Functions the pipeline-parallel tests run on every spawned rank (importable by name, results picklable)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+from megatron_dhp.runtime.dispatch import local_slice
+from megatron_dhp.runtime.engine import dispatch
+from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed, random_samples
+from tests.runtime.dist_workers import SAMPLE_SEED, batch
+
+
+def plans_of_two() -> dict[str, Plan]:
+    """Plans on a domain of 2 whose 1F1B slot lists differ per position (idle slots, different counts)."""
+    b = batch().samples
+    return {
+        # naive back-to-back lists would be [g, h] vs [g, b1, h]: F(h) meets B(g) and both hang
+        "naive deadlock [g, h] vs [g, b1, h]": Plan("t", 2, 2, b, (
+            PlanGroup((0, 1), ((0, 1, 2),)),
+            PlanGroup((1,), ((3, 4),), phase=1),
+            PlanGroup((0,), (), phase=1),
+            PlanGroup((0, 1), ((5, 6, 7, 8, 9, 10, 11),), phase=2),
+        )),
+        "idle slot, then 2 vs 4 slots in the last phase": Plan("t", 2, 2, b, (
+            PlanGroup((0,), ((0, 1), (2,))),
+            PlanGroup((1,), ((3,),)),
+            PlanGroup((0, 1), ((4, 5, 6), (7,)), phase=1),
+            PlanGroup((0,), ((8,), (9,), (10,)), phase=2),
+            PlanGroup((1,), ((11,),), phase=2),
+        )),
+        "one group of 2, three microbatches, barrier": Plan("t", 2, 2, b, (
+            PlanGroup((0, 1), ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))),
+        ), phase_barrier=True),
+    }
+
+
+def comms_of(name: str) -> list[str]:
+    """The comm variants a plan of `plans_of_two` runs with (every variant is used, the plans alternate)."""
+    k = list(plans_of_two()).index(name)
+    return list(COMM_VARIANTS)[k % 2::2]
+
+
+def pipeline_two_checks() -> dict:
+    """PP 2 x domain 2 on 4 ranks: exactness per plan and comm variant, divergent plans stop every rank."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(pipeline_parallel=2, timeout=timedelta(seconds=60))
+    check = SelfCheck(seed=5)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    plans = plans_of_two()
+    out: dict = {"rank": dist.get_rank(), "domain": check.domain.global_ranks}
+    out["exact"] = {(name, comm): check.check(plan, samples, comm)
+                    for name, plan in plans.items() for comm in comms_of(name)}
+    first = plans["naive deadlock [g, h] vs [g, b1, h]"]
+    other = replace(first, groups=(replace(first.groups[0], microbatches=((0, 1), (2,))), *first.groups[1:]))
+    try:  # the last stage holds another plan than the first: every rank stops, none hangs
+        dispatch(local_slice(samples, check.domain.position, 2), check.domain,
+                 plan=other if dist.get_rank() == 3 else first)
+        out["divergent"] = "no error"
+    except DhpError as e:
+        out["divergent"] = str(e)
+    out["after_errors"] = check.check(first, samples, "ring")
+    tied = SelfCheck(seed=9, tied_embeddings=True)
+    out["tied"] = {name: tied.check(plan, samples, "allgather") for name, plan in plans.items()}
+    dist.destroy_process_group()
+    return out
+
+
+def plans_of_three() -> dict[str, Plan]:
+    """Plans on a domain of 3 (not a power of two) with group sizes 1, 2 and 3, idle slots, uneven counts."""
+    b = batch().samples
+    return {
+        "3, then 2+1, then 1+2": Plan("t", 3, 3, b, (
+            PlanGroup((0, 1, 2), ((0, 1, 2, 3),)),
+            PlanGroup((2, 0), ((4, 5), (6,)), phase=1),
+            PlanGroup((1,), ((7,),), phase=1),
+            PlanGroup((0,), ((8,), (9,)), phase=2),
+            PlanGroup((1, 2), ((10, 11),), phase=2),
+        )),
+    }
+
+
+def pipeline_three_checks() -> dict:
+    """PP 2 x domain 3 on 6 ranks: one plan under every comm variant."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(pipeline_parallel=2, timeout=timedelta(seconds=60))
+    check = SelfCheck(seed=8)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    out = {"domain": check.domain.global_ranks,
+           "exact": {(name, comm): check.check(plan, samples, comm)
+                     for name, plan in plans_of_three().items() for comm in COMM_VARIANTS}}
+    dist.destroy_process_group()
+    return out
+
+
+def tensor_and_pipeline_checks() -> dict:
+    """TP 2 x PP 2 on 4 ranks (a domain of 1 per coordinate): two microbatches, tied and untied embeddings."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(tensor_parallel=2, pipeline_parallel=2, timeout=timedelta(seconds=60))
+    plan = Plan("t", 1, 1, batch().samples, (PlanGroup((0,), ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11))),))
+    out = {}
+    for tied in (False, True):
+        check = SelfCheck(seed=10, tied_embeddings=tied)
+        samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+        out[tied] = check.check(plan, samples, "allgather")
+    dist.destroy_process_group()
+    return out
