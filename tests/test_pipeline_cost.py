@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from megatron_dhp.cost import build_cost_model, simulate
-from megatron_dhp.cost.pipeline import idle_slot_time, lower_bound, one_f_one_b
+from megatron_dhp.cost.pipeline import idle_slot_time, lower_bound, one_f_one_b, pipeline_step_time
+from megatron_dhp.cost.simulate import group_microbatch_times
 from megatron_dhp.plan import Plan, PlanError, PlanGroup, Slot, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
@@ -154,3 +155,11 @@ def test_bound_is_tight_for_one_tiny_microbatch(gpt7b, stages):
     step = simulate(plan, gpt7b).step_time_s
     bound = lower_bound(gpt7b, plan.samples, stages)
     assert step * (1 - 1e-2) <= bound <= step
+
+
+def test_pipeline_step_time_from_given_microbatch_times_equals_simulate(gpt7b):
+    rng = random.Random(5)
+    batch = Batch([Sample(i, rng.randint(100, 30000)) for i in range(20)])
+    plan = dataclasses.replace(random_plan(batch, gpt7b.domain, rng, max_phases=3), pipeline_stages=3)
+    times = {gi: group_microbatch_times(plan, gi, gpt7b) for gi in range(len(plan.groups))}
+    assert pipeline_step_time(plan, gpt7b, times) == simulate(plan, gpt7b).step_time_s
