@@ -1,0 +1,63 @@
+"""dhp under pipeline parallelism: its candidate layouts, priced by the 1F1B simulator, and the best one kept."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_dhp.cost import simulate
+from megatron_dhp.plan import Plan, pipeline_slots
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.dhp.planner import fastest_pipeline
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups
+from megatron_dhp.workload import Batch, LengthSource, Sample
+
+
+def long_tailed(seed: int, n: int = 256) -> Batch:
+    rng = np.random.default_rng(seed)
+    return Batch([Sample(i, int(x)) for i, x in enumerate(rng.lognormal(8.5, 1.2, n).astype(int) + 1) if x < 100000])
+
+
+def test_pipeline_order_puts_the_shortest_last_and_the_second_shortest_first():
+    assert pipeline_order_of([5, 4, 3, 2, 1]) == [2, 5, 4, 3, 1]
+    assert pipeline_order_of([2, 1]) == [1, 2]
+    assert pipeline_order_of([]) == []
+
+
+def test_rounds_cover_every_rank_once_per_phase_so_no_slot_is_idle(gpt7b):
+    batch = long_tailed(0)
+    groups = round_groups(batch, gpt7b.with_token_cap(gpt7b.domain.max_tokens_per_rank // 4))
+    plan = Plan("t", gpt7b.domain.world_size, gpt7b.domain.gpus_per_node, batch.samples, tuple(groups),
+                max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=4)
+    plan.validate()
+    slots = pipeline_slots(plan)
+    assert all(len(g.microbatches) == 1 for g in groups)
+    assert {len(row) for row in slots} == {plan.num_phases} and not any(s is None for row in slots for s in row)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dhp_keeps_the_fastest_layout_and_is_never_behind_the_peers(gpt7b, seed):
+    batch = long_tailed(seed)
+    dhp = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4)
+    rounds = dataclasses.replace(dhp, groups=tuple(round_groups(batch, gpt7b.with_token_cap(gpt7b.domain.max_tokens_per_rank // 4))))
+    assert dhp.predicted_step_time_s <= simulate(rounds, gpt7b).step_time_s
+    for name in ("static", "megatron-hcp", "fcp-ref"):
+        peer = run_planner(build_planner(name), batch, gpt7b, pipeline_stages=4)
+        assert dhp.predicted_step_time_s <= peer.predicted_step_time_s * 1.005, name
+
+
+def test_fastest_pipeline_prices_like_simulate(gpt7b):
+    # Two layouts of the same samples: one round of packed microbatches, and each sample a microbatch of its own.
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=128, seed=0, index=0, capacity=gpt7b.domain.capacity)
+    cap = gpt7b.domain.max_tokens_per_rank // 4
+    packed = [g for g in round_groups(batch, gpt7b.with_token_cap(cap)) if g.phase == 0]
+    part = Batch([batch.samples[k] for k, s in enumerate(batch.samples) if any(s.id in g.microbatches[0] for g in packed)])
+    split = [dataclasses.replace(g, microbatches=tuple((i,) for i in g.microbatches[0])) for g in packed]
+    chosen = fastest_pipeline(Instance.from_batch(part, gpt7b, cap), part, 4, [split, packed])
+    times = [simulate(Plan("t", gpt7b.domain.world_size, gpt7b.domain.gpus_per_node, part.samples, tuple(c),
+                           max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=4), gpt7b).step_time_s
+             for c in (split, packed)]
+    assert times[0] != times[1] and chosen is (split, packed)[times.index(min(times))]
