@@ -12,7 +12,7 @@ from megatron_dhp.plan import Plan, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.planner import fastest_pipeline
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups, spaced_round_groups
 from megatron_dhp.workload import Batch, LengthSource, Sample
 
 
@@ -27,23 +27,52 @@ def test_pipeline_order_puts_the_shortest_last_and_the_second_shortest_first():
     assert pipeline_order_of([]) == []
 
 
+def instance(batch: Batch, model, stages: int = 4) -> Instance:
+    return Instance.from_batch(batch, model, model.domain.max_tokens_per_rank // stages)
+
+
+def pp_plan(model, batch: Batch, groups, stages: int = 4) -> Plan:
+    return Plan("t", model.domain.world_size, model.domain.gpus_per_node, batch.samples, tuple(groups),
+                max_tokens_per_rank=model.domain.max_tokens_per_rank, pipeline_stages=stages)
+
+
 def test_rounds_cover_every_rank_once_per_phase_so_no_slot_is_idle(gpt7b):
     batch = long_tailed(0)
-    groups = round_groups(batch, gpt7b.with_token_cap(gpt7b.domain.max_tokens_per_rank // 4))
-    plan = Plan("t", gpt7b.domain.world_size, gpt7b.domain.gpus_per_node, batch.samples, tuple(groups),
-                max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=4)
+    groups = round_groups(instance(batch, gpt7b), batch)
+    plan = pp_plan(gpt7b, batch, groups)
     plan.validate()
     slots = pipeline_slots(plan)
     assert all(len(g.microbatches) == 1 for g in groups)
     assert {len(row) for row in slots} == {plan.num_phases} and not any(s is None for row in slots for s in row)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_spaced_rounds_put_p_minus_1_fillers_between_full_rounds_and_keep_the_memory_rule(gpt7b, stages):
+    batch = long_tailed(1)
+    groups = spaced_round_groups(instance(batch, gpt7b, stages), batch, stages)
+    plan = pp_plan(gpt7b, batch, groups, stages)
+    plan.validate()  # every sample once; any P consecutive slots within M per rank
+    fillers = [g for g in groups if g.phase % 2]
+    assert fillers and all(g.ranks == tuple(range(gpt7b.domain.world_size)) for g in fillers)
+    assert all(len(g.microbatches) >= stages - 1 for g in fillers) and len(fillers) == plan.num_phases // 2
+    cap = gpt7b.domain.max_tokens_per_rank
+    fullest = max(sum(plan.sample(i).tokens for i in g.microbatches[0]) / g.size for g in groups if g.phase % 2 == 0)
+    assert fullest > cap // stages  # fuller than the M // P rounds: the in-flight budget is used
+    assert not any(s is None for row in pipeline_slots(plan) for s in row)
+
+
+def test_spaced_rounds_need_more_than_one_round(gpt7b):
+    batch = Batch([Sample(i, 1000) for i in range(8)])
+    assert spaced_round_groups(instance(batch, gpt7b), batch, 4) is None
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dhp_keeps_the_fastest_layout_and_is_never_behind_the_peers(gpt7b, seed):
     batch = long_tailed(seed)
     dhp = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4)
-    rounds = dataclasses.replace(dhp, groups=tuple(round_groups(batch, gpt7b.with_token_cap(gpt7b.domain.max_tokens_per_rank // 4))))
-    assert dhp.predicted_step_time_s <= simulate(rounds, gpt7b).step_time_s
+    inst = instance(batch, gpt7b)
+    for groups in (round_groups(inst, batch), spaced_round_groups(inst, batch, 4)):
+        assert dhp.predicted_step_time_s <= simulate(dataclasses.replace(dhp, groups=tuple(groups)), gpt7b).step_time_s
     for name in ("static", "megatron-hcp", "fcp-ref"):
         peer = run_planner(build_planner(name), batch, gpt7b, pipeline_stages=4)
         assert dhp.predicted_step_time_s <= peer.predicted_step_time_s * 1.005, name
@@ -53,11 +82,9 @@ def test_fastest_pipeline_prices_like_simulate(gpt7b):
     # Two layouts of the same samples: one round of packed microbatches, and each sample a microbatch of its own.
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=128, seed=0, index=0, capacity=gpt7b.domain.capacity)
     cap = gpt7b.domain.max_tokens_per_rank // 4
-    packed = [g for g in round_groups(batch, gpt7b.with_token_cap(cap)) if g.phase == 0]
+    packed = [g for g in round_groups(Instance.from_batch(batch, gpt7b, cap), batch) if g.phase == 0]
     part = Batch([batch.samples[k] for k, s in enumerate(batch.samples) if any(s.id in g.microbatches[0] for g in packed)])
     split = [dataclasses.replace(g, microbatches=tuple((i,) for i in g.microbatches[0])) for g in packed]
     chosen = fastest_pipeline(Instance.from_batch(part, gpt7b, cap), part, 4, [split, packed])
-    times = [simulate(Plan("t", gpt7b.domain.world_size, gpt7b.domain.gpus_per_node, part.samples, tuple(c),
-                           max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=4), gpt7b).step_time_s
-             for c in (split, packed)]
+    times = [simulate(pp_plan(gpt7b, part, c), gpt7b).step_time_s for c in (split, packed)]
     assert times[0] != times[1] and chosen is (split, packed)[times.index(min(times))]

@@ -6,12 +6,13 @@ everything else is packed into the cells' remaining rank runs by LPT with microb
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
-Under pipeline parallelism (P > 1 stages) microbatches hold at most M // P tokens per rank (so any P
-consecutive slots hold at most M) and dhp prices two layouts with the 1F1B simulator, keeping the faster:
-its own (the first candidate's draft, the bins all in one last phase after every wide group, each group's
-microbatches in 1F1B order: second shortest, the rest longest first, shortest last), and rounds
-(`rounds.py`: every phase a partition of the domain with one microbatch per group, so no idle slot and
-equal slot counts, the rounds in the same 1F1B order).
+Under pipeline parallelism (P > 1 stages) dhp prices three layouts with the 1F1B simulator and keeps the
+fastest: its own (microbatches of at most M // P tokens per rank, so any P consecutive slots hold at most
+M; the first candidate's draft, the bins all in one last phase after every wide group, each group's
+microbatches in 1F1B order: second shortest, the rest longest first, shortest last), rounds of at most
+M // P per rank (`rounds.py`: every phase a partition of the domain with one microbatch per group, so no
+idle slot and equal slot counts), and rounds of nearly M per rank spaced by P - 1 filler slots (the whole
+in-flight budget on one round), both in the same 1F1B order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups, spaced_round_groups
 from megatron_dhp.workload.sample import Batch
 
 
@@ -165,8 +166,9 @@ class DhpPlanner:
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
         if p > 1:
-            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best),
-                                                      round_groups(batch, model.with_token_cap(inst.cap))])
+            spaced = spaced_round_groups(inst, batch, p)
+            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), round_groups(inst, batch),
+                                                      *([spaced] if spaced else [])])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -194,15 +196,9 @@ def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
 def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:
     """The candidate layout the 1F1B simulator runs fastest (the first of equals), its microbatches priced
     from the instance's tables."""
-    domain, model = inst.model.domain, inst.model
-    index = {int(i): k for k, i in enumerate(inst.ids)}
-    times = []
-    for groups in candidates:
-        plan = Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-                    max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages)
-        microbatch_s = {}
-        for gi, g in enumerate(groups):
-            t, m = inst.times(g.size, model.is_intra(g.ranks)), inst.overhead(g.size)
-            microbatch_s[gi] = tuple(m + float(t[[index[i] for i in mb]].sum()) for mb in g.microbatches)
-        times.append(pipeline_step_time(plan, model, microbatch_s))
+    domain = inst.model.domain
+    times = [pipeline_step_time(Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+                                     max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages),
+                                inst.model, {gi: inst.microbatch_times(g) for gi, g in enumerate(groups)})
+             for groups in candidates]
     return candidates[times.index(min(times))]
