@@ -163,3 +163,38 @@ def test_pipeline_step_time_from_given_microbatch_times_equals_simulate(gpt7b):
     plan = dataclasses.replace(random_plan(batch, gpt7b.domain, rng, max_phases=3), pipeline_stages=3)
     times = {gi: group_microbatch_times(plan, gi, gpt7b) for gi in range(len(plan.groups))}
     assert pipeline_step_time(plan, gpt7b, times) == simulate(plan, gpt7b).step_time_s
+
+
+@pytest.mark.parametrize("extras", [{}, EXTRAS])
+def test_bound_holds_on_random_plans_with_long_samples(gpt7b_config, extras):
+    # Long samples make the per-microbatch chain (all P forwards, then all P backwards) the bound's larger term.
+    cfg = dataclasses.replace(gpt7b_config, world_size=8, gpus_per_node=4, max_tokens_per_rank=16000, **extras)
+    model = build_cost_model(cfg)
+    rng = random.Random(7)
+    chain_won = 0
+    for trial in range(40):
+        nprng = np.random.default_rng(100 + trial)
+        lengths = nprng.integers(100, 8 * 16000, rng.randint(1, 6))
+        batch = Batch([Sample(i, int(n)) for i, n in enumerate(lengths)])
+        stages = rng.randint(2, 6)
+        plan = dataclasses.replace(random_plan(batch, cfg.domain, rng, max_phases=3), pipeline_stages=stages)
+        step = simulate(plan, model).step_time_s
+        bound = lower_bound(model, batch.samples, stages)
+        assert bound <= step * (1 + 1e-9)
+        tokens = np.array(lengths)
+        longest = model.microbatch_overhead(1) + float(model.best_time(tokens, model.sample_work(batch.samples),
+                                                                        lo=model.min_degree(tokens), hi=8)[0].max())
+        chain_won += bound == pytest.approx(model.step_overhead_s + longest)
+    assert chain_won > 10  # the new term decides most of these bounds
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_bound_is_tight_for_one_long_sample_on_its_best_degree(gpt7b, stages):
+    # One sample, one microbatch on the degree that runs it fastest: the step is its whole PP = 1 time.
+    tokens = np.array([200_000])
+    _, best = gpt7b.best_time(tokens, gpt7b.sample_work([Sample(0, 200_000)]), lo=gpt7b.min_degree(tokens), hi=64)
+    d = int(best[0])
+    plan = Plan("t", d, 8, (Sample(0, 200_000),), (PlanGroup(tuple(range(d)), ((0,),)),),
+                max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=stages)
+    # The bound is over the 64-rank domain; the plan uses d of its ranks.
+    assert lower_bound(gpt7b, plan.samples, stages) == pytest.approx(simulate(plan, gpt7b).step_time_s, rel=1e-9)

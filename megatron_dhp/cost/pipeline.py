@@ -119,13 +119,20 @@ def pipeline_step_time(plan: Plan, model: CostModel, microbatch_s: dict[int, tup
 def lower_bound(model: CostModel, samples, stages: int) -> float:
     """A step time no plan beats at `stages` pipeline stages; the model's own bound at 1 stage.
 
-    LB_P = sigma + W / P + (P - 1) m / P. Some position r carries W_r >= W seconds of PP = 1 slot time, so
-    its last stage is busy W_r / P; it cannot start before its first slot's forward has passed the P - 1
-    stages before it, nor finish before its last slot's backward has passed them back, and every slot, idle
-    or not, costs at least m: (P - 1) (m / 3 + 2 m / 3) / P more. W is the PP = 1 bound without sigma,
-    raised by the memory rule: P consecutive slots of a position hold at most M tokens per rank, so a
-    position holding T_r tokens per rank runs K_r >= P T_r / M - (P - 1) slots, and over all positions
-    sum K_r >= P sum L / M - N (P - 1) (each costing m on its position, against sum L / M in the PP = 1 bound).
+    LB_P = sigma + max(W / P + (P - 1) m / P, m + max_i min_d t(L_i, d)).
+
+    The first term: some position r carries W_r >= W seconds of PP = 1 slot time, so its last stage is busy
+    W_r / P; it cannot start before its first slot's forward has passed the P - 1 stages before it, nor
+    finish before its last slot's backward has passed them back, and every slot, idle or not, costs at
+    least m: (P - 1) (m / 3 + 2 m / 3) / P more. W is the PP = 1 bound without sigma, raised by the memory
+    rule: P consecutive slots of a position hold at most M tokens per rank, so a position holding T_r tokens
+    per rank runs K_r >= P T_r / M - (P - 1) slots, and over all positions sum K_r >= P sum L / M - N (P - 1)
+    (each costing m on its position, against sum L / M in the PP = 1 bound).
+
+    The second: every microbatch's forward passes all P stages and its backward all P stages back, one
+    after the other (F(j, 0) .. F(j, P - 1), B(j, P - 1) .. B(j, 0)), T / 3P + 2T / 3P on each: its whole
+    PP = 1 time T, not T / P. The microbatch holding sample i runs it on a group of d >= ceil(L_i / M) ranks
+    (a single slot is within the memory rule), so T >= m + min_d t(L_i, d).
     """
     if stages == 1:
         return model.lower_bound(samples)
@@ -137,4 +144,5 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     t_lo = model.sample_time(tokens, work, lo, lo <= model.domain.gpus_per_node)  # d t(L, d) is least at d = lo
     slots = max(float(tokens.sum()) / cap, stages * float(tokens.sum()) / cap - n * (stages - 1))
     area = (float((lo * t_lo).sum()) + m * slots) / n
-    return model.step_overhead_s + max(groups, area) / stages + (stages - 1) * m / stages
+    longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
+    return model.step_overhead_s + max(max(groups, area) / stages + (stages - 1) * m / stages, longest)
