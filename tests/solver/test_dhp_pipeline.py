@@ -12,7 +12,7 @@ from megatron_dhp.plan import Plan, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.planner import fastest_pipeline
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups, spaced_round_groups
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
 from megatron_dhp.workload import Batch, LengthSource, Sample
 
 
@@ -31,6 +31,10 @@ def instance(batch: Batch, model, stages: int = 4) -> Instance:
     return Instance.from_batch(batch, model, model.domain.max_tokens_per_rank // stages)
 
 
+def sorted_group(g):
+    return g.ranks, g.microbatches
+
+
 def pp_plan(model, batch: Batch, groups, stages: int = 4) -> Plan:
     return Plan("t", model.domain.world_size, model.domain.gpus_per_node, batch.samples, tuple(groups),
                 max_tokens_per_rank=model.domain.max_tokens_per_rank, pipeline_stages=stages)
@@ -38,7 +42,9 @@ def pp_plan(model, batch: Batch, groups, stages: int = 4) -> Plan:
 
 def test_rounds_cover_every_rank_once_per_phase_so_no_slot_is_idle(gpt7b):
     batch = long_tailed(0)
-    groups = round_groups(instance(batch, gpt7b), batch)
+    ordered, own = round_layouts(instance(batch, gpt7b), batch)
+    assert sorted(map(sorted_group, ordered)) == sorted(map(sorted_group, own))  # the same rounds, reordered
+    groups = ordered
     plan = pp_plan(gpt7b, batch, groups)
     plan.validate()
     slots = pipeline_slots(plan)
@@ -71,7 +77,7 @@ def test_dhp_keeps_the_fastest_layout_and_is_never_behind_the_peers(gpt7b, seed)
     batch = long_tailed(seed)
     dhp = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4)
     inst = instance(batch, gpt7b)
-    for groups in (round_groups(inst, batch), spaced_round_groups(inst, batch, 4)):
+    for groups in (*round_layouts(inst, batch), spaced_round_groups(inst, batch, 4)):
         assert dhp.predicted_step_time_s <= simulate(dataclasses.replace(dhp, groups=tuple(groups)), gpt7b).step_time_s
     for name in ("static", "megatron-hcp", "fcp-ref"):
         peer = run_planner(build_planner(name), batch, gpt7b, pipeline_stages=4)
@@ -82,9 +88,23 @@ def test_fastest_pipeline_prices_like_simulate(gpt7b):
     # Two layouts of the same samples: one round of packed microbatches, and each sample a microbatch of its own.
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=128, seed=0, index=0, capacity=gpt7b.domain.capacity)
     cap = gpt7b.domain.max_tokens_per_rank // 4
-    packed = [g for g in round_groups(Instance.from_batch(batch, gpt7b, cap), batch) if g.phase == 0]
+    packed = [g for g in round_layouts(Instance.from_batch(batch, gpt7b, cap), batch)[0] if g.phase == 0]
     part = Batch([batch.samples[k] for k, s in enumerate(batch.samples) if any(s.id in g.microbatches[0] for g in packed)])
     split = [dataclasses.replace(g, microbatches=tuple((i,) for i in g.microbatches[0])) for g in packed]
     chosen = fastest_pipeline(Instance.from_batch(part, gpt7b, cap), part, 4, [split, packed])
     times = [simulate(pp_plan(gpt7b, part, c), gpt7b).step_time_s for c in (split, packed)]
     assert times[0] != times[1] and chosen is (split, packed)[times.index(min(times))]
+
+
+def test_dhp_is_never_behind_static_or_fcp_ref_on_small_domains():
+    # Small random batches on small domains: static's one group size, or fcp-ref's rounds in their own order,
+    # is sometimes the fastest layout, and dhp prices both.
+    from tests.solver.conftest import model_for
+
+    rng = np.random.default_rng(0)
+    for trial, (n, gpn, stages) in enumerate([(3, 4, 3), (8, 2, 2), (5, 4, 3), (16, 4, 2), (12, 4, 4)]):
+        model = model_for(n, gpn)
+        batch = Batch([Sample(i, int(x)) for i, x in enumerate(np.minimum(rng.lognormal(6, 1.5, 30).astype(int) + 1, n * 8192))])
+        dhp = run_planner(build_planner("dhp"), batch, model, pipeline_stages=stages).predicted_step_time_s
+        for name in ("static", "fcp-ref"):
+            assert dhp <= run_planner(build_planner(name), batch, model, pipeline_stages=stages).predicted_step_time_s, (trial, name)

@@ -6,13 +6,14 @@ everything else is packed into the cells' remaining rank runs by LPT with microb
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
-Under pipeline parallelism (P > 1 stages) dhp prices three layouts with the 1F1B simulator and keeps the
+Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B simulator and keeps the
 fastest: its own (microbatches of at most M // P tokens per rank, so any P consecutive slots hold at most
 M; the first candidate's draft, the bins all in one last phase after every wide group, each group's
 microbatches in 1F1B order: second shortest, the rest longest first, shortest last), rounds of at most
 M // P per rank (`rounds.py`: every phase a partition of the domain with one microbatch per group, so no
-idle slot and equal slot counts), and rounds of nearly M per rank spaced by P - 1 filler slots (the whole
-in-flight budget on one round), both in the same 1F1B order.
+idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
+spaced by P - 1 filler slots (the whole in-flight budget on one round) in the 1F1B order, and static CP's
+layout sized by the batch (one group size in one phase: no idle slot; it wins on some small batches).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_groups, spaced_round_groups
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
+from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
 
 
@@ -167,8 +169,9 @@ class DhpPlanner:
                 best = draft
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
-            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), round_groups(inst, batch),
-                                                      *([spaced] if spaced else [])])
+            static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
+            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *round_layouts(inst, batch),
+                                                      *([spaced] if spaced else []), static])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)

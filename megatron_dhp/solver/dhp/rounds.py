@@ -11,7 +11,7 @@ so the shortest round goes last, the second shortest first, the rest longest fir
 does within a group).
 
 Fullness: the memory rule bounds the tokens per rank over any P consecutive slots by M. Rounds of at most
-M // P per rank are one way to meet it (`round_groups`). The other (`spaced_round_groups`) runs rounds of
+M // P per rank are one way to meet it (`round_layouts`). The other (`spaced_round_groups`) runs rounds of
 nearly M per rank, each followed by P - 1 *filler* slots: one group of the whole domain running the
 batch's shortest samples, one per microbatch, so a window of P slots holds one full round and fillers.
 Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost about an idle slot each.
@@ -27,11 +27,12 @@ from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, split_rounds
 from megatron_dhp.workload.sample import Batch
 
 
-def round_groups(inst: Instance, batch: Batch) -> list[PlanGroup]:
-    """fcp-ref's rounds of at most M // P tokens per rank (the instance's cap), ordered for 1F1B."""
+def round_layouts(inst: Instance, batch: Batch) -> list[list[PlanGroup]]:
+    """fcp-ref's rounds of at most M // P tokens per rank (the instance's cap), in 1F1B order and in its
+    own (longest bins first): the order heuristic is not always the faster one."""
     groups = FCPRefPlanner().solve(batch, inst.model.with_token_cap(inst.cap))
     phase_of = {q: k for k, q in enumerate(round_order(inst, groups))}
-    return [PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups]
+    return [[PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups], groups]
 
 
 def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanGroup] | None:
