@@ -133,6 +133,10 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     after the other (F(j, 0) .. F(j, P - 1), B(j, P - 1) .. B(j, 0)), T / 3P + 2T / 3P on each: its whole
     PP = 1 time T, not T / P. The microbatch holding sample i runs it on a group of d >= ceil(L_i / M) ranks
     (a single slot is within the memory rule), so T >= m + min_d t(L_i, d).
+
+    The third, `in_flight_bound`, weighs the memory rule against the work: a microbatch holding X tokens
+    on its group stays in flight at stage 0 for its whole PP = 1 time T or longer, and the microbatches
+    that stage keeps in flight hold at most M tokens per rank together.
     """
     if stages == 1:
         return model.lower_bound(samples)
@@ -145,4 +149,38 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     slots = max(float(tokens.sum()) / cap, stages * float(tokens.sum()) / cap - n * (stages - 1))
     area = (float((lo * t_lo).sum()) + m * slots) / n
     longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
-    return model.step_overhead_s + max(max(groups, area) / stages + (stages - 1) * m / stages, longest)
+    fill_drain = (stages - 1) * m / stages
+    mixed = in_flight_bound(model, tokens, work, stages, fill_drain + m * slots / (n * stages))
+    return model.step_overhead_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
+
+
+MIX_WEIGHTS = np.linspace(0.0, 1.0, 21)
+"""The weights lambda at which `in_flight_bound` mixes its two bounds."""
+
+
+def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, stages: int, area_const: float) -> float:
+    """A bound (without sigma) from the memory rule over time, mixed with the area bound per sample degree.
+
+    B: at every moment the microbatches stage 0 of a position keeps in flight are within P consecutive
+    slots (1F1B), so they hold at most M tokens per rank; a microbatch is in flight there from the start of
+    F(j, 0) to the end of B(j, 0), at least its PP = 1 time T. Integrated over the step and summed over the
+    N positions, N M (step - sigma) >= sum over microbatches of X T >= sum_i L_i (m + t(L_i, d_i)), with
+    d_i the degree sample i runs at. A: the area bound with those degrees, area_const + sum_i d_i t(L_i,
+    d_i) / (N P). Both hold for the plan's own degrees, so for every lambda in [0, 1] the step is at least
+    lambda A + (1 - lambda) B, and so at least its minimum over each sample's degree d >= ceil(L_i / M).
+    lambda = 1 is the area term alone; B alone would let every sample take its fastest degree.
+    """
+    n, cap, m = model.domain.world_size, model.domain.max_tokens_per_rank, model.microbatch_overhead(1)
+    ds = np.arange(1, n + 1)
+    lo = model.min_degree(tokens)
+    lam = MIX_WEIGHTS[:, None, None]
+    total = np.zeros(len(MIX_WEIGHTS))
+    step = max(1, 2**18 // n)  # bounded memory: weights x samples x N per chunk
+    for begin in range(0, len(tokens), step):
+        chunk = slice(begin, begin + step)
+        t = model.time_table(tokens[chunk], work[chunk], ds)
+        a = ds[None, :] * t / (n * stages)
+        b = tokens[chunk, None] * (m + t) / (n * cap)
+        mix = np.where(ds[None, None, :] >= lo[chunk, None][None], lam * a + (1 - lam) * b, np.inf)
+        total += mix.min(axis=2).sum(axis=1)
+    return float((MIX_WEIGHTS * area_const + total).max())
