@@ -15,13 +15,11 @@ starts when all of them are ready. Every op starts at the step overhead sigma at
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.pipeline import pipeline_slots
-from megatron_dhp.plan.plan import Plan, PlanError
+from megatron_dhp.plan.plan import Plan
 from megatron_dhp.workload.sample import Sample
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -46,79 +44,99 @@ def pipeline_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[flo
     """Each op's start and end (op = (unit, stage, F/B); a unit is one group's microbatch or one idle slot),
     each unit's PP = 1 seconds, each position's slots as unit ids, and the unit id of each real slot.
 
-    Kahn's algorithm over the op graph: an op is done once its stage predecessor and each member's previous
-    op are; an op left over is a cycle, which a plan laid out by `pipeline_slots` never has.
+    An op starts when its stage predecessor and each member's previous op at its stage have ended. Give
+    F(j, s) the tick 2j + s and B(j, s) the tick 2j + 2P - 1 - s: every dependency, stage to stage and along
+    any position's 1F1B order whatever its slot count, goes to a strictly later tick (the ops of a unit sit
+    at the same slot j on all its members by the layout), so the ops are timed one tick at a time, each
+    tick's ops at once.
     """
     p = plan.pipeline_stages
     idle_s = idle_slot_time(model)
     unit_of: dict[tuple[int, int], int] = {}
     unit_time: list[float] = []
+    unit_slot: list[int] = []
+    pair_unit: list[int] = []
+    pair_row: list[int] = []
     rows: list[list[int]] = []
-    for slots in pipeline_slots(plan):
+    for r, slots in enumerate(pipeline_slots(plan)):
         row = []
-        for slot in slots:
+        for j, slot in enumerate(slots):
             u = unit_of.get(slot) if slot is not None else None
             if u is None:
                 u = len(unit_time)
                 unit_time.append(idle_s if slot is None else microbatch_s[slot.group][slot.microbatch])
+                unit_slot.append(j)
                 if slot is not None:
                     unit_of[slot] = u
             row.append(u)
+            pair_unit.append(u)
+            pair_row.append(r)
         rows.append(row)
-    num_ops = len(unit_time) * p * 2
-    succ: list[list[int]] = [[] for _ in range(num_ops)]
-    indeg = [0] * num_ops
-
-    def op(u: int, s: int, kind: int) -> int:
-        return (u * p + s) * 2 + kind
-
-    def edge(a: int, b: int) -> None:
-        succ[a].append(b)
-        indeg[b] += 1
-
-    for u in range(len(unit_time)):
-        for s in range(p):
-            if s:
-                edge(op(u, s - 1, 0), op(u, s, 0))
-            edge(op(u, s + 1, 1) if s < p - 1 else op(u, s, 0), op(u, s, 1))
-    for row in rows:
-        for s in range(p):
-            order = one_f_one_b(len(row), s, p)
-            for (k0, j0), (k1, j1) in zip(order, order[1:]):
-                edge(op(row[j0], s, k0), op(row[j1], s, k1))
     unit = np.asarray(unit_time)
-    dur = np.empty(num_ops)
-    dur[0::2] = np.repeat(unit * FORWARD_SHARE / p, p)
-    dur[1::2] = np.repeat(unit * (1 - FORWARD_SHARE) / p, p)
-    start = [model.step_overhead_s] * num_ops
-    end = [0.0] * num_ops
-    ready = deque(i for i in range(num_ops) if indeg[i] == 0)
-    done = 0
-    while ready:
-        a = ready.popleft()
-        done += 1
-        end[a] = start[a] + dur[a]
-        for b in succ[a]:
-            if end[a] > start[b]:
-                start[b] = end[a]
-            indeg[b] -= 1
-            if indeg[b] == 0:
-                ready.append(b)
-    if done < num_ops:
-        raise PlanError(f"the plan's pipeline slots wait on each other in a cycle ({num_ops - done} ops never run)")
-    return np.asarray(start), np.asarray(end), unit, rows, unit_of
+    num_units, num_ops = len(unit_time), len(unit_time) * p * 2
+    # op id (u * P + s) * 2 + kind, as arrays over all ops
+    u_of = np.repeat(np.arange(num_units), 2 * p)
+    s_of = np.tile(np.repeat(np.arange(p), 2), num_units)
+    kind = np.tile([0, 1], num_units * p)
+    j_of = np.asarray(unit_slot, dtype=np.int64)[u_of]
+    tick = np.where(kind == 0, 2 * j_of + s_of, 2 * j_of + 2 * p - 1 - s_of)
+    ids = np.arange(num_ops)
+    pred = np.where(kind == 0, np.where(s_of > 0, ids - 2, num_ops), np.where(s_of < p - 1, ids + 2, ids - 1))
+    dur = np.where(kind == 0, FORWARD_SHARE, 1 - FORWARD_SHARE) * unit[u_of] / p
+    # each op's members as resources (row, stage): a unit's pairs, grouped by unit
+    by_unit = np.argsort(np.asarray(pair_unit, dtype=np.int64), kind="stable")
+    member_rows = np.asarray(pair_row, dtype=np.int64)[by_unit]
+    size = np.bincount(np.asarray(pair_unit, dtype=np.int64), minlength=num_units)
+    first = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
+    order = np.argsort(tick, kind="stable")
+    count = size[u_of[order]]
+    pair_at = np.repeat(first[u_of[order]] - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+    resource = member_rows[pair_at] * p + np.repeat(s_of[order], count)
+    op_bounds = np.searchsorted(tick[order], np.arange(int(tick.max(initial=-1)) + 2))
+    pair_bounds = np.concatenate([[0], np.cumsum(count)])
+    start = np.full(num_ops, model.step_overhead_s)
+    end = np.full(num_ops + 1, model.step_overhead_s)  # end[num_ops]: no predecessor
+    free = np.full(len(rows) * p, model.step_overhead_s)
+    for a, b in zip(op_bounds[:-1], op_bounds[1:]):
+        if a == b:
+            continue
+        ops = order[a:b]
+        pa, pb = pair_bounds[a], pair_bounds[b]
+        res = resource[pa:pb]
+        t0 = np.maximum(end[pred[ops]], np.maximum.reduceat(free[res], pair_bounds[a:b] - pa))
+        t1 = t0 + dur[ops]
+        start[ops], end[ops] = t0, t1
+        free[res] = np.repeat(t1, count[a:b])
+    return start, end[:num_ops], unit, rows, unit_of
+
+
+def pipeline_step_time(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[float, ...]]) -> float:
+    """The plan's step time under 1F1B given each group's microbatch times (a planner comparing layouts
+    prices them from its own tables; `simulate` gives the same number)."""
+    return float(pipeline_ops(plan, model, microbatch_s)[1].max(initial=model.step_overhead_s))
 
 
 def lower_bound(model: CostModel, samples, stages: int) -> float:
     """A step time no plan beats at `stages` pipeline stages; the model's own bound at 1 stage.
 
-    LB_P = sigma + W / P + (P - 1) m / P. Some position r carries W_r >= W seconds of PP = 1 slot time, so
-    its last stage is busy W_r / P; it cannot start before its first slot's forward has passed the P - 1
-    stages before it, nor finish before its last slot's backward has passed them back, and every slot, idle
-    or not, costs at least m: (P - 1) (m / 3 + 2 m / 3) / P more. W is the PP = 1 bound without sigma,
-    raised by the memory rule: P consecutive slots of a position hold at most M tokens per rank, so a
-    position holding T_r tokens per rank runs K_r >= P T_r / M - (P - 1) slots, and over all positions
-    sum K_r >= P sum L / M - N (P - 1) (each costing m on its position, against sum L / M in the PP = 1 bound).
+    LB_P = sigma + max(W / P + (P - 1) m / P, m + max_i min_d t(L_i, d)).
+
+    The first term: some position r carries W_r >= W seconds of PP = 1 slot time, so its last stage is busy
+    W_r / P; it cannot start before its first slot's forward has passed the P - 1 stages before it, nor
+    finish before its last slot's backward has passed them back, and every slot, idle or not, costs at
+    least m: (P - 1) (m / 3 + 2 m / 3) / P more. W is the PP = 1 bound without sigma, raised by the memory
+    rule: P consecutive slots of a position hold at most M tokens per rank, so a position holding T_r tokens
+    per rank runs K_r >= P T_r / M - (P - 1) slots, and over all positions sum K_r >= P sum L / M - N (P - 1)
+    (each costing m on its position, against sum L / M in the PP = 1 bound).
+
+    The second: every microbatch's forward passes all P stages and its backward all P stages back, one
+    after the other (F(j, 0) .. F(j, P - 1), B(j, P - 1) .. B(j, 0)), T / 3P + 2T / 3P on each: its whole
+    PP = 1 time T, not T / P. The microbatch holding sample i runs it on a group of d >= ceil(L_i / M) ranks
+    (a single slot is within the memory rule), so T >= m + min_d t(L_i, d).
+
+    The third, `in_flight_bound`, weighs the memory rule against the work: a microbatch holding X tokens
+    on its group stays in flight at stage 0 for its whole PP = 1 time T or longer, and the microbatches
+    that stage keeps in flight hold at most M tokens per rank together.
     """
     if stages == 1:
         return model.lower_bound(samples)
@@ -130,4 +148,39 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     t_lo = model.sample_time(tokens, work, lo, lo <= model.domain.gpus_per_node)  # d t(L, d) is least at d = lo
     slots = max(float(tokens.sum()) / cap, stages * float(tokens.sum()) / cap - n * (stages - 1))
     area = (float((lo * t_lo).sum()) + m * slots) / n
-    return model.step_overhead_s + max(groups, area) / stages + (stages - 1) * m / stages
+    longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
+    fill_drain = (stages - 1) * m / stages
+    mixed = in_flight_bound(model, tokens, work, stages, fill_drain + m * slots / (n * stages))
+    return model.step_overhead_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
+
+
+MIX_WEIGHTS = np.linspace(0.0, 1.0, 21)
+"""The weights lambda at which `in_flight_bound` mixes its two bounds."""
+
+
+def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, stages: int, area_const: float) -> float:
+    """A bound (without sigma) from the memory rule over time, mixed with the area bound per sample degree.
+
+    B: at every moment the microbatches stage 0 of a position keeps in flight are within P consecutive
+    slots (1F1B), so they hold at most M tokens per rank; a microbatch is in flight there from the start of
+    F(j, 0) to the end of B(j, 0), at least its PP = 1 time T. Integrated over the step and summed over the
+    N positions, N M (step - sigma) >= sum over microbatches of X T >= sum_i L_i (m + t(L_i, d_i)), with
+    d_i the degree sample i runs at. A: the area bound with those degrees, area_const + sum_i d_i t(L_i,
+    d_i) / (N P). Both hold for the plan's own degrees, so for every lambda in [0, 1] the step is at least
+    lambda A + (1 - lambda) B, and so at least its minimum over each sample's degree d >= ceil(L_i / M).
+    lambda = 1 is the area term alone; B alone would let every sample take its fastest degree.
+    """
+    n, cap, m = model.domain.world_size, model.domain.max_tokens_per_rank, model.microbatch_overhead(1)
+    ds = np.arange(1, n + 1)
+    lo = model.min_degree(tokens)
+    lam = MIX_WEIGHTS[:, None, None]
+    total = np.zeros(len(MIX_WEIGHTS))
+    step = max(1, 2**18 // n)  # bounded memory: weights x samples x N per chunk
+    for begin in range(0, len(tokens), step):
+        chunk = slice(begin, begin + step)
+        t = model.time_table(tokens[chunk], work[chunk], ds)
+        a = ds[None, :] * t / (n * stages)
+        b = tokens[chunk, None] * (m + t) / (n * cap)
+        mix = np.where(ds[None, None, :] >= lo[chunk, None][None], lam * a + (1 - lam) * b, np.inf)
+        total += mix.min(axis=2).sum(axis=1)
+    return float((MIX_WEIGHTS * area_const + total).max())

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.workload.sample import Batch
 
 
@@ -22,6 +23,7 @@ class Instance:
     cap: int
     """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism."""
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
+    _index: dict[int, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None) -> Instance:
@@ -51,3 +53,10 @@ class Instance:
         if key not in self._times:
             self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra)
         return self._times[key]
+
+    def microbatch_times(self, group: PlanGroup) -> tuple[float, ...]:
+        """Seconds of each of a planned group's microbatches (overhead plus its samples), from the tables."""
+        if not self._index:
+            self._index.update((int(i), k) for k, i in enumerate(self.ids))
+        t, m = self.times(group.size, self.model.is_intra(group.ranks)), self.overhead(group.size)
+        return tuple(m + float(t[[self._index[i] for i in mb]].sum()) for mb in group.microbatches)

@@ -6,11 +6,14 @@ everything else is packed into the cells' remaining rank runs by LPT with microb
 rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
-Under pipeline parallelism (P > 1 stages) the same search runs with microbatches of at most M // P tokens
-per rank (so any P consecutive slots hold at most M); the bins then all run in one last phase after every
-wide group (the last phase is not padded with idle slots, and the wide groups' phases hold few microbatches),
-and each group's microbatches are ordered for 1F1B: its shortest last and its second shortest first (the fill waits on the first slot's forward, the drain
-on the last slot's backward, twice as long), the rest longest first.
+Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B simulator and keeps the
+fastest: its own (microbatches of at most M // P tokens per rank, so any P consecutive slots hold at most
+M; the first candidate's draft, the bins all in one last phase after every wide group, each group's
+microbatches in 1F1B order: second shortest, the rest longest first, shortest last), rounds of at most
+M // P per rank (`rounds.py`: every phase a partition of the domain with one microbatch per group, so no
+idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
+spaced by P - 1 filler slots (the whole in-flight budget on one round) in the 1F1B order, and static CP's
+layout sized by the batch (one group size in one phase: no idle slot; it wins on some small batches).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from typing import ClassVar
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
-from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.cost.pipeline import pipeline_step_time
+from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
+from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
+from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
 
 
@@ -153,14 +159,19 @@ class DhpPlanner:
         candidates = sorted((Candidate.make(inst, c, target, degrees_of) for c in cells),
                             key=lambda c: (round(c.bound_s / target, 9), -c.cell))
         best: Draft | None = None
-        for cand in candidates:
+        # Under PP the makespan this search minimises is not the step (1F1B prices it below), and the wide
+        # chain that M // P makes usually ties every candidate: the first one is the draft.
+        for cand in candidates[: 1 if p > 1 else None]:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
                 break
             draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
         if p > 1:
-            return pipeline_groups(inst, best)
+            spaced = spaced_round_groups(inst, batch, p)
+            static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
+            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *round_layouts(inst, batch),
+                                                      *([spaced] if spaced else []), static])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -181,7 +192,16 @@ def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
 def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
     """The group's microbatches in 1F1B order: second shortest, the rest longest first, shortest."""
     times = inst.times(group.size, inst.model.is_intra(group.ranks))
-    by_time = sorted(group.microbatches, key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb)))
-    if len(by_time) < 3:
-        return by_time[::-1]
-    return [by_time[-2], *by_time[:-2], by_time[-1]]
+    return pipeline_order_of(sorted(group.microbatches,
+                                    key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb))))
+
+
+def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:
+    """The candidate layout the 1F1B simulator runs fastest (the first of equals), its microbatches priced
+    from the instance's tables."""
+    domain = inst.model.domain
+    times = [pipeline_step_time(Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+                                     max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages),
+                                inst.model, {gi: inst.microbatch_times(g) for gi, g in enumerate(groups)})
+             for groups in candidates]
+    return candidates[times.index(min(times))]

@@ -1,0 +1,87 @@
+"""Rounds for 1F1B: every phase a partition of the whole domain, each group running one microbatch.
+
+Under pipeline parallelism every phase but the last is padded to its longest group's microbatch count
+(`plan.pipeline_slots`), so a layout whose phases each cover every rank with one microbatch per group runs
+no idle slot and gives every position the same slot count. The rounds are fcp-ref's (best-fit decreasing
+into atomic groups, first-fit into rounds, a makespan DP over each round's degrees: `solver/fcp_ref.py`);
+what 1F1B adds is their order and how full they are.
+
+Order: the fill waits on the first slot's forward and the drain on the last slot's backward, twice as long,
+so the shortest round goes last, the second shortest first, the rest longest first (as `pipeline_order`
+does within a group).
+
+Fullness: the memory rule bounds the tokens per rank over any P consecutive slots by M. Rounds of at most
+M // P per rank are one way to meet it (`round_layouts`). The other (`spaced_round_groups`) runs rounds of
+nearly M per rank, each followed by P - 1 *filler* slots: one group of the whole domain running the
+batch's shortest samples, one per microbatch, so a window of P slots holds one full round and fillers.
+Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost about an idle slot each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, split_rounds
+from megatron_dhp.workload.sample import Batch
+
+
+def round_layouts(inst: Instance, batch: Batch) -> list[list[PlanGroup]]:
+    """fcp-ref's rounds of at most M // P tokens per rank (the instance's cap), in 1F1B order and in its
+    own (longest bins first): the order heuristic is not always the faster one."""
+    groups = FCPRefPlanner().solve(batch, inst.model.with_token_cap(inst.cap))
+    phase_of = {q: k for k, q in enumerate(round_order(inst, groups))}
+    return [[PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups], groups]
+
+
+def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanGroup] | None:
+    """Full rounds ordered for 1F1B with P - 1 filler slots between consecutive ones; None where the batch
+    fits one round or has too few short samples to fill the gaps."""
+    model = inst.model
+    n, cap = model.domain.world_size, model.domain.max_tokens_per_rank
+    shortest = sorted(batch.samples, key=lambda s: (s.tokens, s.id))
+    num_fillers = 0
+    for _ in range(3):  # the fillers leave the rounds, which may then need fewer gaps
+        if num_fillers >= len(shortest):
+            return None
+        fillers = shortest[:num_fillers]
+        filler_cap = -(-sum(s.tokens for s in fillers[-(stages - 1):]) // n) if fillers else 0
+        rest = shortest[num_fillers:]
+        tokens = np.array([s.tokens for s in rest], dtype=np.int64)
+        if filler_cap >= cap or int(tokens.max()) > n * (cap - filler_cap):
+            return None
+        rounds = len(split_rounds(bfd_pack(tokens, -(-tokens // (cap - filler_cap)), cap - filler_cap), n))
+        gaps = rounds - 1
+        if gaps * (stages - 1) <= num_fillers:
+            break
+        num_fillers = gaps * (stages - 1)
+    else:
+        return None
+    if gaps < 1 or sum(s.tokens for s in fillers[-stages:]) > n * cap:  # P fillers in a row hold M too
+        return None
+    filler_ids = {s.id for s in fillers}
+    groups = FCPRefPlanner().solve(Batch([s for s in batch.samples if s.id not in filler_ids]),
+                                   model.with_token_cap(cap - filler_cap))
+    phase_of = {q: 2 * k for k, q in enumerate(round_order(inst, groups))}
+    out = [PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups]
+    everyone = tuple(range(n))
+    for k in range(gaps):  # the surplus fillers, if any, go to the first gaps
+        share = fillers[k::gaps]
+        out.append(PlanGroup(ranks=everyone, microbatches=tuple((s.id,) for s in share), phase=2 * k + 1))
+    return out
+
+
+def round_order(inst: Instance, groups: list[PlanGroup]) -> list[int]:
+    """The rounds (phases) of one-microbatch groups in 1F1B order of their longest microbatch."""
+    span: dict[int, float] = {}
+    for g in groups:
+        span[g.phase] = max(span.get(g.phase, 0.0), *inst.microbatch_times(g))
+    return pipeline_order_of(sorted(span, key=lambda q: (-span[q], q)))
+
+
+def pipeline_order_of(longest_first: list) -> list:
+    """Items sorted longest first, reordered for 1F1B: second shortest, the rest longest first, shortest."""
+    if len(longest_first) < 3:
+        return longest_first[::-1]
+    return [longest_first[-2], *longest_first[:-2], longest_first[-1]]
