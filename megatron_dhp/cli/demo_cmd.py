@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dhp.cli.train_cmd import add_train_args
+from megatron_dhp.cli.train_cmd import add_pp_arg, add_train_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,12 +19,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "planner, then with DHP, on the same batches and weights, and print step "
                                    "time, speed-up and final loss side by side.")
     add_train_args(p)
+    add_pp_arg(p)
     p.add_argument("--planners", default="static,dhp", metavar="A,B",
                    help="planners to compare, the first is the baseline (default static,dhp)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                    help="profile this machine first and plan with the fitted cost model, so that predicted "
                         "step times are this machine's (default; adds under a minute); --no-calibrate uses "
-                        "the config's cost model")
+                        "the config's cost model (needed with --pp > 1)")
     p.add_argument("--out", default="demo_out", metavar="DIR", help="folder for the plot and JSON (default demo_out)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines (progress bars and the table only)")
     p.set_defaults(run=run)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in planners if p not in PLANNERS]
     if len(planners) < 2 or unknown:
         raise DhpError(f"--planners {args.planners!r}: give at least two of {', '.join(PLANNERS)}")
-    config = load_config(args)
+    config = load_config(args, train={"pp": args.pp})
     console = make_console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "the previous one trains, dispatched, run as per-group context parallelism, "
                                    "reduced and stepped by megatron-core's optimizer.")
     add_train_args(p)
+    add_pp_arg(p)
     p.add_argument("--planner", choices=sorted(PLANNERS), help="planner (overrides dhp.planner; nothing else changes)")
     p.add_argument("--save", metavar="DIR", help="checkpoint folder (overrides train.save)")
     p.add_argument("--save-interval", type=int, metavar="K", help="save every K steps (overrides train.save_interval)")
@@ -38,6 +39,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, metavar="N", help="steps to train (overrides train.steps)")
     p.add_argument("--cost", metavar="YAML", help="cost model: preset name or YAML, e.g. from `megatron-dhp profile` "
                                                   "(overrides dhp.cost)")
+
+
+def add_pp_arg(p: argparse.ArgumentParser) -> None:
+    """--pp, which `train` and `demo` take (`profile` times groups without a pipeline)."""
+    p.add_argument("--pp", type=int, metavar="P", help="pipeline stages, run by megatron-core's 1F1B; nproc must "
+                                                       "be a multiple of tp x P (overrides train.pp)")
 
 
 def quiet_megatron() -> None:
@@ -71,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     quiet_megatron()
     from megatron_dhp.training.train import train
 
-    config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load},
-                         dhp={"planner": args.planner})
+    config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load,
+                                      "pp": args.pp}, dhp={"planner": args.planner})
     result = train(config, show=True, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":
         return 0

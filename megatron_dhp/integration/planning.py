@@ -36,8 +36,11 @@ def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_s
 class StepPlanner:
     """Turns each step's gathered batch into its plan; `prefetch` starts the next one in the background."""
 
-    def __init__(self, config: DhpConfig, cost: CostConfig, *, dataset_max_tokens: int | None = None) -> None:
+    def __init__(self, config: DhpConfig, cost: CostConfig, *, dataset_max_tokens: int | None = None,
+                 pipeline_stages: int = 1) -> None:
         self.config = config
+        self.pipeline_stages = pipeline_stages
+        """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s)
@@ -64,4 +67,4 @@ class StepPlanner:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _solve(self, batch: Batch) -> Plan:
-        return run_planner(self.planner, batch, self.model)
+        return run_planner(self.planner, batch, self.model, pipeline_stages=self.pipeline_stages)

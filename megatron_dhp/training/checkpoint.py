@@ -6,10 +6,12 @@ Layout of `--save DIR`:
     DIR/step_000010/meta.json   step, the run's fingerprint, size and sha256 of every rank file
     DIR/step_000010/rank0.pt    this rank's state: tensors and plain containers only
 
-Every rank writes its own file (`torch.save`); rank 0 writes `meta.json` and then `latest`, each through a
-temporary file and an atomic rename, so an interrupted save never replaces a good checkpoint. Loading reads
+Every rank writes its own file (`torch.save`; under pipeline parallelism its stage's part of the model, so
+a checkpoint resumes only on the same train.pp, which is in the fingerprint); rank 0 writes `meta.json` and
+then `latest`, each through a temporary file and an atomic rename, so an interrupted save never replaces a
+good checkpoint. Loading reads
 files with `torch.load(weights_only=True)` (no code runs from a checkpoint), checks each file's size and
-hash and the fingerprint (model, TP, world size, data) against the live run, and agrees on the outcome over
+hash and the fingerprint (model, TP, PP, world size, data) against the live run, and agrees on the outcome over
 the world before anything is applied: a bad file on one rank stops every rank with a `DhpError` naming it.
 The planner is not in the fingerprint: the math is the same under any plan, so a run may resume under
 another planner (its losses then agree to fp32 rounding rather than bit for bit).
@@ -36,7 +38,8 @@ def run_fingerprint(config: TrainConfig, *, world_size: int) -> dict:
     """What must match for a checkpoint to resume this run: the model, its sharding and the data."""
     data = to_mapping(config.data)
     data["truncate"] = config.dhp.truncate
-    return {"model": to_mapping(config.model), "tp": config.train.tp, "world_size": world_size, "data": data}
+    stages = {"pp": config.train.pp} if config.train.pp > 1 else {}  # PP 1 fingerprints as before: old checkpoints resume
+    return {"model": to_mapping(config.model), "tp": config.train.tp, **stages, "world_size": world_size, "data": data}
 
 
 class Checkpointer:

@@ -84,7 +84,9 @@ class RunConfig:
     nproc: int = 0
     """Ranks to spawn when not under torchrun (0: one per CPU core, at least 2)."""
     tp: int = 1
-    """Static tensor-parallel size; the dynamic domain is the other nproc / tp ranks."""
+    """Static tensor-parallel size; the dynamic domain is the other nproc / (tp x pp) ranks."""
+    pp: int = 1
+    """Pipeline stages (megatron-core's non-interleaved 1F1B); every stage's domain applies the same plan."""
     save: str | None = None
     """Checkpoint directory (written every `save_interval` steps and after the last step)."""
     save_interval: int = 0
@@ -96,7 +98,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("steps", "tp"):
+        for name in ("steps", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 1")
         for name in ("warmup_steps", "save_interval", "nproc"):
@@ -108,16 +110,23 @@ class RunConfig:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
         if self.warmup_steps >= self.steps:
             raise DhpError(f"train.warmup_steps = {self.warmup_steps} must be below train.steps = {self.steps}")
-        if self.nproc and self.nproc % self.tp:
-            raise DhpError(f"train.nproc = {self.nproc} must be a multiple of train.tp = {self.tp}")
+        if self.nproc and self.nproc % self.model_parallel:
+            raise DhpError(f"train.nproc = {self.nproc} must be a multiple of train.tp x train.pp = "
+                           f"{self.tp} x {self.pp}" if self.pp > 1 else
+                           f"train.nproc = {self.nproc} must be a multiple of train.tp = {self.tp}")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one model replica spans (tp x pp); the dynamic domain is the ranks divided by this."""
+        return self.tp * self.pp
 
     @property
     def num_ranks(self) -> int:
-        """The ranks to spawn: `nproc`, or one per core (at least 2, rounded up to a multiple of tp)."""
+        """The ranks to spawn: `nproc`, or one per core (at least 2, rounded up to a multiple of tp x pp)."""
         if self.nproc:
             return self.nproc
         n = max(2, os.cpu_count() or 1)
-        return -(-n // self.tp) * self.tp
+        return -(-n // self.model_parallel) * self.model_parallel
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,12 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
         apply_cpu_compat()
     world = int(os.environ["WORLD_SIZE"])
     try:
-        if world % config.train.tp:
-            raise DhpError(f"the job has {world} ranks, not a multiple of train.tp = {config.train.tp}")
-        init_distributed(backend=backend, tensor_parallel=config.train.tp, seed=config.train.seed,
-                         timeout=timedelta(seconds=config.train.timeout_s))
+        run = config.train
+        if world % run.model_parallel:
+            raise DhpError(f"the job has {world} ranks, not a multiple of train.tp x train.pp = {run.tp} x {run.pp}"
+                           if run.pp > 1 else f"the job has {world} ranks, not a multiple of train.tp = {run.tp}")
+        init_distributed(backend=backend, tensor_parallel=run.tp, pipeline_parallel=run.pp, seed=run.seed,
+                         timeout=timedelta(seconds=run.timeout_s))
         return fn(config, *args)
     except DhpError as e:
         return _Failure(str(e))

@@ -3,8 +3,10 @@
 Per step t (the collectives' order is the engine's, `runtime/engine.py`):
 1. the engine takes step t's plan (solved in the background while step t-1 trained), checks it on every
    rank, gathers step t+1's lengths and starts planning it, creates step t's groups and moves its tokens;
-2. the microbatches run (`run_step`, the engine's walk);
-3. gradients are reduced over the domain, the megatron-core optimizer steps, the step's numbers are gathered.
+2. the microbatches run (`run_step`, the engine's walk; under PP megatron-core's 1F1B over this position's
+   slots, `runtime.pipeline.run_pipeline_step`);
+3. gradients are reduced over the domain (under PP inside `finalize_model_grads`, so in "meas"), the
+   megatron-core optimizer steps, the step's numbers are gathered (loss and tokens from the last stage).
 
 "meas" is what the plan predicts: the forward+backward makespan, from a barrier at the step's start to the
 end of the slowest rank's last backward. Gradient sync and the optimizer are timed apart.
@@ -30,6 +32,7 @@ from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.solver import static_cp_size
 from megatron_dhp.training.checkpoint import Checkpointer
@@ -98,8 +101,13 @@ class Trainer:
         self.longest = longest
         """The run's longest sample: what Megatron's static CP is sized for (the static planner's CP)."""
         self.static_cp = static_cp_size(longest, self.cost.domain)
-        self.planner = StepPlanner(config.dhp, self.cost, dataset_max_tokens=longest)
+        self.planner = StepPlanner(config.dhp, self.cost, dataset_max_tokens=longest,
+                                   pipeline_stages=config.train.pp)
         self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups)
+        if config.train.pp > 1:
+            check_pipeline(self.domain)
+        self.loss_ranks = _last_stage_domain()
+        """The global ranks whose losses and token counts make the batch's: this TP coordinate's last stage."""
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
         self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
         self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
@@ -110,8 +118,9 @@ class Trainer:
     def describe(self) -> str:
         """One line on what runs: model, ranks, planner, memory cap, cost model, data."""
         c, n = self.config, sum(p.numel() for p in self.model.parameters())
+        pp = f", PP {c.train.pp}" if c.train.pp > 1 else ""
         return (f"GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
-                f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}) | planner "
+                f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
                 f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
@@ -166,9 +175,14 @@ class Trainer:
         dhp = self.config.dhp
         dist.barrier(group=self.domain.group)
         t0 = time.perf_counter()
-        result = run_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend, grad_sync=False)
-        t1 = time.perf_counter()
-        self.model.finish_grad_sync()
+        if self.config.train.pp > 1:  # megatron-core's finalize_model_grads reduces the gradients inside
+            result = run_pipeline_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend)
+            t1 = time.perf_counter()
+        else:
+            result = run_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend,
+                              grad_sync=False)
+            t1 = time.perf_counter()
+            self.model.finish_grad_sync()
         t2 = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
         t3 = time.perf_counter()
@@ -181,13 +195,13 @@ class Trainer:
 
     def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
                 loss_tokens: int) -> StepRecord:
-        """Sum the losses over this domain, take the slowest rank's times over the world. Collective."""
+        """Sum the losses over the last stage's domain, take the slowest rank's times over the world. Collective."""
         world = dist.get_world_size()
         local = torch.tensor(mine, dtype=torch.float64, device=self.domain.device)
         table = local.new_empty(world * local.numel())
         all_gather_single(table, local)
         table = table.view(world, -1).cpu()
-        ours = table[list(self.domain.global_ranks)]
+        ours = table[list(self.loss_ranks)]
         times = table[:, 2:].max(dim=0).values.tolist()
         num_tokens = int(ours[:, 1].sum())
         assert num_tokens == sum(s.tokens for s in plan.samples), "every token of the batch runs exactly once"
@@ -208,3 +222,14 @@ class Trainer:
             plan_wait_s=times[3],
             wall_s=times[4],
         )
+
+
+def _last_stage_domain() -> tuple[int, ...]:
+    """The domain of this rank's TP coordinate at the last pipeline stage (this rank's domain without PP),
+    where the loss is computed. Collective over the world."""
+    from megatron.core import parallel_state
+
+    mine = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.is_pipeline_last_stage())
+    everyone: list[tuple[int, bool]] = [(0, False)] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(r for r, (tp, last) in enumerate(everyone) if tp == mine[0] and last)

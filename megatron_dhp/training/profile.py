@@ -62,6 +62,9 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.training.job import run_on_ranks
 
+    if config.train.pp > 1:
+        raise DhpError(f"train.pp = {config.train.pp}: profiling times groups without a pipeline and needs "
+                       "train.pp = 1 (demo: add --no-calibrate)")
     ranks = config.train.num_ranks // config.train.tp
     cap = config.dhp.max_tokens_per_rank
     grid = grid or default_grid(num_ranks=ranks, max_tokens_per_rank=cap) + data_grid(config)

@@ -33,6 +33,8 @@ def test_overrides_replace_only_the_given_keys():
     ({"train": {"steps": 0}}, r"train.steps = 0 must be >= 1"),
     ({"train": {"steps": 4, "warmup_steps": 4}}, r"train.warmup_steps = 4 must be below train.steps = 4"),
     ({"train": {"nproc": 3, "tp": 2}}, r"train.nproc = 3 must be a multiple of train.tp = 2"),
+    ({"train": {"pp": 0}}, r"train.pp = 0 must be >= 1"),
+    ({"train": {"nproc": 6, "tp": 2, "pp": 2}}, r"train.nproc = 6 must be a multiple of train.tp x train.pp = 2 x 2"),
     ({"train": {"lr": 1e-3, "min_lr": 1e-2}}, r"min_lr = 0.01 between 0 and lr"),
     ({"model": {"hidden_size": 62}}, r"model.hidden_size 62 must be a multiple of num_attention_heads 4"),
     ({"model": {"num_query_groups": 3}}, r"num_attention_heads 4 must be a multiple of num_query_groups 3"),
@@ -66,11 +68,12 @@ def test_auto_rank_count_is_at_least_two_and_a_multiple_of_tp():
     assert RunConfig().num_ranks >= 2
     assert RunConfig(tp=2).num_ranks % 2 == 0
     assert RunConfig(nproc=3).num_ranks == 3
+    assert RunConfig(tp=2, pp=3).num_ranks % 6 == 0
 
 
 @pytest.mark.parametrize("command,words", [
-    ("train", ["--config", "--planner", "--save", "--save-interval", "--load", "--nproc", "--cost"]),
-    ("demo", ["--config", "--nproc", "--planners", "--calibrate", "--out"]),
+    ("train", ["--config", "--planner", "--save", "--save-interval", "--load", "--nproc", "--cost", "--pp"]),
+    ("demo", ["--config", "--nproc", "--planners", "--calibrate", "--out", "--pp"]),
     ("profile", ["--config", "--lengths", "--data-points", "--calibration-steps", "--reps", "--out"]),
 ])
 def test_help(command, words, capsys):
@@ -91,6 +94,12 @@ def test_cli_errors_are_one_line(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_calibration_refuses_a_pipeline_in_one_line(tmp_path, capsys):
+    assert main(["demo", "--pp", "2", "--nproc", "4", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.pp = 2" in err and "--no-calibrate" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bad_yaml_key_through_the_cli(tmp_path, capsys):

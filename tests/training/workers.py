@@ -99,3 +99,27 @@ def _load_error(config: TrainConfig, folder: Path) -> str:
 def single_process_run(config: TrainConfig, two_rank_checkpoint: str) -> dict:
     """One rank: the whole batch in one process; then a 2-rank checkpoint must be refused."""
     return {"single": Trainer(config).train(), "world_mismatch": _load_error(config, Path(two_rank_checkpoint))}
+
+
+PP_STEPS = 6
+PP_SAVE_AT = 3
+
+
+def pipeline_runs(config: TrainConfig, folder: str) -> dict:
+    """PP 2: static, then dhp saving at step 3, then dhp resumed from step 3 (each rank's stage file)."""
+    from megatron.core import parallel_state
+
+    out: dict = {"rank": dist.get_rank(), "stage": parallel_state.get_pipeline_model_parallel_rank()}
+    out["static"] = Trainer(config.with_overrides(dhp={"planner": "static"})).train()
+    saving = config.with_overrides(dhp={"planner": "dhp"}, train={"save": folder, "save_interval": PP_SAVE_AT})
+    out["dhp"] = Trainer(saving).train()
+    resumed = Trainer(config.with_overrides(dhp={"planner": "dhp"}))
+    resumed.resume(str(Path(folder) / f"step_{PP_SAVE_AT:06d}"))
+    out["resumed"] = resumed.train()
+    out["other_pp"] = _load_error(config.with_overrides(train={"pp": 1}), Path(folder))
+    return out
+
+
+def plain_run(config: TrainConfig) -> list:
+    """One trainer of `config` from scratch."""
+    return Trainer(config).train()
