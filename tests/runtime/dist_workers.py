@@ -31,6 +31,13 @@ def batch() -> Batch:
     return Batch.from_lengths(LENGTHS)
 
 
+def start_cpu_rank(*, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """What every spawned CPU rank of these tests does first: quiet warnings, the CPU shim, the process groups."""
+    warnings.filterwarnings("ignore")
+    apply_cpu_compat()
+    init_distributed(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, timeout=timedelta(seconds=60))
+
+
 def plans_of_four() -> dict[str, Plan]:
     """Hand-written plans on a domain of 4 that between them use group sizes 1, 2, 3 and 4."""
     b = batch().samples
@@ -51,9 +58,7 @@ def plans_of_four() -> dict[str, Plan]:
 
 def domain_of_four_checks() -> dict:
     """TP 1 on 4 ranks: exactness per plan and variant, token coverage, pool reuse and LRU, plan divergence."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=1, timeout=timedelta(seconds=60))
+    start_cpu_rank(tensor_parallel=1)
     out: dict = {"rank": dist.get_rank()}
     check = SelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
@@ -97,9 +102,7 @@ def domain_of_four_checks() -> dict:
 
 def tensor_parallel_checks() -> dict:
     """TP 2 on 4 ranks (two domains of 2): exactness for every variant on a plan with sizes 1 and 2."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(tensor_parallel=2)
     check = SelfCheck(seed=7)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     b = batch().samples

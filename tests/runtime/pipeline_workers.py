@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
-from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
-from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed, random_samples
-from tests.runtime.dist_workers import SAMPLE_SEED, batch
+from megatron_dhp.runtime.selfcheck import SelfCheck, random_samples
+from tests.runtime.dist_workers import SAMPLE_SEED, batch, start_cpu_rank
 
 
 def plans_of_two() -> dict[str, Plan]:
@@ -50,9 +47,7 @@ def comms_of(name: str) -> list[str]:
 
 def pipeline_two_checks() -> dict:
     """PP 2 x domain 2 on 4 ranks: exactness per plan and comm variant, divergent plans stop every rank."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(pipeline_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(pipeline_parallel=2)
     check = SelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_two()
@@ -90,9 +85,7 @@ def plans_of_three() -> dict[str, Plan]:
 
 def pipeline_three_checks() -> dict:
     """PP 2 x domain 3 on 6 ranks: one plan under every comm variant."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(pipeline_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(pipeline_parallel=2)
     check = SelfCheck(seed=8)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     out = {"domain": check.domain.global_ranks,
@@ -104,9 +97,7 @@ def pipeline_three_checks() -> dict:
 
 def tensor_and_pipeline_checks() -> dict:
     """TP 2 x PP 2 on 4 ranks (a domain of 1 per coordinate): two microbatches, tied and untied embeddings."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=2, pipeline_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(tensor_parallel=2, pipeline_parallel=2)
     plan = Plan("t", 1, 1, batch().samples, (PlanGroup((0,), ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11))),))
     out = {}
     for tied in (False, True):
