@@ -14,7 +14,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.engine import Slot
-from megatron_dhp.runtime.step import per_token_losses
+from megatron_dhp.runtime.step import forward_thd
 
 
 def forward_step(
@@ -26,7 +26,7 @@ def forward_step(
     `DhpPackedSeqParams` carry the dynamic group to RoPE, TransformerEngine and megatron-dhp's attention.
     """
     mb = next(data_iterator)
-    output = per_token_losses(model, mb.inputs, mb.context)
+    output = forward_thd(model, mb.inputs, mb.context)
     return output, _per_token(partial(loss_func, mb.inputs.loss_mask.to(output.device), model=model))
 
 

@@ -32,12 +32,12 @@ from megatron.core.pipeline_parallel.schedules import forward_backward_pipelinin
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
+from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.slots import pipeline_work
-from megatron_dhp.runtime.step import StepResult
+from megatron_dhp.runtime.step import StepResult, forward_thd, masked_loss_sum
 
 
 class PlannedShapes(P2PCommunicator):
@@ -94,23 +94,14 @@ def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepIn
     totals = {"loss": 0.0, "loss_tokens": 0}
 
     def loss_func(mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        loss = (per_token.view(-1) * mb.loss_mask.to(per_token.device)).sum()
-        count = int(mb.loss_mask.sum())
+        loss, count = masked_loss_sum(per_token, mb)
         totals["loss"] += float(loss.detach())
         totals["loss_tokens"] += count
         return loss, torch.tensor(count, dtype=torch.int, device=per_token.device), {}
 
     def forward_step(data: Iterator[tuple[MicrobatchInputs, CPContext]], stage: torch.nn.Module):
         mb, context = next(data)
-        device = next(stage.parameters()).device
-        output = stage(
-            mb.input_ids[None].to(device),
-            mb.position_ids[None].to(device),
-            None,
-            labels=mb.labels[None].to(device) if last else None,
-            packed_seq_params=DhpPackedSeqParams.for_microbatch(context, device=device),
-        )
-        return output, functools.partial(loss_func, mb)
+        return forward_thd(stage, mb, context, labels=last), functools.partial(loss_func, mb)
 
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads

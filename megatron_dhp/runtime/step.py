@@ -31,17 +31,23 @@ class StepResult:
     global_loss_tokens: int
 
 
-def per_token_losses(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext) -> torch.Tensor:
-    """Run one microbatch through a megatron GPT as THD; returns its per-token losses, [1, t], unmasked."""
+def forward_thd(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext, *, labels: bool = True) -> torch.Tensor:
+    """Run one microbatch through a megatron GPT (or one pipeline stage of it) as THD over its group: the
+    per-token losses, [1, t], unmasked, when given the labels; else the stage's output activations."""
     device = next(model.parameters()).device
     params = DhpPackedSeqParams.for_microbatch(ctx, device=device)
     return model(
         mb.input_ids[None].to(device),
         mb.position_ids[None].to(device),
         None,
-        labels=mb.labels[None].to(device),
+        labels=mb.labels[None].to(device) if labels else None,
         packed_seq_params=params,
     )
+
+
+def masked_loss_sum(per_token: torch.Tensor, mb: MicrobatchInputs) -> tuple[torch.Tensor, int]:
+    """The microbatch's loss, the sum of its per-token losses where the loss mask is 1, and its loss tokens."""
+    return (per_token.view(-1) * mb.loss_mask.to(per_token.device)).sum(), int(mb.loss_mask.sum())
 
 
 class _LossSum:
@@ -54,10 +60,9 @@ class _LossSum:
         self.loss_tokens = 0
 
     def forward(self, slot: Slot) -> torch.Tensor:
-        per_token = per_token_losses(self.model, slot.inputs, slot.context)
-        loss = (per_token.view(-1) * slot.inputs.loss_mask.to(per_token.device)).sum()
+        loss, count = masked_loss_sum(forward_thd(self.model, slot.inputs, slot.context), slot.inputs)
         self.loss_sum += float(loss.detach())
-        self.loss_tokens += int(slot.inputs.loss_mask.sum())
+        self.loss_tokens += count
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
