@@ -100,9 +100,11 @@ def _conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
     if not args.calculate_per_token_loss:
         problems.append("--dhp needs --calculate-per-token-loss: with groups that change every step only a loss "
                         "summed per token and divided by the global token count keeps gradients exact")
-    if args.pipeline_model_parallel_size > 1:
-        problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with --dhp: the "
-                        "megatron-dhp schedule has no pipelining yet; use --pipeline-model-parallel-size 1")
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None and vpp > 1:
+        problems.append(f"interleaved pipelining (virtual pipeline size {vpp}) with --dhp: its schedule needs "
+                        "per-chunk slot alignment that megatron-dhp does not implement; drop "
+                        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel and --dhp both form dynamic CP groups; drop --hybrid-context-parallel")
     if args.sequence_parallel:

@@ -1,8 +1,10 @@
 """From Megatron's data loader to one planned step per `next()`: sequences, lengths, plan, dispatch.
 
-Megatron's loader gives every data-parallel rank microbatches of `--micro-batch-size` rows (only tensor-
-parallel rank 0 reads it). One step takes the K microbatches Megatron would run (K is the count Megatron
-hands its schedule), cuts rows into sequences, shares them with the other TP ranks, gathers every length
+Megatron's loader gives every data-parallel rank microbatches of `--micro-batch-size` rows (tensor-parallel
+rank 0 of the first and the last pipeline stage read it). One step takes the K microbatches Megatron would
+run (K is the count Megatron hands its schedule) on TP rank 0 of the first stage, cuts rows into sequences,
+shares them with the other ranks of its model-parallel group (every stage moves the same tokens: the first
+reads the input ids, the last the labels and loss mask, every stage the layout), gathers every length
 over the domain, plans, and moves the tokens (the step engine, `runtime/engine.py`): the result is this
 rank's `StepInputs`. The train iterator reads and gathers the next step too, so its plan is solved in the
 background while this step trains.
@@ -19,7 +21,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_dhp.errors import DhpError
@@ -66,7 +67,7 @@ class StepIterator:
 
     def __init__(self, source: Iterator | None, runtime: DhpRuntime, *, lookahead: bool) -> None:
         self.source = source
-        """Megatron's loader iterator on tensor-parallel rank 0; None on the other TP ranks."""
+        """Megatron's loader iterator on the rank that reads it (`DhpRuntime.share_source`); None elsewhere."""
         self.runtime = runtime
         self.engine = StepEngine(runtime.domain, runtime.pool, runtime.planner, source=self._read, lookahead=lookahead)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
@@ -89,7 +90,8 @@ class StepIterator:
         return inputs
 
     def _read(self) -> list[TokenSample] | None:
-        """The next step's sequences from the loader, on every TP rank; None at the end. Collective over TP."""
+        """The next step's sequences from the loader, on every model-parallel rank; None at the end. Collective
+        over the model-parallel group."""
         if self.num_microbatches is None:
             raise DhpError("StepIterator.expect(num_microbatches) must run before the first step (the schedule does it)")
         found = None
@@ -100,7 +102,7 @@ class StepIterator:
                 batches = None
             if batches is not None:
                 found = [s for b in batches for s in sequences(b, split_documents=self.runtime.split_documents)]
-        found = _share_over_tensor_parallel(found, self.runtime)
+        found = _share_over_model_parallel(found, self.runtime)
         if found is None:
             return None
         domain, cap = self.runtime.domain, self.runtime.max_sample_tokens
@@ -113,13 +115,13 @@ def _token_sample(sample_id: int, seq: Sequence, cap: int | None) -> TokenSample
     return TokenSample(sample_id, tokens.to(torch.int64), labels.to(torch.int64), loss_mask.float())
 
 
-def _share_over_tensor_parallel(found: list[Sequence] | None, runtime: DhpRuntime) -> list[Sequence] | None:
-    """TP rank 0's sequences on every rank of its TP group (one header, lengths and token rows)."""
-    if runtime.tp_group is None:
+def _share_over_model_parallel(found: list[Sequence] | None, runtime: DhpRuntime) -> list[Sequence] | None:
+    """The reading rank's sequences on every rank of its model-parallel group (one header, lengths and rows)."""
+    if runtime.share_group is None:
         return found
     device = runtime.domain.device
     header = torch.tensor([-1 if found is None else len(found)], dtype=torch.int64, device=device)
-    dist.broadcast(header, runtime.tp_source, group=runtime.tp_group)
+    dist.broadcast(header, runtime.share_source, group=runtime.share_group)
     count = int(header)
     if count < 0:
         return None
@@ -128,10 +130,10 @@ def _share_over_tensor_parallel(found: list[Sequence] | None, runtime: DhpRuntim
         rows = torch.cat([torch.stack([t.to(torch.int64) for t in s], 1) for s in found]).to(device)
     else:
         lengths = torch.empty(count, dtype=torch.int64, device=device)
-    dist.broadcast(lengths, runtime.tp_source, group=runtime.tp_group)
+    dist.broadcast(lengths, runtime.share_source, group=runtime.share_group)
     if found is None:
         rows = torch.empty(int(lengths.sum()), 3, dtype=torch.int64, device=device)
-    dist.broadcast(rows, runtime.tp_source, group=runtime.tp_group)
+    dist.broadcast(rows, runtime.share_source, group=runtime.share_group)
     parts = rows.cpu().split(lengths.tolist())
     return [(p[:, 0], p[:, 1], p[:, 2]) for p in parts]
 
@@ -139,12 +141,12 @@ def _share_over_tensor_parallel(found: list[Sequence] | None, runtime: DhpRuntim
 def wrap_data_iterator(iterator: object, runtime: DhpRuntime, *, lookahead: bool) -> object:
     """Megatron's data iterator (a `RerunDataIterator`, a list of them, or None) as one of planned steps.
 
-    TP ranks other than 0 get a step iterator even though Megatron gave them None: they take part in every
-    step's collectives and receive their data from TP rank 0.
+    Ranks that do not read the loader get a step iterator even where Megatron gave them None (TP ranks other
+    than 0, middle pipeline stages): they take part in every step's collectives and are sent their data.
     """
     if isinstance(iterator, list):
         return [wrap_data_iterator(it, runtime, lookahead=lookahead) for it in iterator]
-    reads_loader = parallel_state.get_tensor_model_parallel_rank() == 0
+    reads_loader = dist.get_rank() == runtime.share_source
     if iterator is None and reads_loader:
         return None
     source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator

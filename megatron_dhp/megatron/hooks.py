@@ -23,6 +23,7 @@ from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import with_dynamic_cp
+from megatron_dhp.runtime.pipeline import check_pipeline
 
 
 def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
@@ -60,16 +61,20 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     config = dhp_config_from_args(args)
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
     domain = DynamicDomain.from_parallel_state(timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    cap = _sample_cap(args.seq_length, domain, config)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages > 1:
+        check_pipeline(domain)
+    cap = _sample_cap(args.seq_length, domain, config, stages)
     cost = live_cost_config(config, world_size=domain.size, gpus_per_node=domain_node_size(config, domain.global_ranks, dist.get_world_size()))
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    share_group, share_source = _loader_sharing()
     runtime = DhpRuntime(
         config=config,
         domain=domain,
         pool=GroupPool(domain, max_groups=config.max_groups),
-        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity)),
-        tp_group=tp_group if tp_group.size() > 1 else None,
-        tp_source=parallel_state.get_tensor_model_parallel_src_rank(),
+        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
+                            pipeline_stages=stages),
+        share_group=share_group,
+        share_source=share_source,
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
     )
@@ -81,16 +86,32 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     )
 
 
-def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig) -> int | None:
-    """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`."""
-    capacity = domain.size * config.max_tokens_per_rank
+def _loader_sharing() -> tuple[dist.ProcessGroup | None, int]:
+    """The model-parallel group (None when it is this rank alone) and the global rank in it that reads the
+    loader, tensor-parallel rank 0 of the first pipeline stage. Collective over the model-parallel group."""
+    group = parallel_state.get_model_parallel_group()
+    if group.size() == 1:
+        return None, dist.get_rank()
+    coordinates: list[tuple[int, int] | None] = [None] * group.size()
+    me = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    dist.all_gather_object(coordinates, me, group=group)
+    return group, dist.get_process_group_ranks(group)[coordinates.index((0, 0))]
+
+
+def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, stages: int) -> int | None:
+    """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
+
+    Under pipeline parallelism a stage keeps up to P microbatches in flight, so one holds M // P per rank."""
+    per_rank = config.max_tokens_per_rank // stages
+    capacity = domain.size * per_rank
     if seq_length <= capacity:
         return None
     if config.truncate:
         return capacity
+    at = f" // {stages} pipeline stages" if stages > 1 else ""
     raise DhpError(
         f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
-        f"{config.max_tokens_per_rank} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
-        f"{-(-seq_length // domain.size)} or set truncate: true"
+        f"{config.max_tokens_per_rank}{at} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
+        f"{-(-seq_length // domain.size) * stages} or set truncate: true"
     )
 

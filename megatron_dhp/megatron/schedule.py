@@ -6,6 +6,9 @@ between phases when the plan asks for one, and must then reduce gradients only a
 The step engine's walk (`runtime/engine.py`) does that; this function hands it Megatron's own
 per-microbatch `forward_step` / `backward_step`, so loss functions, gradient scaling, timers and
 `finalize_model_grads` behave as upstream.
+
+Under pipeline parallelism the step's slots run through megatron-core's own non-interleaved 1F1B with the
+script's `forward_step` (`runtime.pipeline.run_1f1b`), which finalizes the gradients itself.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import inspect
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.data import step_iterator
 from megatron_dhp.runtime.engine import OverlappedReduction, Slot
+from megatron_dhp.runtime.pipeline import run_1f1b, stage_slots
 
 # megatron-core 0.16 passes the model type to backward_step; 0.19 dropped the argument
 _BACKWARD_TAKES_MODEL_TYPE = "model_type" in inspect.signature(schedules.backward_step).parameters
@@ -37,7 +42,7 @@ def dhp_forward_backward(
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
     adjust_tensor_shapes_fn=None,
-    p2p_communicator=None,  # unused: no pipelining
+    p2p_communicator=None,  # unused: under PP the plan sizes every receive (`runtime.pipeline.PlannedShapes`)
     pg_collection=None,
     force_all_reduce: bool | None = False,
 ) -> list:
@@ -51,12 +56,17 @@ def dhp_forward_backward(
         raise DhpError("adjust_tensor_shapes_fn (ModelOpt distillation) is not supported with --dhp")
     steps = step_iterator(data_iterator)
     runtime = steps.runtime
+    steps.expect(num_microbatches)
+    inputs = next(data_iterator)  # a replayed step reuses its groups: the engine prepared them when it dispatched
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        slots = stage_slots(steps.engine, inputs, comm=runtime.config.comm, backend=runtime.config.attention_backend)
+        return run_1f1b(forward_step_func, slots, model, forward_only=forward_only,
+                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
     config = get_model_config(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-
-    steps.expect(num_microbatches)
-    inputs = next(data_iterator)  # a replayed step reuses its groups: the engine prepared them when it dispatched
     work = _MegatronWork(forward_step_func, model, config, collect_non_loss_data, first_val_step, forward_only)
     overlap = None
     if config.no_sync_func is not None and not forward_only:

@@ -25,10 +25,11 @@ class DhpRuntime:
     domain: DynamicDomain
     pool: GroupPool
     planner: StepPlanner
-    tp_group: dist.ProcessGroup | None
-    """The tensor-parallel group when TP > 1: its ranks share one loader (on TP rank 0) and one slice of data."""
-    tp_source: int
-    """Global rank of tensor-parallel rank 0, the one that reads the loader."""
+    share_group: dist.ProcessGroup | None
+    """The model-parallel group (TP x PP) when it has more than one rank: its ranks train on the same tokens,
+    which one of them reads from the loader and broadcasts."""
+    share_source: int
+    """Global rank of the one that reads the loader: tensor-parallel rank 0 of the first pipeline stage."""
     split_documents: bool
     """Train each document of a loader row as its own sequence (Megatron's --reset-attention-mask)."""
     max_sample_tokens: int | None

@@ -21,7 +21,7 @@ with `num_microbatches` its own slot count; slot alignment makes it deadlock-fre
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,13 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.engine import StepEngine
+from megatron_dhp.runtime.engine import Slot, StepEngine
 from megatron_dhp.runtime.slots import pipeline_work
 from megatron_dhp.runtime.step import StepResult, forward_thd, masked_loss_sum
 
@@ -78,6 +79,38 @@ def check_pipeline(domain: DynamicDomain) -> None:
         raise DhpError(f"the pipeline of rank {domain.rank} joins domain positions {positions}; they must be one")
 
 
+def stage_slots(engine: StepEngine, inputs: StepInputs, *, comm: str, backend: str) -> list[Slot]:
+    """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
+    work = pipeline_work(inputs, engine.domain.position)
+    return [Slot(mb, CPContext(layout=mb.layout, group=engine.pool.get(mb.group_ranks), comm=comm, backend=backend),
+                 index, len(work))
+            for index, mb in enumerate(work)]
+
+
+def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Module, *, forward_only: bool = False,
+             collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+             pg_collection: ProcessGroupCollection | None = None, force_all_reduce: bool | None = False) -> list:
+    """megatron-core's non-interleaved 1F1B, unchanged, over `slots`: `forward_step_func(iterator, model)` takes
+    the next `Slot` from the iterator it is given. Returns megatron's loss reports (last stage). Gradients are
+    finalized by `model.config.finalize_model_grads_func`, as megatron's schedule always does."""
+    config = get_model_config(model)
+    return forward_backward_pipelining_without_interleaving(
+        forward_step_func=forward_step_func,
+        data_iterator=iter(slots),
+        model=model,
+        num_microbatches=len(slots),
+        seq_length=1,  # unused: `PlannedShapes` gives every receive its slot's row count
+        micro_batch_size=1,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        p2p_communicator=PlannedShapes(parallel_state.get_pipeline_model_parallel_group(), config,
+                                       [slot.inputs.layout.num_slots for slot in slots]),
+        pg_collection=pg_collection or ProcessGroupCollection.use_mpu_process_groups(),
+        force_all_reduce=force_all_reduce,
+    )
+
+
 def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs, *, comm: str = "allgather",
                       backend: str = "auto") -> StepResult:
     """Forward and backward this position's slots of a prepared step through megatron-core's 1F1B, then
@@ -86,10 +119,6 @@ def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepIn
     config = model.config
     if not config.calculate_per_token_loss:
         raise DhpError("pipeline steps need calculate_per_token_loss=True (per-token normalisation over the pipeline)")
-    position = engine.domain.position
-    work = pipeline_work(inputs, position)
-    contexts = [CPContext(layout=mb.layout, group=engine.pool.get(mb.group_ranks), comm=comm, backend=backend)
-                for mb in work]
     last = parallel_state.is_pipeline_last_stage()
     totals = {"loss": 0.0, "loss_tokens": 0}
 
@@ -99,23 +128,13 @@ def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepIn
         totals["loss_tokens"] += count
         return loss, torch.tensor(count, dtype=torch.int, device=per_token.device), {}
 
-    def forward_step(data: Iterator[tuple[MicrobatchInputs, CPContext]], stage: torch.nn.Module):
-        mb, context = next(data)
-        return forward_thd(stage, mb, context, labels=last), functools.partial(loss_func, mb)
+    def forward_step(data: Iterator[Slot], stage: torch.nn.Module):
+        slot = next(data)
+        return forward_thd(stage, slot.inputs, slot.context, labels=last), functools.partial(loss_func, slot.inputs)
 
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    forward_backward_pipelining_without_interleaving(
-        forward_step_func=forward_step,
-        data_iterator=iter(zip(work, contexts)),
-        model=model,
-        num_microbatches=len(work),
-        seq_length=1,  # unused: `PlannedShapes` gives every receive its slot's row count
-        micro_batch_size=1,
-        p2p_communicator=PlannedShapes(parallel_state.get_pipeline_model_parallel_group(), config,
-                                       [mb.layout.num_slots for mb in work]),
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-    )
+    run_1f1b(forward_step, stage_slots(engine, inputs, comm=comm, backend=backend), model)
     return StepResult(
         loss_sum=totals["loss"],
         num_loss_tokens=totals["loss_tokens"],

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import TokenSample
-from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.runtime.selfcheck import TOLERANCE, full_grad, init_distributed
 from megatron_dhp.workload.sample import Batch
@@ -94,6 +94,7 @@ class Harness:
         from megatron.core.rerun_state_machine import RerunDataIterator
 
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.position = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.num_positions = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         inner = build_tiny_gpt(seed=seed)
@@ -107,7 +108,9 @@ class Harness:
         config.no_sync_func = self.model.no_sync if overlap_grad_reduce else None
         self.reference = build_reference_gpt(TinyGPTConfig(), single_rank_groups(), seed=seed)
         self.pulled = 0
-        if parallel_state.get_tensor_model_parallel_rank() == 0:
+        # Megatron builds loaders on tensor-parallel rank 0 of the first and the last pipeline stage
+        ends = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and ends:
             self.train = RerunDataIterator(self._loader(steps))
             self.valid = RerunDataIterator(self._loader(range(100, 102)))
         else:
@@ -134,8 +137,10 @@ class Harness:
             micro_batch_size=MICRO_BATCH,
             forward_only=forward_only,
         )
-        total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
+        # under PP only the last stage reports losses
+        total = torch.stack([r["lm loss"] for r in reports]).sum(0).double() if reports else torch.zeros(2).double()
         dist.all_reduce(total, group=data_iterator.iterable.runtime.domain.group)
+        dist.all_reduce(total, group=self.pp_group)
         return reports, float(total[0] / total[1])
 
     def compare(self, step: int, loss: float, *, grads: bool = True) -> dict:
@@ -143,8 +148,9 @@ class Harness:
         ref = reference_step(self.reference, documents_of_step(step, self.num_positions))
         worst = 0.0
         if grads:
+            names = global_names(self.model)
             for name, param in self.model.module.named_parameters():
-                worst = max(worst, float((full_grad(param, self.tp_group) - ref.grads[name]).abs().max()))
+                worst = max(worst, float((full_grad(param, self.tp_group) - ref.grads[names[name]]).abs().max()))
         diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         return {"loss": loss, "ref": ref.loss, "dloss": float(diffs[0]), "dgrad": float(diffs[1])}
@@ -193,7 +199,7 @@ def idle_plan(batch: Batch, n: int) -> Plan:
 
 
 def hooks_checks() -> dict:
-    """4 ranks: TP 1 (domain of 4), then TP 2 (two domains of 2) in the same processes."""
+    """4 ranks: TP 1 (domain of 4), then TP 2 and PP 2 (two domains of 2 each) in the same processes."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
@@ -250,6 +256,23 @@ def hooks_checks() -> dict:
     out["tp2_domain"] = tp2.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
     tp2.planner.close()
+
+    # --- pipeline parallel 2: two stages of a domain of 2 through megatron-core's 1F1B; the last stage's
+    # loader is not read, the first stage's TP rank 0 sends the sequences
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(0)
+    q = Harness(seed=6)
+    train, valid, _ = setup(megatron_args(dhp_max_tokens_per_rank=24), q.train, q.valid, None)
+    pp2 = train.iterable.runtime
+    out["pp2_domain"] = (pp2.domain.global_ranks, train.iterable.source is not None)
+    out["pp2"] = []
+    for step in range(2):
+        reports, loss = q.run(train)
+        out["pp2"].append(q.compare(step, loss))
+        out["pp2_counts"] = len(reports)
+    out["pp2"].append(q.compare(100, q.run(valid, forward_only=True)[1], grads=False))
+    pp2.planner.close()
     dist.destroy_process_group()
     out["tolerance"] = TOLERANCE
     return out

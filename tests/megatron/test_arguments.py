@@ -72,7 +72,8 @@ def test_flags_override_the_yaml(tmp_path):
     [
         ([], dict(context_parallel_size=4), "--context-parallel-size 4 with --dhp.*set --context-parallel-size 1"),
         ([], dict(calculate_per_token_loss=False), "--dhp needs --calculate-per-token-loss"),
-        ([], dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2 with --dhp.*no pipelining"),
+        ([], dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+         "interleaved pipelining \\(virtual pipeline size 2\\) with --dhp.*drop --num-layers-per-virtual-pipeline-stage"),
         ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
         ([], dict(sequence_parallel=True), "drop --sequence-parallel"),
         ([], dict(num_experts=8), "--num-experts 8 with --dhp: MoE"),
@@ -94,6 +95,12 @@ def test_flags_override_the_yaml(tmp_path):
 def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
     with pytest.raises(DhpError, match=match):
         validate_dhp_args(parse(["--dhp", *argv], **megatron))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_pipeline_parallelism_is_accepted(pp):
+    assert validate_dhp_args(parse(["--dhp"], pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=None)).planner == "dhp"
 
 
 def test_every_problem_is_reported_at_once():

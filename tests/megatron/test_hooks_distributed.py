@@ -73,3 +73,12 @@ def test_tensor_parallel_ranks_share_rank_zeros_loader(ranks):
     for r in ranks:
         for result in r["tp2"]:
             assert_exact(result, r["tolerance"])
+
+
+def test_pipeline_stages_run_the_plan_through_1f1b(ranks):
+    # ranks 0, 1 are stage 0 and read the loader; 2, 3 are stage 1 and are sent the sequences
+    assert [r["pp2_domain"] for r in ranks] == [((0, 1), True), ((0, 1), True), ((2, 3), False), ((2, 3), False)]
+    for r in ranks:
+        assert len(r["pp2"]) == 3  # two training steps and one evaluation step
+        for result in r["pp2"]:
+            assert_exact(result, r["tolerance"])

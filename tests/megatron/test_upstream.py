@@ -165,7 +165,7 @@ def patched_016(tmp_path_factory) -> Path:
 def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
     """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-               str(Path(__file__).with_name("megatron_lm_cpu.py")), *flags]
+               str(REPO / "scripts" / "megatron_lm_cpu.py"), *flags]
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
@@ -175,16 +175,22 @@ def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
     return losses, log.count("dhp plan: ")
 
 
-@pytest.mark.parametrize("tp,documents", [(1, True), (2, False)], ids=["tp1-documents", "tp2-rows"])
-def test_pretrain_gpt_with_dhp_trains_like_upstream(patched_016, tp, documents):
+@pytest.mark.parametrize("tp,pp,documents", [(1, 1, True), (2, 1, False), (1, 2, True)],
+                         ids=["tp1-documents", "tp2-rows", "pp2-documents"])
+def test_pretrain_gpt_with_dhp_trains_like_upstream(patched_016, tp, pp, documents):
     """The patched pretrain_gpt.py with --dhp against itself without: same losses over 3 steps and evaluation.
 
     With documents, upstream masks attention between them from the loader's masks while megatron-dhp runs
-    each document as its own sequence; with TP 2, the second TP rank reads no loader and is sent its data.
+    each document as its own sequence; with TP 2, the second TP rank reads no loader and is sent its data;
+    with PP 2 (a domain of 2 per stage), megatron-core's 1F1B runs each position's planned slots and the
+    last stage is sent the first stage's data.
     """
-    flags = [*TINY, "--tensor-model-parallel-size", str(tp), *(DOCUMENTS if documents else [])]
+    flags = [*TINY, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             *(DOCUMENTS if documents else [])]
     upstream, plans_upstream = train_on_cpu(patched_016, flags)
-    dhp, plans = train_on_cpu(patched_016, [*flags, *DHP])
+    # at PP 2 a rank holds M // 2 per microbatch: 2 ranks x 64 // 2 still hold a 64-token row
+    dhp_flags = [*DHP, *(["--dhp-max-tokens-per-rank", "64"] if pp > 1 else [])]
+    dhp, plans = train_on_cpu(patched_016, [*flags, *dhp_flags])
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)

@@ -1,11 +1,12 @@
-"""Run a Megatron-LM checkout's pretrain_gpt.py on CPU gloo ranks (under torchrun), for tests only.
+"""Run a Megatron-LM checkout's pretrain_gpt.py on CPU gloo ranks (under torchrun): the CPU recipe of
+docs/megatron-lm.md and the upstream tests.
 
 Megatron-LM's training loop assumes CUDA in a few dozen places that have nothing to do with megatron-dhp:
 the CUDA assert at start-up, fused-kernel compilation, the JIT warm-up, `.cuda()` moves, CUDA streams and
 memory statistics, `device="cuda"` literals and a GPU-architecture probe. This shim answers each on the
 CPU, then runs the script as `__main__`, so a test can compare a --dhp run with an upstream one.
 
-    cd MEGATRON_LM && torchrun --nproc-per-node 4 .../megatron_lm_cpu.py <pretrain_gpt.py flags>
+    cd MEGATRON_LM && torchrun --nproc-per-node 4 /path/to/megatron-dhp/scripts/megatron_lm_cpu.py <pretrain_gpt.py flags>
 """
 
 from __future__ import annotations
