@@ -44,14 +44,16 @@ def answer_cuda_on_cpu() -> None:
         setattr(torch.cuda, stat, lambda *_, **__: 0)
     torch.cuda.empty_cache = lambda: None
 
-    import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
     training.set_jit_fusion_options = lambda *_, **__: None  # warms up CUDA kernels
-    fused_kernels.load = lambda *_: None  # compiles CUDA kernels
+    with contextlib.suppress(ModuleNotFoundError):  # 0.16 compiles CUDA kernels at start-up; 0.19 has no legacy
+        import megatron.legacy.fused_kernels as fused_kernels
+
+        fused_kernels.load = lambda *_: None
     arguments.get_device_arch_version = lambda: 9  # reads the GPU's compute capability
     redirect_cuda_literals(TRAINING_MODULES)
 

@@ -145,19 +145,21 @@ DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask"]
 DHP = ["--dhp", "--dhp-max-tokens-per-rank", "32", "--dhp-log-plans", "--no-create-attention-mask-in-dataloader"]
 
 
-@pytest.fixture(scope="module")
-def patched_016(tmp_path_factory) -> Path:
-    """A full copy of the 0.16.1 checkout with the patch applied and megatron-core's compiled dataset helper."""
-    tree = tree_of("core_v0.16.1")
-    require_megatron_training(tree)
-    copy = copy_of(tree, tmp_path_factory.mktemp("patched") / "mlm")
-    apply(copy)
+@pytest.fixture(scope="module", params=SUPPORTED_TAGS)
+def patched(request, tmp_path_factory) -> Path:
+    """A full copy of a supported checkout with the patch applied and megatron-core's compiled dataset helper
+    (0.16.1 trains under Python 3.11, 0.19.0 under 3.12, each with its megatron-core installed)."""
+    tag = request.param
+    tree = tree_of(tag)
     import megatron.core.datasets as installed
     import megatron.core.package_info as installed_version
 
     helper = next(Path(installed.__file__).parent.glob("helpers_cpp*.so"), None)
-    if helper is None or installed_version.__version__ != "0.16.1":
-        pytest.skip("needs megatron-core 0.16.1 installed with its compiled dataset helper (helpers_cpp)")
+    if helper is None or installed_version.__version__ != tag.removeprefix("core_v"):
+        pytest.skip(f"needs megatron-core {tag.removeprefix('core_v')} installed with its compiled dataset helper")
+    require_megatron_training(tree)
+    copy = copy_of(tree, tmp_path_factory.mktemp("patched") / "mlm")
+    apply(copy)
     shutil.copy2(helper, copy / "megatron" / "core" / "datasets" / helper.name)
     return copy
 
@@ -177,7 +179,7 @@ def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
 
 @pytest.mark.parametrize("tp,pp,documents", [(1, 1, True), (2, 1, False), (1, 2, True)],
                          ids=["tp1-documents", "tp2-rows", "pp2-documents"])
-def test_pretrain_gpt_with_dhp_trains_like_upstream(patched_016, tp, pp, documents):
+def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, tp, pp, documents):
     """The patched pretrain_gpt.py with --dhp against itself without: same losses over 3 steps and evaluation.
 
     With documents, upstream masks attention between them from the loader's masks while megatron-dhp runs
@@ -187,10 +189,10 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched_016, tp, pp, documen
     """
     flags = [*TINY, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
              *(DOCUMENTS if documents else [])]
-    upstream, plans_upstream = train_on_cpu(patched_016, flags)
+    upstream, plans_upstream = train_on_cpu(patched, flags)
     # at PP 2 a rank holds M // 2 per microbatch: 2 ranks x 64 // 2 still hold a 64-token row
     dhp_flags = [*DHP, *(["--dhp-max-tokens-per-rank", "64"] if pp > 1 else [])]
-    dhp, plans = train_on_cpu(patched_016, [*flags, *dhp_flags])
+    dhp, plans = train_on_cpu(patched, [*flags, *dhp_flags])
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
