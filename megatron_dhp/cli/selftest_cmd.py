@@ -26,6 +26,7 @@ class SelftestOptions:
 
     tensor_parallel: int
     pipeline_parallel: int
+    sequence_parallel: bool
     plans: int
     seed: int
     comms: tuple[str, ...]
@@ -50,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
     p.add_argument("--tp", type=int, default=1, help="static tensor-parallel size (default 1)")
+    p.add_argument("--sp", action="store_true",
+                   help="megatron's sequence parallelism over the --tp ranks (needs --tp > 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages, run by megatron-core's non-interleaved 1F1B (default 1)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
@@ -80,13 +83,15 @@ def run(args: argparse.Namespace) -> int:
                         ("--tp", args.tp), ("--pp", args.pp)):
         if value < 1:
             raise DhpError(f"{flag} {value} must be at least 1")
+    if args.sp and args.tp < 2:
+        raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
     plan_file = None
     if args.plan is not None:
         from megatron_dhp.plan.plan import Plan
 
         Plan.load(args.plan)  # a missing or malformed file fails here, before any rank starts
         plan_file = os.path.abspath(args.plan)
-    options = SelftestOptions(args.tp, args.pp, args.plans, args.seed, comms, args.backend, args.samples,
+    options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, plan_file)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
@@ -131,13 +136,15 @@ def worker(options: SelftestOptions) -> int:
     try:
         given = Plan.load(options.plan_file) if options.plan_file is not None else None
         longest = max((s.tokens for s in given.samples), default=0) if given is not None else options.max_len
-        config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest))
+        config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest),
+                               sequence_parallel=options.sequence_parallel)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention)
         n = check.domain.size
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
+            sp = " + SP" if options.sequence_parallel else ""
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
-                  f"{pp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+                  f"{sp}{pp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
         rng = random.Random(options.seed)
         domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
         failures = 0

@@ -2,7 +2,8 @@
 
 megatron-core 0.16 hard-codes the CUDA device in a handful of places (RoPE frequencies, the DDP grad buffer,
 the causal-mask helper, the schedules' token counter, the CUDA RNG tracker, the tied embedding's `.cuda()`
-under pipeline parallelism). On a CPU-only machine those
+under pipeline parallelism), and its CPU norm (torch's, without apex or TransformerEngine) refuses sequence
+parallelism. On a CPU-only machine those
 calls fail before any math runs, so a job that starts on the CPU (a gloo trainer rank, `selftest`, the test
 workers) switches this on first, explicitly; no library call does it for them. Nothing is changed when CUDA
 is available: a GPU run uses megatron-core exactly as shipped.
@@ -10,6 +11,7 @@ is available: a GPU run uses megatron-core exactly as shipped.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import types
 from collections.abc import Iterable
@@ -110,9 +112,32 @@ def apply_cpu_compat() -> bool:
     mc_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
 
+    # Without apex or TransformerEngine megatron-core's norm is torch's, which refuses sequence parallelism only
+    # because nothing marks its weights for the TP all-reduce of their gradients, as apex's and TE's norms do.
+    from megatron.core.transformer import torch_norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(_marking_sequence_parallel(torch_norm.WrappedTorchNorm.__new__))
+
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
     return True
+
+
+def _marking_sequence_parallel(build: Any) -> Any:
+    """megatron-core's torch-norm constructor, accepting sequence parallelism: its parameters are marked
+    `sequence_parallel`, so `finalize_model_grads` sums their gradients over the TP ranks' sequence shards."""
+
+    def norm(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        module = build(cls, plain, *args, **kwargs)
+        for param in module.parameters():
+            param.sequence_parallel = True
+        return module
+
+    return norm
 
 
 def redirect_cuda_literals(module_names: Iterable[str]) -> None:

@@ -100,6 +100,8 @@ class StepInputs:
     num_loss_tokens: int
     num_tokens: int
     """Real tokens of the global batch."""
+    seq_multiple: int = 1
+    """Every sample's shard is padded to a multiple of this (the TP size under sequence parallelism)."""
 
 
 def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
@@ -163,8 +165,10 @@ def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> No
         )
 
 
-def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> StepInputs:
-    """Send every token to the rank that computes it and pack this rank's microbatches. Collective."""
+def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain, *,
+                seq_multiple: int = 1) -> StepInputs:
+    """Send every token to the rank that computes it and pack this rank's microbatches (each sample's shard
+    padded to a multiple of `seq_multiple`, see `layout`). Collective."""
     me = domain.position
     lengths = {s.id: s.tokens for s in gathered.batch.samples}
     # this rank's samples back to back, one row (input id, label, loss mask) per token
@@ -176,16 +180,16 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     picks, send_rows = [torch.empty(0, dtype=torch.int64)], []
     for dest in range(domain.size):
         count = 0
-        for layout, _, _ in _microbatches_of(plan, dest, lengths):
+        for layout, _, _ in _microbatches_of(plan, dest, lengths, seq_multiple):
             for sid, n in zip(layout.sample_ids, layout.lengths):
                 if gathered.owners[sid] == me:
-                    held = zigzag_positions(n, layout.group_size, layout.rank)
+                    held = zigzag_positions(n, layout.group_size, layout.rank, seq_multiple)
                     picks.append(first_row[sid] + held[held < n])
                     count += picks[-1].numel()
         send_rows.append(count)
     send = gather_rows(rows, torch.cat(picks))
 
-    mine = _microbatches_of(plan, me, lengths)
+    mine = _microbatches_of(plan, me, lengths, seq_multiple)
     owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
     slots_of_sample = [n for layout, _, _ in mine for n in layout.local_lengths]
     sources = torch.repeat_interleave(
@@ -204,6 +208,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
         microbatches=tuple(_pack(mine, slots)),
         num_loss_tokens=gathered.num_loss_tokens,
         num_tokens=gathered.batch.num_tokens,
+        seq_multiple=seq_multiple,
     )
 
 
@@ -223,14 +228,16 @@ def _local_problem(plan: Plan, gathered: GatheredBatch) -> str | None:
     return None
 
 
-def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int]) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
+def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int],
+                     seq_multiple: int) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
     """(layout, sorted group ranks, phase) of every microbatch `position` runs, in execution order."""
     out = []
     for group in plan.groups_of_rank(position):
         ranks = tuple(sorted(group.ranks))
         for mb in group.microbatches:
             layout = MicrobatchLayout(
-                sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position)
+                sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position),
+                seq_multiple=seq_multiple,
             )
             out.append((layout, ranks, group.phase))
     return out

@@ -124,6 +124,7 @@ class StepEngine:
         *,
         source: SampleSource | None = None,
         lookahead: bool = False,
+        seq_multiple: int = 1,
     ) -> None:
         self.domain = domain
         self.pool = pool
@@ -132,6 +133,8 @@ class StepEngine:
         self.source = source
         self.lookahead = lookahead
         """`next` gathers the following step and starts planning it before this step's tokens move."""
+        self.seq_multiple = seq_multiple
+        """Each sample's shard is padded to a multiple of this: the TP size under sequence parallelism."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan (near 0 when planning overlapped the step before)."""
         self._ahead: _Pending | None = None
@@ -198,7 +201,7 @@ class StepEngine:
                 self.planning.prefetch(self._ahead.gathered.batch)
         if self.pool is not None:
             self.pool.prepare(plan)
-        return move_tokens(current.local, plan, current.gathered, self.domain)
+        return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple)
 
     def _read(self) -> _Pending | None:
         local = self.source()

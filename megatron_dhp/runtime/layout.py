@@ -7,28 +7,34 @@ every rank gets the same number of tokens and a balanced share of the causal wor
 TransformerEngine's THD context-parallel convention, which lets their RoPE and attention read the same
 layout). Padding sits at the end of each sample: under the causal mask no real query can see it, and the
 loss mask drops it. A group of one rank keeps the sample whole and unpadded.
+
+Under sequence parallelism megatron-core splits every rank's THD rows over its T tensor-parallel ranks, so
+each sample's shard must also divide by T (`seq_multiple`): samples are padded to a multiple of
+lcm(2d, dT) (of T for d = 1), the same rule TransformerEngine's THD CP with SP follows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 
-def shard_multiple(group_size: int) -> int:
-    """Samples are padded to a multiple of this: 2d gives every rank two equal chunks; d = 1 needs none."""
-    return 1 if group_size == 1 else 2 * group_size
+def shard_multiple(group_size: int, seq_multiple: int = 1) -> int:
+    """Samples are padded to a multiple of this: 2d gives every rank two equal chunks (d = 1 needs none),
+    and each rank's shard, padded / d, must divide by `seq_multiple` (the TP size under sequence parallelism)."""
+    return math.lcm(1 if group_size == 1 else 2 * group_size, group_size * seq_multiple)
 
 
-def padded_length(length: int, group_size: int) -> int:
-    """The sample length rounded up to `shard_multiple(group_size)`."""
-    m = shard_multiple(group_size)
+def padded_length(length: int, group_size: int, seq_multiple: int = 1) -> int:
+    """The sample length rounded up to `shard_multiple(group_size, seq_multiple)`."""
+    m = shard_multiple(group_size, seq_multiple)
     return -(-length // m) * m
 
 
-def zigzag_positions(length: int, group_size: int, rank: int) -> torch.Tensor:
+def zigzag_positions(length: int, group_size: int, rank: int, seq_multiple: int = 1) -> torch.Tensor:
     """Positions of the padded sample that group rank `rank` holds, in its local order.
 
     Chunk `rank` then chunk `2d-1-rank`; positions >= `length` are padding. The position of a real token is
@@ -37,8 +43,8 @@ def zigzag_positions(length: int, group_size: int, rank: int) -> torch.Tensor:
     if not 0 <= rank < group_size:
         raise ValueError(f"rank {rank} is outside a group of {group_size}")
     if group_size == 1:
-        return torch.arange(length, dtype=torch.int64)
-    chunk = padded_length(length, group_size) // (2 * group_size)
+        return torch.arange(padded_length(length, 1, seq_multiple), dtype=torch.int64)
+    chunk = padded_length(length, group_size, seq_multiple) // (2 * group_size)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64)
     mirror = 2 * group_size - 1 - rank
     second = torch.arange(mirror * chunk, (mirror + 1) * chunk, dtype=torch.int64)
@@ -59,6 +65,8 @@ class MicrobatchLayout:
     group_size: int
     rank: int
     """This rank's index in the group: its place among the group's sorted domain positions."""
+    seq_multiple: int = 1
+    """Each sample's shard divides by this: the tensor-parallel size under sequence parallelism, else 1."""
 
     def __post_init__(self) -> None:
         assert len(self.sample_ids) == len(self.lengths) > 0, "a microbatch holds at least one sample"
@@ -66,8 +74,8 @@ class MicrobatchLayout:
 
     @cached_property
     def padded_lengths(self) -> tuple[int, ...]:
-        """Sample lengths rounded up to a multiple of 2d (unchanged for d = 1)."""
-        return tuple(padded_length(n, self.group_size) for n in self.lengths)
+        """Sample lengths rounded up to `shard_multiple` (unchanged for d = 1 without sequence parallelism)."""
+        return tuple(padded_length(n, self.group_size, self.seq_multiple) for n in self.lengths)
 
     @cached_property
     def local_lengths(self) -> tuple[int, ...]:
@@ -102,7 +110,7 @@ class MicrobatchLayout:
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """True position (index within its sample) of every local slot of `rank` (default: this rank)."""
         r = self.rank if rank is None else rank
-        return torch.cat([zigzag_positions(n, self.group_size, r) for n in self.lengths])
+        return torch.cat([zigzag_positions(n, self.group_size, r, self.seq_multiple) for n in self.lengths])
 
     @cached_property
     def local_positions(self) -> torch.Tensor:

@@ -109,10 +109,13 @@ class TinyGPTConfig:
     """Token ids are drawn below it."""
     max_sequence_length: int = 4096
     """Length of the RoPE table: at least the longest sample (checked)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (with tensor parallelism > 1; a single rank ignores it)."""
 
     def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
         return TransformerConfig(
+            sequence_parallel=self.sequence_parallel and tensor_parallel > 1,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -206,3 +209,8 @@ def global_names(model: torch.nn.Module) -> dict[str, str]:
         full = offsets[prefix] + name[len(prefix):] if prefix else name
         out[name] = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else full
     return out
+
+
+def seq_multiple(config: TransformerConfig) -> int:
+    """What each sample's shard must divide by (`layout`): the TP size under sequence parallelism, else 1."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1

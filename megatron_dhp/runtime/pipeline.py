@@ -50,8 +50,10 @@ class PlannedShapes(P2PCommunicator):
     def __init__(self, pp_group: dist.ProcessGroup, config: object, rows: list[int]) -> None:
         super().__init__(pp_group, config)
         self._hidden = config.hidden_size
-        self._forward: Iterator[int] = iter(rows)
-        self._backward: Iterator[int] = iter(rows)
+        # under sequence parallelism a stage's activation holds this TP rank's 1 / T of the rows
+        split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self._forward: Iterator[int] = iter(r // split for r in rows)
+        self._backward: Iterator[int] = iter(r // split for r in rows)
 
     def _communicate(self, *, recv_prev: bool, recv_next: bool, tensor_shape: object, **kwargs: object):
         if recv_prev and recv_next:

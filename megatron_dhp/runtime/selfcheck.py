@@ -22,7 +22,7 @@ from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names
+from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names, seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.runtime.step import run_step
@@ -126,7 +126,7 @@ class SelfCheck:
         """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
-        engine = StepEngine(self.domain, self.pool)
+        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(self.model.config))
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

@@ -26,7 +26,7 @@ WorkItem = MicrobatchInputs | None
 
 def work_items(inputs: StepInputs, position: int) -> list[WorkItem]:
     """Domain position `position`'s slots of the step in execution order, with its phase barriers."""
-    microbatches = list(inputs.microbatches) or [idle_microbatch(position)]
+    microbatches = list(inputs.microbatches) or [idle_microbatch(position, inputs.seq_multiple)]
     plan = inputs.plan
     if not plan.phase_barrier:
         return microbatches
@@ -45,22 +45,24 @@ def pipeline_work(inputs: StepInputs, position: int) -> list[MicrobatchInputs]:
     plan = inputs.plan
     by_samples = {mb.layout.sample_ids: mb for mb in inputs.microbatches}
     work = [
-        idle_microbatch(position) if slot is None
+        idle_microbatch(position, inputs.seq_multiple) if slot is None
         else by_samples[tuple(plan.groups[slot.group].microbatches[slot.microbatch])]
         for slot in pipeline_slots(plan)[position]
     ]
-    return work or [idle_microbatch(position)]
+    return work or [idle_microbatch(position, inputs.seq_multiple)]
 
 
-def idle_microbatch(position: int) -> MicrobatchInputs:
-    """An idle slot: one token (id 0, sample id -1) with loss mask 0, on a group of `position` alone."""
-    zero = torch.zeros(1, dtype=torch.int64)
+def idle_microbatch(position: int, seq_multiple: int = 1) -> MicrobatchInputs:
+    """An idle slot: one token (id 0, sample id -1; padded to `seq_multiple` rows) with loss mask 0, on a
+    group of `position` alone."""
+    layout = MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0, seq_multiple=seq_multiple)
+    zero = torch.zeros(layout.num_slots, dtype=torch.int64)
     return MicrobatchInputs(
         group_ranks=(position,),
         phase=0,
-        layout=MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0),
+        layout=layout,
         input_ids=zero,
         labels=zero,
-        loss_mask=torch.zeros(1),
-        position_ids=zero,
+        loss_mask=torch.zeros(layout.num_slots),
+        position_ids=layout.local_positions,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.distributed import finalize_model_grads
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
@@ -81,7 +82,7 @@ def run_step(
     """Forward and backward this rank's microbatches of a prepared step, then reduce gradients over the domain.
 
     Gradients accumulate into the model (zero them before the step, as Megatron's train step does). With a
-    megatron `DistributedDataParallel` model the domain-wide reduction runs here (`finish_grad_sync`)
+    megatron `DistributedDataParallel` model the domain-wide reduction runs here (`reduce_gradients`)
     unless `grad_sync` is False, which leaves it to the caller (the train loop times it apart from the
     forward and backward the plan predicts).
     """
@@ -94,10 +95,16 @@ def run_step(
     work = _LossSum(model, inputs.num_loss_tokens)
     engine.run(inputs, work, comm=comm, backend=backend)
     if grad_sync and hasattr(model, "finish_grad_sync"):
-        model.finish_grad_sync()
+        reduce_gradients(model)
     return StepResult(
         loss_sum=work.loss_sum,
         num_loss_tokens=work.loss_tokens,
         num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches),
         global_loss_tokens=inputs.num_loss_tokens,
     )
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Reduce a megatron DDP model's gradients over the domain, and its sequence-parallel LayerNorm gradients
+    over TP: megatron-core's `finalize_model_grads` without a token count (the backward already divided)."""
+    finalize_model_grads([model], None)

@@ -33,7 +33,7 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
-from megatron_dhp.runtime.step import run_step
+from megatron_dhp.runtime.step import reduce_gradients, run_step
 from megatron_dhp.solver import static_cp_size
 from megatron_dhp.training.checkpoint import Checkpointer
 from megatron_dhp.training.config import TrainConfig
@@ -182,7 +182,7 @@ class Trainer:
             result = run_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend,
                               grad_sync=False)
             t1 = time.perf_counter()
-            self.model.finish_grad_sync()
+            reduce_gradients(self.model)
         t2 = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()
         t3 = time.perf_counter()

@@ -112,6 +112,25 @@ def tensor_parallel_checks() -> dict:
         PlanGroup((0, 1), ((7, 8), (9, 10, 11)), phase=1),
     ))
     out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
+    sp = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
+    out["sp"] = {comm: sp.check(plan, samples, comm) for comm in COMM_VARIANTS}
+    dist.destroy_process_group()
+    return out
+
+
+def sequence_parallel_three_checks() -> dict:
+    """TP 2 + SP on 6 ranks (two domains of 3): groups of 3, 2 and 1, odd lengths, every variant."""
+    start_cpu_rank(tensor_parallel=2)
+    check = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=8)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    b = batch().samples
+    plan = Plan("t", 3, 3, b, (
+        PlanGroup((0, 2), ((0, 1), (2, 3))),
+        PlanGroup((1,), ((4, 5, 6),)),
+        PlanGroup((0, 1, 2), ((7, 8), (9, 10, 11)), phase=1),
+    ))
+    out = {"tp": check.model.config.tensor_model_parallel_size, "sp": check.model.config.sequence_parallel,
+           "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
     dist.destroy_process_group()
     return out
 

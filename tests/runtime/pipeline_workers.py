@@ -11,6 +11,7 @@ from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
+from megatron_dhp.runtime.model import TinyGPTConfig
 from megatron_dhp.runtime.selfcheck import SelfCheck, random_samples
 from tests.runtime.dist_workers import SAMPLE_SEED, batch, start_cpu_rank
 
@@ -104,5 +105,8 @@ def tensor_and_pipeline_checks() -> dict:
         check = SelfCheck(seed=10, tied_embeddings=tied)
         samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
         out[tied] = check.check(plan, samples, "allgather")
+    # sequence parallelism: the stages exchange each TP rank's half of the (padded) rows
+    sp = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=10)
+    out["sp"] = sp.check(plan, random_samples(batch(), vocab_size=sp.config.vocab_size, seed=SAMPLE_SEED), "allgather")
     dist.destroy_process_group()
     return out

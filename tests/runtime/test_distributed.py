@@ -97,6 +97,21 @@ def test_tensor_parallel_two_matches_single_process(tp2, comm):
         assert_exact(rank["exact"][comm])
 
 
+@pytest.mark.parametrize("comm", COMM_VARIANTS)
+def test_sequence_parallel_over_a_domain_of_two_matches_single_process(tp2, comm):
+    for rank in tp2:
+        assert_exact(rank["sp"][comm])
+        assert rank["sp"][comm].tokens_computed == rank["sp"][comm].batch_tokens  # padding rows are no tokens
+
+
+def test_sequence_parallel_over_a_domain_of_three_matches_single_process():
+    ranks = launch(dist_workers.sequence_parallel_three_checks, 6, timeout_s=500)
+    for rank in ranks:
+        assert (rank["tp"], rank["sp"]) == (2, True)
+        for comm in COMM_VARIANTS:
+            assert_exact(rank["exact"][comm])
+
+
 def test_init_distributed_does_not_switch_the_cpu_shim_on():
     """A library call must leave megatron-core as shipped; only a CPU entry point calls `apply_cpu_compat`."""
     (result,) = launch(dist_workers.init_distributed_leaves_megatron_core_alone, 1, timeout_s=200)

@@ -82,4 +82,4 @@ def test_interleaved_pipelining_is_refused_with_one_clear_line(monkeypatch):
 
 def test_tp2_pp2_matches_single_process():
     for rank in launch(pipeline_workers.tensor_and_pipeline_checks, 4, timeout_s=300):
-        assert rank[False].ok and rank[True].ok, rank
+        assert rank[False].ok and rank[True].ok and rank["sp"].ok, rank
