@@ -77,6 +77,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
+        seq_multiple=args.tensor_model_parallel_size if args.sequence_parallel else 1,
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (

@@ -37,6 +37,7 @@ def megatron_args(**overrides: object) -> argparse.Namespace:
     args = argparse.Namespace(
         dhp=True, dhp_config=None, dhp_planner=None, dhp_max_tokens_per_rank=8, dhp_comm=None, dhp_cost=None,
         dhp_log_plans=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
+        tensor_model_parallel_size=1, sequence_parallel=False,
     )
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -84,7 +85,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: objec
 class Harness:
     """One rank's Megatron-LM process: model, loader, and the DHP hooks around them."""
 
-    def __init__(self, *, seed: int, overlap_grad_reduce: bool = False, steps: range = range(6)) -> None:
+    def __init__(self, *, seed: int, overlap_grad_reduce: bool = False, steps: range = range(6),
+                 sequence_parallel: bool = False) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -97,7 +99,7 @@ class Harness:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.position = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.num_positions = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        inner = build_tiny_gpt(seed=seed)
+        inner = build_tiny_gpt(TinyGPTConfig(sequence_parallel=sequence_parallel), seed=seed)
         self.model = DistributedDataParallel(
             config=inner.config,
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000),
@@ -251,11 +253,21 @@ def hooks_checks() -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(0)
     t = Harness(seed=5)
-    train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12), t.train, None, None)
+    train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2),
+                        t.train, None, None)
     tp2 = train.iterable.runtime
     out["tp2_domain"] = tp2.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
     tp2.planner.close()
+
+    # --- TP 2 with --sequence-parallel: every shard padded to an even row count, LayerNorm grads over TP
+    u = Harness(seed=7, sequence_parallel=True)
+    train, _, _ = setup(megatron_args(dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2, sequence_parallel=True),
+                        u.train, None, None)
+    sp = train.iterable.runtime
+    out["sp"] = [u.compare(step, u.run(train)[1]) for step in range(2)]
+    out["sp_multiple"] = sp.seq_multiple
+    sp.planner.close()
 
     # --- pipeline parallel 2: two stages of a domain of 2 through megatron-core's 1F1B; the last stage's
     # loader is not read, the first stage's TP rank 0 sends the sequences

@@ -82,3 +82,10 @@ def test_pipeline_stages_run_the_plan_through_1f1b(ranks):
         assert len(r["pp2"]) == 3  # two training steps and one evaluation step
         for result in r["pp2"]:
             assert_exact(result, r["tolerance"])
+
+
+def test_sequence_parallel_pads_shards_to_the_tensor_parallel_size(ranks):
+    for r in ranks:
+        assert r["sp_multiple"] == 2
+        for result in r["sp"]:
+            assert_exact(result, r["tolerance"])
