@@ -161,24 +161,28 @@ class FCPRefPlanner:
 
 
 def round_groups(model: CostModel, batch: Batch, rounds: list[list[Bin]], max_cp: int) -> list[PlanGroup]:
-    """Steps 3-6 per round: round k's bins as contiguous groups of phase k, sized by the makespan DP.
-
-    A bin takes at most the slack of its round (N less the round's minimum degrees) over its own minimum,
-    so each round's table spans only the degrees up to that and only the round's samples.
-    """
-    n = model.domain.world_size
+    """Steps 3-6 per round: round k's bins as contiguous groups of phase k, sized by the makespan DP."""
     tokens, work = batch.lengths, model.sample_work(batch.samples)
     groups: list[PlanGroup] = []
     for phase, round_bins in enumerate(rounds):
-        members = [i for bin_ in round_bins for i in bin_.members]
-        slack = n - sum(bin_.min_cp for bin_ in round_bins)
-        degrees = np.arange(1, min(max_cp, max(bin_.min_cp for bin_ in round_bins) + max(slack, 0)) + 1)
-        per_sample = model.time_table(tokens[members], work[members], degrees)
-        local, start = [], 0
-        for bin_ in round_bins:  # the same bins, their members as rows of the round's table
-            local.append(Bin(bin_.min_cp, bin_.used, list(range(start, start + len(bin_.members)))))
-            start += len(bin_.members)
-        for ranks, bin_ in zip(contiguous_ranks(allocate_degrees(degree_table(model, per_sample, local), n)), round_bins):
+        for ranks, bin_ in zip(contiguous_ranks(round_degrees(model, tokens, work, round_bins, max_cp)), round_bins):
             ids = tuple(batch.samples[i].id for i in bin_.members)
             groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
     return groups
+
+
+def round_degrees(model: CostModel, tokens: np.ndarray, work: np.ndarray, round_bins: list[Bin], max_cp: int) -> list[int]:
+    """`allocate_degrees` of one round, its table over the round's samples and the degrees a bin can reach
+    (its minimum plus the round's slack); a round its minimum degrees fill has just that one split."""
+    n = model.domain.world_size
+    slack = n - sum(bin_.min_cp for bin_ in round_bins)
+    if slack == 0:
+        return [bin_.min_cp for bin_ in round_bins]
+    members = [i for bin_ in round_bins for i in bin_.members]
+    degrees = np.arange(1, min(max_cp, max(bin_.min_cp for bin_ in round_bins) + slack) + 1)
+    per_sample = model.time_table(tokens[members], work[members], degrees)
+    local, start = [], 0
+    for bin_ in round_bins:  # the same bins, their members as rows of the round's table
+        local.append(Bin(bin_.min_cp, bin_.used, list(range(start, start + len(bin_.members)))))
+        start += len(bin_.members)
+    return allocate_degrees(degree_table(model, per_sample, local), n)
