@@ -108,16 +108,16 @@ def allocate_degrees(times: np.ndarray, world_size: int) -> list[int]:
     slack = world_size - int(least.sum())
     assert slack >= 0 and np.isfinite(times[np.arange(num_bins), least - 1]).all(), \
         "the caller keeps the bins' minimum degrees within the domain"
-    x = np.arange(slack + 1)[:, None]  # state: lo_b + x ranks used
-    best = np.where(x[:, 0] == 0, 0.0, np.inf)
+    states = np.arange(slack + 1)  # state x: lo_b + x ranks used
+    best = np.where(states == 0, 0.0, np.inf)
     choice = np.zeros((num_bins, slack + 1), dtype=np.int64)  # extra ranks over the least degree
+    before = np.maximum(states[:, None] - states[None, :] + 1, 0)  # [x, e]: state x - e in [inf, *best]
     for b in range(num_bins):
-        extra = np.arange(min(slack, max_d - int(least[b])) + 1)[None, :]
-        prev = x - extra
-        row = times[b, least[b] - 1 + extra[0]]
-        cand = np.maximum(np.where(prev >= 0, best[np.maximum(prev, 0)], np.inf), row[None, :])
+        extras = min(slack, max_d - int(least[b])) + 1
+        prev = np.concatenate([[np.inf], best])[before[:, :extras]]
+        cand = np.maximum(prev, times[b, least[b] - 1 : least[b] - 1 + extras][None, :])
         choice[b] = np.argmin(cand, axis=1)
-        best = cand[x[:, 0], choice[b]]
+        best = cand[states, choice[b]]
     if np.isfinite(best[slack]):
         used = slack
     else:  # every bin at max_cp still leaves ranks over: the best split of fewer ranks, grown below
