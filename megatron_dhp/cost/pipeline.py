@@ -70,22 +70,27 @@ def pipeline_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[flo
     count = size[u_of[order]]
     pair_at = np.repeat(first[u_of[order]] - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
     resource = member_rows[pair_at] * p + np.repeat(s_of[order], count)
-    op_bounds = np.searchsorted(tick[order], np.arange(int(tick.max(initial=-1)) + 2))
-    pair_bounds = np.concatenate([[0], np.cumsum(count)])
-    start = np.full(num_ops, model.step_overhead_s)
+    op_bounds = np.searchsorted(tick[order], np.arange(int(tick.max(initial=-1)) + 2)).tolist()
+    pair_bounds = np.concatenate([[0], np.cumsum(count)]).tolist()
+    # in tick order, so that each tick's ops and pairs are slices: pred as a position in that order too
+    position = np.empty(num_ops + 1, dtype=np.int64)
+    position[order], position[num_ops] = np.arange(num_ops), num_ops
+    pred_at, dur_at = position[pred[order]], dur[order]
+    offsets = np.asarray(pair_bounds[:-1], dtype=np.int64)
+    begin = np.empty(num_ops)
     end = np.full(num_ops + 1, model.step_overhead_s)  # end[num_ops]: no predecessor
     free = np.full(len(rows) * p, model.step_overhead_s)
     for a, b in zip(op_bounds[:-1], op_bounds[1:]):
         if a == b:
             continue
-        ops = order[a:b]
         pa, pb = pair_bounds[a], pair_bounds[b]
         res = resource[pa:pb]
-        t0 = np.maximum(end[pred[ops]], np.maximum.reduceat(free[res], pair_bounds[a:b] - pa))
-        t1 = t0 + dur[ops]
-        start[ops], end[ops] = t0, t1
+        begin[a:b] = t0 = np.maximum(end[pred_at[a:b]], np.maximum.reduceat(free[res], offsets[a:b] - pa))
+        end[a:b] = t1 = t0 + dur_at[a:b]
         free[res] = np.repeat(t1, count[a:b])
-    return start, end[:num_ops], unit, rows, unit_of
+    start, finish = np.empty(num_ops), np.empty(num_ops)
+    start[order], finish[order] = begin, end[:num_ops]
+    return start, finish, unit, rows, unit_of
 
 
 def slot_units(plan: Plan, microbatch_s: dict[int, tuple[float, ...]], idle_s: float):
