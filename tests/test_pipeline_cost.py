@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from megatron_dhp.cost import build_cost_model, simulate
-from megatron_dhp.cost.pipeline import idle_slot_time, lower_bound, one_f_one_b, pipeline_step_time
+from megatron_dhp.cost.pipeline import (
+    idle_slot_time,
+    lower_bound,
+    one_f_one_b,
+    pipeline_step_time,
+    slot_units,
+)
 from megatron_dhp.cost.simulate import group_microbatch_times
 from megatron_dhp.plan import Plan, PlanError, PlanGroup, Slot, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
@@ -116,6 +122,32 @@ def test_plan_json_keeps_v1_at_one_stage():
     pp = dataclasses.replace(plan, pipeline_stages=4)
     assert pp.to_dict()["pipeline_stages"] == 4
     assert Plan.from_dict(pp.to_dict()) == pp and pp.fingerprint() != plan.fingerprint()
+
+
+def test_slot_units_are_the_pipeline_slots(gpt7b_config):
+    """The array form the simulator builds from the groups is `pipeline_slots`, slot for slot: a real slot is
+    its (group, microbatch)'s one unit on every member, each idle slot a unit of its own."""
+    cfg = dataclasses.replace(gpt7b_config, world_size=7, gpus_per_node=4)
+    model = build_cost_model(cfg)
+    rng = random.Random(1)
+    for trial in range(60):
+        nprng = np.random.default_rng(trial)
+        batch = Batch([Sample(i, int(n)) for i, n in enumerate(nprng.integers(100, 30000, rng.randint(1, 14)))])
+        plan = random_plan(batch, cfg.domain, rng, max_phases=4)
+        times = {gi: group_microbatch_times(plan, gi, model) for gi in range(len(plan.groups))}
+        unit_s, unit_slot, pair_unit, pair_row, rows, unit_of = slot_units(plan, times, 0.5)
+        idle_seen = set()
+        for r, slots in enumerate(pipeline_slots(plan)):
+            assert len(rows[r]) == len(slots)
+            for j, (slot, u) in enumerate(zip(slots, rows[r])):
+                assert unit_slot[u] == j
+                if slot is None:
+                    assert u not in idle_seen and u not in unit_of.values() and unit_s[u] == 0.5
+                    idle_seen.add(u)
+                else:
+                    assert u == unit_of[slot] and unit_s[u] == times[slot.group][slot.microbatch]
+        assert sorted(zip(pair_unit.tolist(), pair_row.tolist())) == sorted((u, r) for r, row in enumerate(rows) for u in row)
+        assert len(unit_s) == len(unit_of) + len(idle_seen)
 
 
 @pytest.mark.parametrize("extras", [{}, EXTRAS])

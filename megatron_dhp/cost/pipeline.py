@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
-from megatron_dhp.plan.pipeline import pipeline_slots
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.workload.sample import Sample
 
@@ -51,63 +50,93 @@ def pipeline_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[flo
     tick's ops at once.
     """
     p = plan.pipeline_stages
-    idle_s = idle_slot_time(model)
-    unit_of: dict[tuple[int, int], int] = {}
-    unit_time: list[float] = []
-    unit_slot: list[int] = []
-    pair_unit: list[int] = []
-    pair_row: list[int] = []
-    rows: list[list[int]] = []
-    for r, slots in enumerate(pipeline_slots(plan)):
-        row = []
-        for j, slot in enumerate(slots):
-            u = unit_of.get(slot) if slot is not None else None
-            if u is None:
-                u = len(unit_time)
-                unit_time.append(idle_s if slot is None else microbatch_s[slot.group][slot.microbatch])
-                unit_slot.append(j)
-                if slot is not None:
-                    unit_of[slot] = u
-            row.append(u)
-            pair_unit.append(u)
-            pair_row.append(r)
-        rows.append(row)
-    unit = np.asarray(unit_time)
-    num_units, num_ops = len(unit_time), len(unit_time) * p * 2
+    unit, unit_slot, pair_unit, pair_row, rows, unit_of = slot_units(plan, microbatch_s, idle_slot_time(model))
+    num_units, num_ops = len(unit), len(unit) * p * 2
     # op id (u * P + s) * 2 + kind, as arrays over all ops
     u_of = np.repeat(np.arange(num_units), 2 * p)
     s_of = np.tile(np.repeat(np.arange(p), 2), num_units)
     kind = np.tile([0, 1], num_units * p)
-    j_of = np.asarray(unit_slot, dtype=np.int64)[u_of]
+    j_of = unit_slot[u_of]
     tick = np.where(kind == 0, 2 * j_of + s_of, 2 * j_of + 2 * p - 1 - s_of)
     ids = np.arange(num_ops)
     pred = np.where(kind == 0, np.where(s_of > 0, ids - 2, num_ops), np.where(s_of < p - 1, ids + 2, ids - 1))
     dur = np.where(kind == 0, FORWARD_SHARE, 1 - FORWARD_SHARE) * unit[u_of] / p
     # each op's members as resources (row, stage): a unit's pairs, grouped by unit
-    by_unit = np.argsort(np.asarray(pair_unit, dtype=np.int64), kind="stable")
-    member_rows = np.asarray(pair_row, dtype=np.int64)[by_unit]
-    size = np.bincount(np.asarray(pair_unit, dtype=np.int64), minlength=num_units)
+    by_unit = np.argsort(pair_unit, kind="stable")
+    member_rows = pair_row[by_unit]
+    size = np.bincount(pair_unit, minlength=num_units)
     first = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
     order = np.argsort(tick, kind="stable")
     count = size[u_of[order]]
     pair_at = np.repeat(first[u_of[order]] - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
     resource = member_rows[pair_at] * p + np.repeat(s_of[order], count)
-    op_bounds = np.searchsorted(tick[order], np.arange(int(tick.max(initial=-1)) + 2))
-    pair_bounds = np.concatenate([[0], np.cumsum(count)])
-    start = np.full(num_ops, model.step_overhead_s)
+    op_bounds = np.searchsorted(tick[order], np.arange(int(tick.max(initial=-1)) + 2)).tolist()
+    pair_bounds = np.concatenate([[0], np.cumsum(count)]).tolist()
+    # in tick order, so that each tick's ops and pairs are slices: pred as a position in that order too
+    position = np.empty(num_ops + 1, dtype=np.int64)
+    position[order], position[num_ops] = np.arange(num_ops), num_ops
+    pred_at, dur_at = position[pred[order]], dur[order]
+    offsets = np.asarray(pair_bounds[:-1], dtype=np.int64)
+    begin = np.empty(num_ops)
     end = np.full(num_ops + 1, model.step_overhead_s)  # end[num_ops]: no predecessor
     free = np.full(len(rows) * p, model.step_overhead_s)
     for a, b in zip(op_bounds[:-1], op_bounds[1:]):
         if a == b:
             continue
-        ops = order[a:b]
         pa, pb = pair_bounds[a], pair_bounds[b]
         res = resource[pa:pb]
-        t0 = np.maximum(end[pred[ops]], np.maximum.reduceat(free[res], pair_bounds[a:b] - pa))
-        t1 = t0 + dur[ops]
-        start[ops], end[ops] = t0, t1
+        begin[a:b] = t0 = np.maximum(end[pred_at[a:b]], np.maximum.reduceat(free[res], offsets[a:b] - pa))
+        end[a:b] = t1 = t0 + dur_at[a:b]
         free[res] = np.repeat(t1, count[a:b])
-    return start, end[:num_ops], unit, rows, unit_of
+    start, finish = np.empty(num_ops), np.empty(num_ops)
+    start[order], finish[order] = begin, end[:num_ops]
+    return start, finish, unit, rows, unit_of
+
+
+def slot_units(plan: Plan, microbatch_s: dict[int, tuple[float, ...]], idle_s: float):
+    """The units of `pipeline_slots(plan)` as arrays: each unit's PP = 1 seconds and slot index, every
+    (unit, position) pair, each position's slots as unit ids, and the unit id of each real slot.
+
+    Built from the groups, not slot by slot: group g of phase q runs microbatch j at slot o_q + j on each of
+    its ranks (one group per rank and phase, `Plan.validate`), and every slot before a position's end that
+    no group fills is an idle unit of its own. Real units come first, group by group.
+    """
+    groups = plan.groups
+    counts = np.array([len(g.microbatches) for g in groups], dtype=np.int64)
+    phase = np.array([g.phase for g in groups], dtype=np.int64)
+    widest = np.zeros(plan.num_phases, dtype=np.int64)
+    np.maximum.at(widest, phase, counts)
+    offset = np.concatenate([[0], np.cumsum(widest)[:-1]])[phase]  # o_q of each group's phase
+    first_unit = np.cumsum(counts) - counts
+    num_real = int(counts.sum())
+    unit_group = np.repeat(np.arange(len(groups)), counts)
+    unit_mb = np.arange(num_real) - first_unit[unit_group]
+    real_slot = offset[unit_group] + unit_mb
+    sizes = np.array([len(g.ranks) for g in groups], dtype=np.int64)
+    ranks = np.fromiter((r for g in groups for r in g.ranks), dtype=np.int64, count=int(sizes.sum()))
+    rank_group = np.repeat(np.arange(len(groups)), sizes)
+    # every (real unit, member) pair: each rank of group g once per microbatch j of g
+    per_rank = counts[rank_group]
+    member = np.repeat(np.arange(len(ranks)), per_rank)
+    j = np.arange(len(member)) - np.repeat(np.cumsum(per_rank) - per_rank, per_rank)
+    pair_real = first_unit[rank_group[member]] + j
+    last = plan.num_phases - 1
+    end = np.full(plan.world_size, int(widest[:last].sum()))  # the last phase is not padded
+    in_last = phase[rank_group] == last
+    end[ranks[in_last]] += counts[rank_group[in_last]]
+    at = np.full((plan.world_size, int(end.max(initial=0))), -1, dtype=np.int64)
+    at[ranks[member], real_slot[pair_real]] = pair_real
+    filled = np.arange(at.shape[1])[None, :] < end[:, None]
+    idle = filled & (at < 0)
+    at[idle] = num_real + np.arange(int(idle.sum()))
+    pair_row, pair_slot = np.nonzero(filled)
+    pair_unit = at[pair_row, pair_slot]
+    unit_time = np.concatenate([np.fromiter((t for gi in range(len(groups)) for t in microbatch_s[gi]),
+                                            dtype=np.float64, count=num_real), np.full(int(idle.sum()), idle_s)])
+    unit_slot = np.concatenate([real_slot, np.nonzero(idle)[1]])
+    rows = [at[r, : end[r]].tolist() for r in range(plan.world_size)]
+    unit_of = dict(zip(zip(unit_group.tolist(), unit_mb.tolist()), range(num_real)))
+    return unit_time, unit_slot, pair_unit, pair_row, rows, unit_of
 
 
 def pipeline_step_time(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[float, ...]]) -> float:

@@ -24,6 +24,7 @@ run per round, and round k becomes phase k of the plan (no barrier: a group star
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,23 +45,26 @@ class Bin:
 
 
 def bfd_pack(tokens: np.ndarray, min_cp: np.ndarray, cap: int) -> list[Bin]:
-    """Memory-aware best-fit decreasing packing of samples into atomic groups (step 2)."""
+    """Memory-aware best-fit decreasing packing of samples into atomic groups (step 2).
+
+    Open bins are kept sorted by (room, index), so the best fit (least room left, then the oldest bin) is
+    the first bin from the sample's length on whose degree is enough: the search is a bisection, not a scan.
+    """
     bins: list[Bin] = []
-    room = np.empty(0, dtype=np.int64)
-    bin_cp = np.empty(0, dtype=np.int64)
-    for i in np.lexsort((np.arange(len(tokens)), -tokens)):  # longest first, ties by position
-        length = int(tokens[i])
-        left = room - length
-        fits = np.flatnonzero((bin_cp >= min_cp[i]) & (left >= 0))
-        if len(fits):
-            b = int(fits[np.argmin(left[fits])])
-            bins[b].members.append(int(i))
+    by_room: list[tuple[int, int]] = []
+    for i in np.lexsort((np.arange(len(tokens)), -tokens)).tolist():  # longest first, ties by position
+        length, need = int(tokens[i]), int(min_cp[i])
+        k = bisect.bisect_left(by_room, (length, -1))
+        while k < len(by_room) and bins[by_room[k][1]].min_cp < need:
+            k += 1
+        if k < len(by_room):
+            room, b = by_room.pop(k)
+            bins[b].members.append(i)
             bins[b].used += length
-            room[b] -= length
+            bisect.insort(by_room, (room - length, b))
         else:
-            bins.append(Bin(int(min_cp[i]), length, [int(i)]))
-            room = np.append(room, int(min_cp[i]) * cap - length)
-            bin_cp = np.append(bin_cp, int(min_cp[i]))
+            bisect.insort(by_room, (need * cap - length, len(bins)))
+            bins.append(Bin(need, length, [i]))
     return bins
 
 
@@ -93,27 +97,37 @@ def allocate_degrees(times: np.ndarray, world_size: int) -> list[int]:
     """Steps 4-5: one degree per bin minimising the largest T_b(d), together using all `world_size` ranks.
 
     `times[b, d - 1]` is T_b(d), inf where d is not allowed for bin b.
+
+    Every bin takes at least its least allowed degree, so after bin b a split uses between lo_b (the sum of
+    those degrees so far) and lo_b + slack ranks (slack: what the least degrees leave of the domain), and a
+    bin adds at most slack ranks to its least degree. The DP runs over just those states and degrees: the
+    same table and choices as over all (j, d), in O(K slack^2) instead of O(K N D).
     """
     num_bins, max_d = times.shape
-    j = np.arange(world_size + 1)[:, None]
-    d = np.arange(1, max_d + 1)[None, :]
-    prev_j = j - d
-    best = np.where(j[:, 0] == 0, 0.0, np.inf)
-    choice = np.zeros((num_bins, world_size + 1), dtype=np.int64)
+    least = np.argmax(np.isfinite(times), axis=1) + 1
+    slack = world_size - int(least.sum())
+    assert slack >= 0 and np.isfinite(times[np.arange(num_bins), least - 1]).all(), \
+        "the caller keeps the bins' minimum degrees within the domain"
+    states = np.arange(slack + 1)  # state x: lo_b + x ranks used
+    best = np.where(states == 0, 0.0, np.inf)
+    choice = np.zeros((num_bins, slack + 1), dtype=np.int64)  # extra ranks over the least degree
+    before = np.maximum(states[:, None] - states[None, :] + 1, 0)  # [x, e]: state x - e in [inf, *best]
     for b in range(num_bins):
-        cand = np.maximum(np.where(prev_j >= 0, best[np.maximum(prev_j, 0)], np.inf), times[b][None, :])
+        extras = min(slack, max_d - int(least[b])) + 1
+        prev = np.concatenate([[np.inf], best])[before[:, :extras]]
+        cand = np.maximum(prev, times[b, least[b] - 1 : least[b] - 1 + extras][None, :])
         choice[b] = np.argmin(cand, axis=1)
-        best = cand[j[:, 0], choice[b]]
-    if np.isfinite(best[world_size]):
-        used = world_size
+        best = cand[states, choice[b]]
+    if np.isfinite(best[slack]):
+        used = slack
     else:  # every bin at max_cp still leaves ranks over: the best split of fewer ranks, grown below
         fewer = np.flatnonzero(np.isfinite(best))[::-1]  # the most ranks among equally good splits
-        assert len(fewer), "the caller keeps the bins' minimum degrees within the domain"
         used = int(fewer[np.argmin(best[fewer])])
     degrees = [0] * num_bins
     for b in range(num_bins - 1, -1, -1):
-        degrees[b] = int(choice[b][used]) + 1
-        used -= degrees[b]
+        extra = int(choice[b][used])
+        degrees[b] = int(least[b]) + extra
+        used -= extra
     for k in range(world_size - sum(degrees)):  # rank conservation, round-robin +1 (ring CP takes any size)
         degrees[k % num_bins] += 1
     return degrees
@@ -143,13 +157,32 @@ class FCPRefPlanner:
                 f"fcp-ref: sample {s.id} ({s.tokens} tokens) needs {int(min_cp.max())} ranks of {cap} tokens, "
                 f"above max_cp_degree {max_cp}"
             )
-        degrees = np.arange(1, max_cp + 1)
-        per_sample = model.time_table(tokens, model.sample_work(batch.samples), degrees)
-        bins = bfd_pack(tokens, min_cp, cap)
-        groups: list[PlanGroup] = []
-        for phase, round_bins in enumerate(split_rounds(bins, n)):
-            table = degree_table(model, per_sample, round_bins)
-            for ranks, bin_ in zip(contiguous_ranks(allocate_degrees(table, n)), round_bins):
-                ids = tuple(batch.samples[i].id for i in bin_.members)
-                groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
-        return groups
+        return round_groups(model, batch, split_rounds(bfd_pack(tokens, min_cp, cap), n), max_cp)
+
+
+def round_groups(model: CostModel, batch: Batch, rounds: list[list[Bin]], max_cp: int) -> list[PlanGroup]:
+    """Steps 3-6 per round: round k's bins as contiguous groups of phase k, sized by the makespan DP."""
+    tokens, work = batch.lengths, model.sample_work(batch.samples)
+    groups: list[PlanGroup] = []
+    for phase, round_bins in enumerate(rounds):
+        for ranks, bin_ in zip(contiguous_ranks(round_degrees(model, tokens, work, round_bins, max_cp)), round_bins):
+            ids = tuple(batch.samples[i].id for i in bin_.members)
+            groups.append(PlanGroup(ranks=ranks, microbatches=(ids,), phase=phase))
+    return groups
+
+
+def round_degrees(model: CostModel, tokens: np.ndarray, work: np.ndarray, round_bins: list[Bin], max_cp: int) -> list[int]:
+    """`allocate_degrees` of one round, its table over the round's samples and the degrees a bin can reach
+    (its minimum plus the round's slack); a round its minimum degrees fill has just that one split."""
+    n = model.domain.world_size
+    slack = n - sum(bin_.min_cp for bin_ in round_bins)
+    if slack == 0:
+        return [bin_.min_cp for bin_ in round_bins]
+    members = [i for bin_ in round_bins for i in bin_.members]
+    degrees = np.arange(1, min(max_cp, max(bin_.min_cp for bin_ in round_bins) + slack) + 1)
+    per_sample = model.time_table(tokens[members], work[members], degrees)
+    local, start = [], 0
+    for bin_ in round_bins:  # the same bins, their members as rows of the round's table
+        local.append(Bin(bin_.min_cp, bin_.used, list(range(start, start + len(bin_.members)))))
+        start += len(bin_.members)
+    return allocate_degrees(degree_table(model, per_sample, local), n)

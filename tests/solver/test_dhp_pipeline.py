@@ -96,6 +96,16 @@ def test_fastest_pipeline_prices_like_simulate(gpt7b):
     assert times[0] != times[1] and chosen is (split, packed)[times.index(min(times))]
 
 
+def test_layout_times_are_the_models_microbatch_times(gpt7b):
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=128, seed=0, index=1, capacity=gpt7b.domain.capacity)
+    inst = Instance.from_batch(batch, gpt7b, gpt7b.domain.max_tokens_per_rank // 4)
+    by_id = {s.id: s for s in batch.samples}
+    for groups in (*round_layouts(inst, batch), spaced_round_groups(inst, batch, 4)):
+        for g, times in zip(groups, inst.layout_times(groups)):
+            expected = [gpt7b.microbatch_time([by_id[i] for i in mb], g.ranks) for mb in g.microbatches]
+            assert times == pytest.approx(expected, rel=1e-12)
+
+
 def test_dhp_is_never_behind_static_or_fcp_ref_on_small_domains():
     # Small random batches on small domains: static's one group size, or fcp-ref's rounds in their own order,
     # is sometimes the fastest layout, and dhp prices both.

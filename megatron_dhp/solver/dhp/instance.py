@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ class Instance:
     cap: int
     """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism."""
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
-    _index: dict[int, int] = field(default_factory=dict, repr=False)
+    _order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
 
     @classmethod
     def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None) -> Instance:
@@ -54,9 +55,24 @@ class Instance:
             self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra)
         return self._times[key]
 
-    def microbatch_times(self, group: PlanGroup) -> tuple[float, ...]:
-        """Seconds of each of a planned group's microbatches (overhead plus its samples), from the tables."""
-        if not self._index:
-            self._index.update((int(i), k) for k, i in enumerate(self.ids))
-        t, m = self.times(group.size, self.model.is_intra(group.ranks)), self.overhead(group.size)
-        return tuple(m + float(t[[self._index[i] for i in mb]].sum()) for mb in group.microbatches)
+    def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
+        """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in
+        one pass over all their samples (a planner prices whole layouts at a time)."""
+        if not len(self._order):
+            self._order = np.argsort(self.ids, kind="stable")
+        keys = [(g.size, self.model.is_intra(g.ranks)) for g in groups]
+        unique = sorted(set(keys))
+        table = np.stack([self.times(*k) for k in unique]) if unique else np.zeros((0, len(self.ids)))
+        overhead = np.array([self.overhead(size) for size, _ in unique])
+        key_of = {k: n for n, k in enumerate(unique)}
+        mb_len = np.array([len(mb) for g in groups for mb in g.microbatches], dtype=np.int64)
+        mb_key = np.repeat([key_of[k] for k in keys], [len(g.microbatches) for g in groups]).astype(np.int64)
+        ids = np.fromiter((i for g in groups for mb in g.microbatches for i in mb), dtype=np.int64, count=int(mb_len.sum()))
+        pos = self._order[np.searchsorted(self.ids, ids, sorter=self._order)]
+        t = table[np.repeat(mb_key, mb_len), pos]
+        mb_s = (overhead[mb_key] + np.add.reduceat(t, np.cumsum(mb_len) - mb_len)).tolist() if len(t) else []
+        out, k = [], 0
+        for g in groups:
+            out.append(tuple(mb_s[k : k + len(g.microbatches)]))
+            k += len(g.microbatches)
+        return out

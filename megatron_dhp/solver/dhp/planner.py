@@ -202,6 +202,6 @@ def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list
     domain = inst.model.domain
     times = [pipeline_step_time(Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
                                      max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages),
-                                inst.model, {gi: inst.microbatch_times(g) for gi, g in enumerate(groups)})
+                                inst.model, dict(enumerate(inst.layout_times(groups))))
              for groups in candidates]
     return candidates[times.index(min(times))]

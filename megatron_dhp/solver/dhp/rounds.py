@@ -19,11 +19,9 @@ Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost ab
 
 from __future__ import annotations
 
-import numpy as np
-
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, split_rounds
+from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, round_groups, split_rounds
 from megatron_dhp.workload.sample import Batch
 
 
@@ -47,12 +45,13 @@ def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanG
             return None
         fillers = shortest[:num_fillers]
         filler_cap = -(-sum(s.tokens for s in fillers[-(stages - 1):]) // n) if fillers else 0
-        rest = shortest[num_fillers:]
-        tokens = np.array([s.tokens for s in rest], dtype=np.int64)
+        filler_ids = {s.id for s in fillers}
+        rest = Batch(tuple(s for s in batch.samples if s.id not in filler_ids))
+        tokens = rest.lengths
         if filler_cap >= cap or int(tokens.max()) > n * (cap - filler_cap):
             return None
-        rounds = len(split_rounds(bfd_pack(tokens, -(-tokens // (cap - filler_cap)), cap - filler_cap), n))
-        gaps = rounds - 1
+        rounds = split_rounds(bfd_pack(tokens, -(-tokens // (cap - filler_cap)), cap - filler_cap), n)
+        gaps = len(rounds) - 1
         if gaps * (stages - 1) <= num_fillers:
             break
         num_fillers = gaps * (stages - 1)
@@ -60,9 +59,7 @@ def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanG
         return None
     if gaps < 1 or sum(s.tokens for s in fillers[-stages:]) > n * cap:  # P fillers in a row hold M too
         return None
-    filler_ids = {s.id for s in fillers}
-    groups = FCPRefPlanner().solve(Batch([s for s in batch.samples if s.id not in filler_ids]),
-                                   model.with_token_cap(cap - filler_cap))
+    groups = round_groups(model, rest, rounds, n)  # fcp-ref's groups of these rounds, as its solve makes them
     phase_of = {q: 2 * k for k, q in enumerate(round_order(inst, groups))}
     out = [PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups]
     everyone = tuple(range(n))
@@ -75,8 +72,8 @@ def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanG
 def round_order(inst: Instance, groups: list[PlanGroup]) -> list[int]:
     """The rounds (phases) of one-microbatch groups in 1F1B order of their longest microbatch."""
     span: dict[int, float] = {}
-    for g in groups:
-        span[g.phase] = max(span.get(g.phase, 0.0), *inst.microbatch_times(g))
+    for g, times in zip(groups, inst.layout_times(groups)):
+        span[g.phase] = max(span.get(g.phase, 0.0), *times)
     return pipeline_order_of(sorted(span, key=lambda q: (-span[q], q)))
 
 
