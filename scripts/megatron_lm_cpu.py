@@ -26,6 +26,7 @@ TRAINING_MODULES = (
     "megatron.training.initialize",
     "megatron.training.global_vars",
     "megatron.training.theoretical_memory_usage",
+    "megatron.training.checkpointing",
 )
 
 

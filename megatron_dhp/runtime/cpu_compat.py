@@ -2,8 +2,9 @@
 
 megatron-core 0.16 hard-codes the CUDA device in a handful of places (RoPE frequencies, the DDP grad buffer,
 the causal-mask helper, the schedules' token counter, the CUDA RNG tracker, the tied embedding's `.cuda()`
-under pipeline parallelism), and its CPU norm (torch's, without apex or TransformerEngine) refuses sequence
-parallelism. On a CPU-only machine those
+under pipeline parallelism), its CPU norm (torch's, without apex or TransformerEngine) refuses sequence
+parallelism, and the distributed optimizer accepts only CUDA tensor types and, with torch's Adam and fp32
+parameters, cannot load a checkpoint. On a CPU-only machine those
 calls fail before any math runs, so a job that starts on the CPU (a gloo trainer rank, `selftest`, the test
 workers) switches this on first, explicitly; no library call does it for them. Nothing is changed when CUDA
 is available: a GPU run uses megatron-core exactly as shipped.
@@ -117,10 +118,46 @@ def apply_cpu_compat() -> bool:
     from megatron.core.transformer import torch_norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_marking_sequence_parallel(torch_norm.WrappedTorchNorm.__new__))
+    # The distributed optimizer sorts parameters by their CUDA type names while it builds its groups.
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer = distrib_optimizer.DistributedOptimizer
+    build, sharded = optimizer.__init__, optimizer.sharded_state_dict
+    optimizer.__init__ = lambda *a, **k: _with_cuda_type_names(build, *a, **k)
+    # Loading a checkpoint asks the optimizer for its state before any step; apex's and TE's Adam have one
+    # from the start, torch's only after a step, so it is filled with dummies first (as megatron-core does for
+    # Megatron-FSDP checkpoints); the load then overwrites them.
+    optimizer.sharded_state_dict = lambda self, model_state={}, is_loading=False, *a, **k: sharded(  # noqa: B006
+        _with_optimizer_state(self) if is_loading else self, model_state, is_loading, *a, **k)
+    # With fp32 parameters the main parameter is the model's own (a leaf that requires grad), which loading
+    # copies into; the copy must not be recorded by autograd.
+    optimizer._set_main_param_and_optimizer_states = torch.no_grad()(optimizer._set_main_param_and_optimizer_states)
 
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
     return True
+
+
+def _with_cuda_type_names(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call `fn` while a CPU tensor's `type()` answers with its CUDA name ('torch.cuda.FloatTensor')."""
+    plain = torch.Tensor.type
+
+    def cuda_named(self: torch.Tensor, dtype: Any = None, *rest: Any, **options: Any) -> Any:
+        name = plain(self, dtype, *rest, **options)
+        return name.replace("torch.", "torch.cuda.", 1) if dtype is None and self.device.type == "cpu" else name
+
+    torch.Tensor.type = cuda_named
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.Tensor.type = plain
+
+
+def _with_optimizer_state(optimizer: Any) -> Any:
+    """The distributed optimizer, its inner torch optimizer given (dummy) state if it has none yet."""
+    if not optimizer.optimizer.state:
+        optimizer._init_optimizer_states_with_dummy_values()
+    return optimizer
 
 
 def _marking_sequence_parallel(build: Any) -> Any:
