@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from megatron_dhp.config_io import to_mapping
@@ -20,6 +21,10 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import refusals
 from megatron_dhp.runtime.attention import COMM_VARIANTS
+
+# torchrun stops every rank within 0.1 s of the first one's exit: the silent ranks wait that long and more, so
+# that rank 0 has printed before the job is stopped
+_SILENT_RANK_EXIT_DELAY_S = 3.0
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -102,6 +107,8 @@ def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
         if _rank() == 0:
             sys.stderr.writelines(f"megatron-dhp: {line}\n" for line in str(e).splitlines())
             sys.stderr.flush()
+        else:
+            time.sleep(_SILENT_RANK_EXIT_DELAY_S)
         raise SystemExit(2) from None
 
 
