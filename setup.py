@@ -6,6 +6,10 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 
+# What a Megatron-LM checkout's `import megatron.training.training` needs beyond megatron-core on a CPU
+# machine (core_v0.16.1, Python 3.11): the tokenizers import six and regex, the config dataclasses pydantic.
+MEGATRON_LM = ["six>=1.16,<2", "regex>=2023.10", "pydantic>=2.5,<3"]
+
 setup(
     name="megatron-dhp",
     version="0.1.0",
@@ -32,7 +36,8 @@ setup(
         "rich>=13",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
+        "megatron": MEGATRON_LM,
+        "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", *MEGATRON_LM],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },
     entry_points={"console_scripts": ["megatron-dhp=megatron_dhp.cli:main"]},

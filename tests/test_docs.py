@@ -30,6 +30,12 @@ def test_configuration_page_is_generated_from_the_dataclasses():
         "regenerate it: python scripts/config_docs.py > docs/configuration.md")
 
 
+def test_megatron_page_lists_the_refusals_the_validator_uses():
+    with_refusals = runpy.run_path(str(REPO / "scripts" / "config_docs.py"))["with_refusals"]
+    page = (REPO / "docs" / "megatron-lm.md").read_text()
+    assert with_refusals(page) == page, "regenerate it: python scripts/config_docs.py --megatron-lm"
+
+
 @pytest.mark.parametrize("cls", [CostConfig, DhpConfig, ModelConfig, DataConfig, RunConfig])
 def test_every_config_field_has_a_docstring(cls):
     assert set(field_docs(cls)) == set(cls.__dataclass_fields__)

@@ -3,7 +3,8 @@
 In the order a run meets them (file names of the upstream checkout; `patches/` holds one patch per tag):
 
 - `with_dhp_args` (pretrain_gpt.py): the `--dhp*` flags, as Megatron's extra_args_provider.
-- `validate_dhp_args` (right after Megatron's own validate_args): combinations that cannot work.
+- `validate_dhp_args` (right after Megatron's own validate_args): combinations that cannot work, raised as
+  `DhpError`; `refuse_or_config` prints them once (rank 0) and exits 2 on every rank instead.
 - `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19's pretrain_gpt.py): attention and RoPE
   over each microbatch's dynamic group.
 - `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
@@ -20,6 +21,7 @@ import importlib
 _EXPORTS = {
     "add_dhp_args": "arguments",
     "dhp_config_from_args": "arguments",
+    "refuse_or_config": "arguments",
     "validate_dhp_args": "arguments",
     "with_dhp_args": "arguments",
     "forward_step": "forward",

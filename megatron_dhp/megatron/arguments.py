@@ -3,19 +3,28 @@
 `add_dhp_args` adds one argument group in the style of Megatron's `_add_*_args`. The `--dhp-*` flags
 override the same keys of the `--dhp-config` YAML; `dhp_config_from_args` merges them into the one
 `DhpConfig` the run uses. `validate_dhp_args` rejects, before anything is built, every flag combination
-that cannot work with dynamic groups, each with a message that names the flag and the fix.
+of the `refusals.REFUSALS` table, each in one line that names the flag and the nearest supported setting;
+`refuse_or_config` is its Megatron-LM entry, which prints them once and exits instead of raising.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 from collections.abc import Callable
 
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.megatron.refusals import refusals
 from megatron_dhp.runtime.attention import COMM_VARIANTS
+
+# torchrun stops every rank within 0.1 s of the first one's exit: the silent ranks wait that long and more, so
+# that rank 0 has printed before the job is stopped
+_SILENT_RANK_EXIT_DELAY_S = 3.0
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -27,10 +36,6 @@ _OVERRIDES = {
     "dhp_cost": "cost",
     "dhp_log_plans": "log_plans",
 }
-
-# TransformerEngine's CP variants that take THD (packed) input
-_TE_THD_COMM_TYPES = ("p2p", "all_gather")
-
 
 def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the megatron-dhp argument group; returns the parser, as Megatron's extra_args_provider must."""
@@ -84,75 +89,32 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
         return None
     config = dhp_config_from_args(args)
     CostConfig.load(config.cost)  # a missing or malformed cost YAML fails now, not at the first step
-    problems = _conflicts(args, config)
+    problems = refusals(args, config)
     if problems:
-        raise DhpError("; ".join(problems))
+        raise DhpError("\n".join(problems))
     return config
 
 
-def _conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
-    """Every flag combination that cannot work with --dhp, as messages naming the flag and the fix."""
-    problems = []
-    if args.context_parallel_size > 1:
-        problems.append(f"--context-parallel-size {args.context_parallel_size} with --dhp: megatron-dhp forms the "
-                        "context-parallel groups itself every step; set --context-parallel-size 1 (the DP ranks "
-                        "become the dynamic domain)")
-    if not args.calculate_per_token_loss:
-        problems.append("--dhp needs --calculate-per-token-loss: with groups that change every step only a loss "
-                        "summed per token and divided by the global token count keeps gradients exact")
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None and vpp > 1:
-        problems.append(f"interleaved pipelining (virtual pipeline size {vpp}) with --dhp: its schedule needs "
-                        "per-chunk slot alignment that megatron-dhp does not implement; drop "
-                        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
-    if getattr(args, "hybrid_context_parallel", False):
-        problems.append("--hybrid-context-parallel and --dhp both form dynamic CP groups; drop --hybrid-context-parallel")
-    if args.sequence_parallel:
-        problems.append("--sequence-parallel with --dhp: a microbatch's token count need not divide by the "
-                        "tensor-parallel size, which sequence parallelism requires; drop --sequence-parallel")
-    if getattr(args, "num_experts", None):
-        problems.append(f"--num-experts {args.num_experts} with --dhp: MoE layers are not supported yet; use a dense model")
-    if getattr(args, "mtp_num_layers", None):
-        problems.append("--mtp-num-layers with --dhp: multi-token prediction is not supported yet; drop it")
-    if getattr(args, "multi_latent_attention", False):
-        problems.append("--multi-latent-attention with --dhp: only standard self-attention takes dynamic groups")
-    if getattr(args, "use_legacy_models", False):
-        problems.append("--use-legacy-models with --dhp: only megatron-core models take dynamic groups")
-    if args.reset_attention_mask and not args.reset_position_ids:
-        problems.append("--reset-attention-mask with --dhp needs --reset-position-ids: megatron-dhp trains each "
-                        "document as its own sequence (positions from 0) and finds documents where positions restart")
-    if getattr(args, "iterations_to_skip", None):
-        problems.append("--iterations-to-skip with --dhp: skipped iterations read the loader outside the "
-                        "megatron-dhp schedule; remove the skip list")
-    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
-        problems.append(f"--cuda-graph-impl {args.cuda_graph_impl} with --dhp: every step has other shapes and "
-                        "groups, which a captured graph cannot follow; use --cuda-graph-impl none")
-    if config.overlap_planning and args.rampup_batch_size:
-        problems.append("--rampup-batch-size with overlap_planning: the step planned ahead would have the "
-                        "wrong size; set overlap_planning: false in the --dhp-config YAML")
-    problems += _layer_spec_conflicts(args, config)
-    return problems
+def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
+    """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank.
+
+    A refusal is the user's to fix, not a crash: every rank raising would print one traceback per rank and
+    hide the message under them.
+    """
+    try:
+        return validate_dhp_args(args)
+    except DhpError as e:
+        if _rank() == 0:
+            sys.stderr.writelines(f"megatron-dhp: {line}\n" for line in str(e).splitlines())
+            sys.stderr.flush()
+        else:
+            time.sleep(_SILENT_RANK_EXIT_DELAY_S)
+        raise SystemExit(2) from None
 
 
-def _layer_spec_conflicts(args: argparse.Namespace, config: DhpConfig) -> list[str]:
-    problems = []
-    if str(getattr(args, "attention_backend", "")).endswith("local"):
-        problems.append("--attention-backend local with --dhp: it replaces the core attention megatron-dhp puts in "
-                        "the layer spec; leave --attention-backend at its default (auto)")
-    if config.layer_spec == "local":
-        if args.attention_dropout:
-            problems.append(f"--attention-dropout {args.attention_dropout} with layer_spec local: megatron-dhp's "
-                            "attention has no dropout; set --attention-dropout 0")
-        return problems
-    if args.transformer_impl != "transformer_engine":
-        problems.append(f"layer_spec te needs --transformer-impl transformer_engine (got {args.transformer_impl}); "
-                        "or set layer_spec: local")
-    comm_types = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    bad = sorted({c for c in comm_types if c not in _TE_THD_COMM_TYPES})
-    if bad:
-        problems.append(f"--cp-comm-type {' '.join(bad)} with layer_spec te: TransformerEngine runs packed (THD) "
-                        f"sequences with {' or '.join(_TE_THD_COMM_TYPES)} only")
-    if args.dhp_comm is not None:
-        problems.append("--dhp-comm chooses the CP variant of layer_spec local; with layer_spec te set "
-                        "--cp-comm-type p2p or all_gather instead")
-    return problems
+def _rank() -> int:
+    """This process's global rank: torch.distributed's once initialised, else torchrun's RANK."""
+    dist = sys.modules.get("torch.distributed")  # never imported: no process group to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))

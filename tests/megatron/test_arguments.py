@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,9 +14,13 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.arguments import (
     add_dhp_args,
     dhp_config_from_args,
+    refuse_or_config,
     validate_dhp_args,
     with_dhp_args,
 )
+from megatron_dhp.megatron.refusals import REFUSALS
+
+REPO = Path(__file__).resolve().parents[2]
 
 # What Megatron's own parser and validate_args leave in args for a plain dense GPT run
 MEGATRON_DEFAULTS = dict(
@@ -107,6 +115,43 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(DhpError) as e:
         validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False))
     assert "--context-parallel-size 2" in str(e.value) and "--calculate-per-token-loss" in str(e.value)
+
+
+def test_each_refusal_is_one_line_naming_the_value_and_the_fix():
+    with pytest.raises(DhpError) as e:
+        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False, num_experts=8))
+    assert str(e.value).splitlines() == [
+        "--context-parallel-size 2 with --dhp: megatron-dhp forms the context-parallel groups itself every step; "
+        "set --context-parallel-size 1 (the DP ranks become the dynamic domain)",
+        "--dhp needs --calculate-per-token-loss: with groups that change every step only a loss summed per token "
+        "and divided by the global token count keeps gradients exact; add --calculate-per-token-loss",
+        "--num-experts 8 with --dhp: MoE layers are not supported yet; use a dense model",
+    ]
+    assert all(rule.refused and rule.why and rule.fix for rule in REFUSALS)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_megatron_entry_prints_refusals_once_and_exits_without_a_traceback(rank):
+    """What the patched Megatron-LM calls: rank 0 prints one line per problem, every rank exits 2."""
+    args = parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False)
+    code = ("import argparse\nfrom megatron_dhp.megatron import refuse_or_config\n"
+            f"refuse_or_config(argparse.Namespace(**{vars(args)!r}))\nprint('not reached')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RANK": rank, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2 and "not reached" not in out.stdout
+    assert "Traceback" not in out.stderr
+    printed = [line for line in out.stderr.splitlines() if "megatron-dhp" in line]
+    if rank == "0":
+        assert len(printed) == 2 and all(line.startswith("megatron-dhp: ") for line in printed), out.stderr
+        assert printed[0].startswith("megatron-dhp: --context-parallel-size 2 with --dhp: ")
+        assert printed[1].startswith("megatron-dhp: --dhp needs --calculate-per-token-loss: ")
+    else:
+        assert printed == [], out.stderr
+
+
+def test_megatron_entry_returns_the_config_of_a_run_that_can_work():
+    assert refuse_or_config(parse(["--dhp", "--dhp-comm", "ring"])).comm == "ring"
+    assert refuse_or_config(parse([])) is None
 
 
 def test_te_layer_spec_takes_te_with_a_thd_cp_type(tmp_path):

@@ -1,0 +1,156 @@
+"""Every Megatron-LM flag combination that cannot work with --dhp, as one table.
+
+The validator (`arguments.validate_dhp_args`) evaluates the table and the docs' list of unsupported flags
+(`scripts/config_docs.py`, docs/megatron-lm.md) is printed from it, so the two cannot drift apart. Each
+rule's message is one line: what was given, why it cannot work, and the nearest supported setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_dhp.integration.dhp_config import DhpConfig
+
+# TransformerEngine's CP variants that take THD (packed) input
+_TE_THD_COMM_TYPES = ("p2p", "all_gather")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused combination: `given` finds it, `problem`, `why` and `fix` say it in one line."""
+
+    refused: str
+    """What is refused, for the docs (markdown)."""
+    given: Callable[[argparse.Namespace, DhpConfig], object]
+    """The refused value in the parsed args and config; falsy when the run does not use it."""
+    problem: str
+    """What was given, formatted with `value` (what `given` returned), `args` and `config`."""
+    why: str
+    """Why dynamic groups cannot work with it (markdown: the message drops the backticks)."""
+    fix: str
+    """The nearest supported setting (markdown, as `why`)."""
+
+    def message(self, args: argparse.Namespace, config: DhpConfig) -> str | None:
+        """The one-line refusal for this run, or None when the run does not use the refused setting."""
+        value = self.given(args, config)
+        if not value:
+            return None
+        problem = self.problem.format(value=value, args=args, config=config)
+        return f"{problem}: {self.why}; {self.fix}".replace("`", "")
+
+
+def _virtual_pipeline_size(args: argparse.Namespace, config: DhpConfig) -> int | None:
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return vpp if vpp is not None and vpp > 1 else None
+
+
+def _non_thd_comm_types(args: argparse.Namespace, config: DhpConfig) -> str:
+    if config.layer_spec != "te":
+        return ""
+    given = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    return " ".join(sorted({c for c in given if c not in _TE_THD_COMM_TYPES}))
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("`--context-parallel-size` > 1",
+            lambda a, c: a.context_parallel_size if a.context_parallel_size > 1 else None,
+            "--context-parallel-size {value} with --dhp",
+            "megatron-dhp forms the context-parallel groups itself every step",
+            "set `--context-parallel-size 1` (the DP ranks become the dynamic domain)"),
+    Refusal("no `--calculate-per-token-loss`",
+            lambda a, c: not a.calculate_per_token_loss,
+            "--dhp needs --calculate-per-token-loss",
+            "with groups that change every step only a loss summed per token and divided by the global token "
+            "count keeps gradients exact",
+            "add `--calculate-per-token-loss`"),
+    Refusal("interleaved pipelining (`--num-layers-per-virtual-pipeline-stage`)",
+            _virtual_pipeline_size,
+            "interleaved pipelining (virtual pipeline size {value}) with --dhp",
+            "its schedule needs per-chunk slot alignment that megatron-dhp does not implement",
+            "drop `--num-layers-per-virtual-pipeline-stage` / `--num-virtual-stages-per-pipeline-rank` "
+            "(`--pipeline-model-parallel-size` alone works)"),
+    Refusal("`--hybrid-context-parallel`",
+            lambda a, c: getattr(a, "hybrid_context_parallel", False),
+            "--hybrid-context-parallel with --dhp",
+            "both form dynamic CP groups",
+            "drop `--hybrid-context-parallel`"),
+    Refusal("`--sequence-parallel`",
+            lambda a, c: a.sequence_parallel,
+            "--sequence-parallel with --dhp",
+            "a microbatch's token count need not divide by the tensor-parallel size, which sequence "
+            "parallelism requires",
+            "drop `--sequence-parallel`"),
+    Refusal("MoE (`--num-experts`)",
+            lambda a, c: getattr(a, "num_experts", None),
+            "--num-experts {value} with --dhp",
+            "MoE layers are not supported yet",
+            "use a dense model"),
+    Refusal("multi-token prediction (`--mtp-num-layers`)",
+            lambda a, c: getattr(a, "mtp_num_layers", None),
+            "--mtp-num-layers {value} with --dhp",
+            "multi-token prediction is not supported yet",
+            "drop `--mtp-num-layers`"),
+    Refusal("MLA (`--multi-latent-attention`)",
+            lambda a, c: getattr(a, "multi_latent_attention", False),
+            "--multi-latent-attention with --dhp",
+            "only standard self-attention takes dynamic groups",
+            "drop `--multi-latent-attention`"),
+    Refusal("legacy models (`--use-legacy-models`)",
+            lambda a, c: getattr(a, "use_legacy_models", False),
+            "--use-legacy-models with --dhp",
+            "only megatron-core models take dynamic groups",
+            "drop `--use-legacy-models`"),
+    Refusal("`--reset-attention-mask` without `--reset-position-ids`",
+            lambda a, c: a.reset_attention_mask and not a.reset_position_ids,
+            "--reset-attention-mask with --dhp needs --reset-position-ids",
+            "megatron-dhp trains each document as its own sequence (positions from 0) and finds documents "
+            "where positions restart",
+            "add `--reset-position-ids`"),
+    Refusal("`--iterations-to-skip`",
+            lambda a, c: getattr(a, "iterations_to_skip", None),
+            "--iterations-to-skip with --dhp",
+            "skipped iterations read the loader outside the megatron-dhp schedule",
+            "remove the skip list"),
+    Refusal("CUDA graphs (`--cuda-graph-impl`)",
+            lambda a, c: getattr(a, "cuda_graph_impl", "none") not in ("none", None) and a.cuda_graph_impl,
+            "--cuda-graph-impl {value} with --dhp",
+            "every step has other shapes and groups, which a captured graph cannot follow",
+            "use `--cuda-graph-impl none`"),
+    Refusal("`--rampup-batch-size` with `overlap_planning`",
+            lambda a, c: c.overlap_planning and a.rampup_batch_size,
+            "--rampup-batch-size with overlap_planning",
+            "the step planned ahead would have the wrong size",
+            "set `overlap_planning: false` in the `--dhp-config` YAML"),
+    Refusal("`--attention-backend local`",
+            lambda a, c: str(getattr(a, "attention_backend", "")).endswith("local"),
+            "--attention-backend local with --dhp",
+            "it replaces the core attention megatron-dhp puts in the layer spec",
+            "leave `--attention-backend` at its default (`auto`)"),
+    Refusal("`--attention-dropout` with `layer_spec: local`",
+            lambda a, c: c.layer_spec == "local" and a.attention_dropout,
+            "--attention-dropout {value} with layer_spec local",
+            "megatron-dhp's attention has no dropout",
+            "set `--attention-dropout 0` (or `layer_spec: te`, whose attention has its own)"),
+    Refusal("`layer_spec: te` with a `--transformer-impl` other than `transformer_engine`",
+            lambda a, c: c.layer_spec == "te" and a.transformer_impl != "transformer_engine" and a.transformer_impl,
+            "layer_spec te needs --transformer-impl transformer_engine (got {value})",
+            "its core attention is TransformerEngine's",
+            "set `--transformer-impl transformer_engine`, or `layer_spec: local`"),
+    Refusal("`layer_spec: te` with a `--cp-comm-type` other than `p2p` or `all_gather`",
+            _non_thd_comm_types,
+            "--cp-comm-type {value} with layer_spec te",
+            "TransformerEngine runs packed (THD) sequences with `p2p` or `all_gather` only",
+            "set `--cp-comm-type p2p` or `all_gather`"),
+    Refusal("`layer_spec: te` with `--dhp-comm`",
+            lambda a, c: c.layer_spec == "te" and a.dhp_comm,
+            "--dhp-comm {value} with layer_spec te",
+            "`--dhp-comm` chooses the CP variant of layer_spec `local`",
+            "set `--cp-comm-type p2p` or `all_gather` instead"),
+)
+
+
+def refusals(args: argparse.Namespace, config: DhpConfig) -> list[str]:
+    """The message of every rule this run breaks, in table order."""
+    return [m for rule in REFUSALS if (m := rule.message(args, config)) is not None]
