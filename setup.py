@@ -7,8 +7,9 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).parent
 
 # What a Megatron-LM checkout's `import megatron.training.training` needs beyond megatron-core on a CPU
-# machine (core_v0.16.1, Python 3.11): the tokenizers import six and regex, the config dataclasses pydantic.
-MEGATRON_LM = ["six>=1.16,<2", "regex>=2023.10", "pydantic>=2.5,<3"]
+# machine (core_v0.16.1, Python 3.11): the tokenizers import six and regex, the config dataclasses pydantic,
+# checkpoint saving psutil.
+MEGATRON_LM = ["six>=1.16,<2", "regex>=2023.10", "pydantic>=2.5,<3", "psutil>=5.9"]
 
 setup(
     name="megatron-dhp",

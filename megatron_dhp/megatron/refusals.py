@@ -76,12 +76,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "--hybrid-context-parallel with --dhp",
             "both form dynamic CP groups",
             "drop `--hybrid-context-parallel`"),
-    Refusal("`--sequence-parallel`",
-            lambda a, c: a.sequence_parallel,
-            "--sequence-parallel with --dhp",
-            "a microbatch's token count need not divide by the tensor-parallel size, which sequence "
-            "parallelism requires",
-            "drop `--sequence-parallel`"),
     Refusal("MoE (`--num-experts`)",
             lambda a, c: getattr(a, "num_experts", None),
             "--num-experts {value} with --dhp",

@@ -83,7 +83,6 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
          "interleaved pipelining \\(virtual pipeline size 2\\) with --dhp.*drop --num-layers-per-virtual-pipeline-stage"),
         ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
-        ([], dict(sequence_parallel=True), "drop --sequence-parallel"),
         ([], dict(num_experts=8), "--num-experts 8 with --dhp: MoE"),
         ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
         ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
@@ -103,6 +102,10 @@ def test_flags_override_the_yaml(tmp_path):
 def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
     with pytest.raises(DhpError, match=match):
         validate_dhp_args(parse(["--dhp", *argv], **megatron))
+
+
+def test_sequence_parallelism_is_accepted():
+    assert validate_dhp_args(parse(["--dhp"], sequence_parallel=True)).planner == "dhp"
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])

@@ -177,22 +177,46 @@ def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
     return losses, log.count("dhp plan: ")
 
 
-@pytest.mark.parametrize("tp,pp,documents", [(1, 1, True), (2, 1, False), (1, 2, True)],
-                         ids=["tp1-documents", "tp2-rows", "pp2-documents"])
-def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, tp, pp, documents):
-    """The patched pretrain_gpt.py with --dhp against itself without: same losses over 3 steps and evaluation.
+# id -> (extra Megatron-LM flags, extra --dhp flags)
+RUNS = {
+    # upstream masks attention between documents from the loader's masks; megatron-dhp runs each as a sequence
+    "tp1-documents": ([*DOCUMENTS], []),
+    # the second TP rank reads no loader and is sent its data
+    "tp2-rows": (["--tensor-model-parallel-size", "2"], []),
+    # every shard padded to an even row count; upstream's CPU norm needs the CPU shim for SP
+    "tp2-sp-documents": (["--tensor-model-parallel-size", "2", "--sequence-parallel", *DOCUMENTS], []),
+    # megatron-core's 1F1B runs each position's slots; the last stage is sent the first stage's data;
+    # a rank holds M // 2 per microbatch, so 2 ranks x 64 // 2 hold a 64-token row
+    "pp2-documents": (["--pipeline-model-parallel-size", "2", *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
+    "distributed-optimizer": (["--use-distributed-optimizer", *DOCUMENTS], []),
+}
 
-    With documents, upstream masks attention between them from the loader's masks while megatron-dhp runs
-    each document as its own sequence; with TP 2, the second TP rank reads no loader and is sent its data;
-    with PP 2 (a domain of 2 per stage), megatron-core's 1F1B runs each position's planned slots and the
-    last stage is sent the first stage's data.
-    """
-    flags = [*TINY, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-             *(DOCUMENTS if documents else [])]
-    upstream, plans_upstream = train_on_cpu(patched, flags)
-    # at PP 2 a rank holds M // 2 per microbatch: 2 ranks x 64 // 2 still hold a 64-token row
-    dhp_flags = [*DHP, *(["--dhp-max-tokens-per-rank", "64"] if pp > 1 else [])]
-    dhp, plans = train_on_cpu(patched, [*flags, *dhp_flags])
+
+@pytest.mark.parametrize("run", RUNS)
+def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
+    """The patched pretrain_gpt.py with --dhp against itself without: same losses over 3 steps and evaluation."""
+    extra, dhp_extra = RUNS[run]
+    upstream, plans_upstream = train_on_cpu(patched, [*TINY, *extra])
+    dhp, plans = train_on_cpu(patched, [*TINY, *extra, *DHP, *dhp_extra])
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+
+
+def test_a_checkpoint_saved_under_dhp_resumes_with_or_without_it(patched, tmp_path):
+    """Megatron-LM's --save/--load with the distributed optimizer: 2 steps under --dhp, saved; the run resumed
+    with --dhp and without it gives upstream's own resumed losses (the loader restarts at the consumed
+    samples, so the step planned ahead before the save is neither lost nor repeated)."""
+    flags = [*TINY, "--train-iters", "4", "--eval-interval", "100", "--use-distributed-optimizer", *DOCUMENTS]
+    saved = ["--save", str(tmp_path / "dhp"), "--save-interval", "2", "--exit-interval", "2"]
+    up_saved = ["--save", str(tmp_path / "up"), "--save-interval", "2", "--exit-interval", "2"]
+    first, _ = train_on_cpu(patched, [*flags, *DHP, *saved])
+    train_on_cpu(patched, [*flags, *up_saved])
+    shutil.copytree(tmp_path / "dhp", tmp_path / "dhp-off")
+    upstream, _ = train_on_cpu(patched, [*flags, "--load", str(tmp_path / "up")])
+    resumed, plans = train_on_cpu(patched, [*flags, *DHP, "--load", str(tmp_path / "dhp")])
+    switched_off, _ = train_on_cpu(patched, [*flags, "--load", str(tmp_path / "dhp-off")])
+    assert len(first) == 2 and len(upstream) == 4  # steps 1-2; then steps 3-4, validation and test
+    assert plans == 4
+    assert resumed == pytest.approx(upstream, rel=2e-6), (resumed, upstream)
+    assert switched_off == pytest.approx(upstream, rel=2e-6), (switched_off, upstream)
