@@ -320,9 +320,9 @@ def _broadcast(x: torch.Tensor, domain: DynamicDomain) -> None:
         dist.broadcast(x, src=PLANNING_RANK, async_op=True).wait(timeout=domain.timeout)
     except RuntimeError as e:
         raise DhpError(
-            f"rank {dist.get_rank()} got no plan from rank {PLANNING_RANK} within the collective timeout of "
-            f"{domain.timeout.total_seconds():.0f} s ({e}); a planner that solves slower needs a longer timeout "
-            "(train.timeout_s, Megatron's --distributed-timeout-minutes)"
+            f"rank {dist.get_rank()} got no plan from rank {PLANNING_RANK} ({e}): rank {PLANNING_RANK} stopped (see "
+            f"its error), or its planner took longer than the collective timeout of "
+            f"{domain.timeout.total_seconds():.0f} s (raise train.timeout_s, Megatron's --distributed-timeout-minutes)"
         ) from e
 
 
