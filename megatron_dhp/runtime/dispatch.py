@@ -4,10 +4,11 @@ Every rank starts with the samples a Megatron data loader would give it (`local_
 size 1, domain position i holds samples i, i+N, i+2N, ...). A step then
 
 1. gathers every sample's id, length and loss-token count over the domain (`gather_batch`),
-2. checks that every rank holds the same plan for that batch
+2. plans it on global rank 0 only and broadcasts the plan as JSON bytes (`broadcast_plan`),
+3. checks that every rank holds the same plan for that batch
    (`check_plan`: one all-gather of the plan fingerprint; any difference or local rejection stops every
    rank with a `DhpError` instead of leaving some waiting in a later collective),
-3. moves token ids, labels and loss mask with one `all_to_all_single` (uneven splits) so each rank holds
+4. moves token ids, labels and loss mask with one `all_to_all_single` (uneven splits) so each rank holds
    exactly its zigzag shards, packed per microbatch as THD tensors (`move_tokens`).
 
 These are the pieces; `engine.StepEngine` runs them in order for every entry point. A plan whose world
@@ -17,7 +18,8 @@ size differs from the domain is rejected (`check_world`) before any collective.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -161,8 +163,35 @@ def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> No
         theirs = format(table[differing[0]][0] % (1 << 64), "016x")
         raise DhpError(
             f"ranks hold different plans: rank {me} has fingerprint {fingerprint}, ranks {differing} have "
-            f"{theirs} (first shown); make planning deterministic or broadcast the plan"
+            f"{theirs} (first shown); every rank must be given the same plan"
         )
+
+
+PLANNING_RANK = 0
+"""The global rank that solves every planned step; the others receive its plan (`broadcast_plan`)."""
+
+
+def broadcast_plan(solve: Callable[[], Plan], domain: DynamicDomain) -> Plan:
+    """The plan `solve` returns on global rank `PLANNING_RANK`, held by every rank of the world. Collective.
+
+    Only that rank solves, so a planner that is not deterministic across ranks (a MILP under a time limit,
+    any planner a user registers) still gives one plan per step, and a slow one costs one rank's CPU, not
+    every rank's. The plan travels as its JSON (plain data, never a pickle); an error `solve` raises travels
+    instead, so the other ranks stop with it rather than wait for a plan that will not come. Every rank, the
+    solving one included, returns the plan parsed from the same bytes, so all hold equal `Plan`s.
+    """
+    if dist.get_rank() == PLANNING_RANK:
+        try:
+            plan = solve()
+        except Exception as e:
+            _broadcast_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), domain)
+            raise
+        message = json.loads(_broadcast_bytes(json.dumps({"plan": plan.to_dict()}, separators=(",", ":")).encode(), domain))
+    else:
+        message = json.loads(_broadcast_bytes(None, domain))
+    if "error" in message:
+        raise DhpError(f"rank {PLANNING_RANK} could not plan the step: {message['error']}")
+    return Plan.from_dict(message["plan"])
 
 
 def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain, *,
@@ -277,6 +306,31 @@ def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], 
         out, send.reshape(-1).to(device), [n * width for n in recv_rows], [n * width for n in send_rows], group=domain.group
     )
     return out.view(-1, width).cpu()
+
+
+def _broadcast_bytes(data: bytes | None, domain: DynamicDomain) -> bytes:
+    """`data` of rank `PLANNING_RANK` on every rank of the world (None elsewhere): its length, then its bytes."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=domain.device)
+    _broadcast(size, domain)
+    if data is None:
+        buffer = torch.empty(int(size), dtype=torch.uint8, device=domain.device)
+    else:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(domain.device)
+    _broadcast(buffer, domain)
+    return buffer.cpu().numpy().tobytes()
+
+
+def _broadcast(x: torch.Tensor, domain: DynamicDomain) -> None:
+    """Broadcast from `PLANNING_RANK` over the world, waiting at most the domain's timeout: the other ranks
+    wait here while it solves, so a planner slower than the timeout stops them with a message saying so."""
+    try:
+        dist.broadcast(x, src=PLANNING_RANK, async_op=True).wait(timeout=domain.timeout)
+    except RuntimeError as e:
+        raise DhpError(
+            f"rank {dist.get_rank()} got no plan from rank {PLANNING_RANK} ({e}): rank {PLANNING_RANK} stopped (see "
+            f"its error), or its planner took longer than the collective timeout of "
+            f"{domain.timeout.total_seconds():.0f} s (raise train.timeout_s, Megatron's --distributed-timeout-minutes)"
+        ) from e
 
 
 def _signed64(hex_digest: str) -> int:

@@ -3,11 +3,11 @@
 `StepEngine` owns the order of a step's collectives, which must be the same on every rank of the world:
 
 1. **gather** every sample's id, length and loss-token count over the domain (`dispatch.gather_batch`);
-2. **plan** the gathered batch (a `StepPlanning`, e.g. `integration.planning.StepPlanner`), or take a plan
-   given with the samples;
+2. **plan** the gathered batch on global rank 0 only (a `StepPlanning`, e.g. `integration.planning.StepPlanner`)
+   and broadcast the plan to every rank (`dispatch.broadcast_plan`), or take a plan given with the samples;
 3. **check** that every rank holds the same valid plan (`dispatch.check_plan`);
-4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background,
-   so the planner never stalls a step;
+4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
+   on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, the idle slot) and run
@@ -39,10 +39,12 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import (
+    PLANNING_RANK,
     GatheredBatch,
     MicrobatchInputs,
     StepInputs,
     TokenSample,
+    broadcast_plan,
     check_plan,
     check_world,
     gather_batch,
@@ -55,10 +57,13 @@ from megatron_dhp.workload.sample import Batch
 
 
 class StepPlanning(Protocol):
-    """Plans gathered batches; `prefetch` may start one in the background (`integration.planning.StepPlanner`)."""
+    """Plans gathered batches; `prefetch` may start one in the background (`integration.planning.StepPlanner`).
+
+    The engine calls both on global rank 0 only and broadcasts the plan, so a planning need not be
+    deterministic across ranks and holds no collective of its own."""
 
     def plan(self, batch: Batch) -> Plan:
-        """The plan of `batch`, the same on every rank."""
+        """The plan of `batch`."""
         ...
 
     def prefetch(self, batch: Batch) -> None:
@@ -136,7 +141,8 @@ class StepEngine:
         self.seq_multiple = seq_multiple
         """Each sample's shard is padded to a multiple of this: the TP size under sequence parallelism."""
         self.plan_wait_s = 0.0
-        """Seconds the last step waited for its plan (near 0 when planning overlapped the step before)."""
+        """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
+        step before)."""
         self._ahead: _Pending | None = None
 
     def next(self) -> StepInputs | None:
@@ -147,7 +153,7 @@ class StepEngine:
         if current is None:
             return None
         start = time.perf_counter()
-        plan = self.planning.plan(current.gathered.batch)
+        plan = self._plan(current.gathered.batch)
         self.plan_wait_s = time.perf_counter() - start
         return self._dispatch(current, plan, read_ahead=self.lookahead)
 
@@ -159,7 +165,7 @@ class StepEngine:
             check_world(plan, self.domain)
         current = _Pending(list(local), gather_batch(local, self.domain))
         if plan is None:
-            plan = self.planning.plan(current.gathered.batch)
+            plan = self._plan(current.gathered.batch)
         return self._dispatch(current, plan, read_ahead=False)
 
     def run(self, inputs: StepInputs, work: MicrobatchWork, *, comm: str, backend: str = "auto",
@@ -197,11 +203,15 @@ class StepEngine:
         check_plan(plan, current.gathered, self.domain)
         if read_ahead:
             self._ahead = self._read()
-            if self._ahead is not None:
+            if self._ahead is not None and dist.get_rank() == PLANNING_RANK:
                 self.planning.prefetch(self._ahead.gathered.batch)
         if self.pool is not None:
             self.pool.prepare(plan)
         return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple)
+
+    def _plan(self, batch: Batch) -> Plan:
+        """The plan of `batch`, solved on rank `PLANNING_RANK` and broadcast to every rank. Collective."""
+        return broadcast_plan(lambda: self.planning.plan(batch), self.domain)
 
     def _read(self) -> _Pending | None:
         local = self.source()
@@ -210,7 +220,7 @@ class StepEngine:
 
 def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,
              planner: StepPlanning | None = None) -> StepInputs:
-    """This rank's inputs of one step (given plan, or planned by `planner` on every rank), creating no groups:
+    """This rank's inputs of one step (given plan, or planned by `planner` on rank 0), creating no groups:
     what a caller that only looks at the moved tokens needs. Collective."""
     if (plan is None) == (planner is None):
         raise DhpError("dispatch needs exactly one of plan= or planner=")

@@ -77,6 +77,31 @@ def test_bad_checkpoints_stop_every_rank_with_a_clear_error(runs, case, rank_say
     assert any(re.search(rank_says, m) for m in messages), messages
 
 
+def test_a_planner_that_plans_differently_on_every_rank_trains_rank_0s_plan(runs):
+    ranks = [rank["rank_dependent"] for rank in runs["two"]]
+    assert ranks[0]["own"] != ranks[1]["own"]  # left to itself, each rank would run another plan
+    assert len(ranks[0]["held"]) == workers.STEPS
+    assert ranks[1]["held"] == ranks[0]["held"]  # every step, every rank holds the broadcast plan
+    assert ranks[0]["held"][-1] == ranks[0]["own"]  # and it is rank 0's
+    assert ranks[0]["solves"] == workers.STEPS and ranks[1]["solves"] == 0  # one solve per step, on rank 0
+    single = workers.losses(runs["one"]["single"])
+    for rank in ranks:
+        for a, c in zip(workers.losses(rank["records"]), single, strict=True):
+            assert math.isclose(a, c, rel_tol=RELATIVE), (a, c)
+
+
+def test_an_error_of_rank_0s_planner_stops_every_rank(runs):
+    messages = [rank["failing_planner"] for rank in runs["two"]]
+    assert messages[0] == "this planner plans nothing"
+    assert messages[1] == "rank 0 could not plan the step: PlannerUnsupported: this planner plans nothing"
+
+
+def test_a_plan_changed_after_the_broadcast_stops_every_rank(runs):
+    messages = [rank["diverged"] for rank in runs["two"]]
+    assert all(m.startswith("ranks hold different plans: rank") for m in messages), messages
+    assert "ranks [1] have" in messages[0] and "ranks [0] have" in messages[1]
+
+
 def test_checkpoint_of_another_world_size_is_refused(runs):
     assert "saved with world_size = 2 but this run has 1" in runs["one"]["world_mismatch"]
 

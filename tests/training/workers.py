@@ -7,6 +7,7 @@ a fresh model, optimizer and group pool, exactly as a separate `megatron-dhp tra
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -14,9 +15,13 @@ import torch.distributed as dist
 from megatron_dhp.cost.fit import GridPoint
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.runtime import engine
+from megatron_dhp.solver import PLANNERS, PlannerUnsupported, run_planner
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_dhp.training.loop import Trainer
 from megatron_dhp.training.timing import measure
+from megatron_dhp.workload.sample import Batch
 
 STEPS = 20
 RESUME_AT = 10
@@ -56,7 +61,80 @@ def two_rank_runs(config: TrainConfig, folder: str) -> dict:
     out["latest_step"] = latest.resume(folder)
     out["errors"] = _bad_checkpoints(config, Path(folder))
     out["profile"] = measure(config, PROFILE_GRID, reps=2, steps=PROFILE_STEPS)
+    out["rank_dependent"] = _rank_dependent_run(config)
+    out["failing_planner"] = _train_error(_registered(FailingPlanner, config))  # rank 0's error reaches all
+    out["diverged"] = _diverged_after_broadcast(config)
     return out
+
+
+class RankDependentPlanner:
+    """A registered planner whose plan depends on the rank that solves it, as a MILP's under a time limit may:
+    samples that fit one rank go round-robin starting at this rank, longer ones to a group of every rank."""
+
+    name = "rank-dependent"
+
+    def __init__(self) -> None:
+        self.solves = 0
+
+    def solve(self, batch: Batch, model) -> list[PlanGroup]:
+        self.solves += 1
+        n, cap = model.domain.world_size, model.domain.max_tokens_per_rank
+        short = [s.id for s in batch.samples if s.tokens <= cap]
+        long = tuple((s.id,) for s in batch.samples if s.tokens > cap)
+        start = dist.get_rank()
+        groups = [PlanGroup((r,), tuple((i,) for i in short[(r - start) % n::n])) for r in range(n)]
+        return groups + [PlanGroup(tuple(range(n)), long, phase=1)] if long else groups
+
+
+class FailingPlanner:
+    """A registered planner that cannot plan any batch."""
+
+    name = "failing"
+
+    def solve(self, batch: Batch, model) -> list[PlanGroup]:
+        raise PlannerUnsupported("this planner plans nothing")
+
+
+def _registered(planner: type, config: TrainConfig) -> TrainConfig:
+    """`config` with `planner` registered under its name in this rank's process (a user's own planner)."""
+    PLANNERS[planner.name] = planner
+    return config.with_overrides(dhp={"planner": planner.name})
+
+
+def _rank_dependent_run(config: TrainConfig) -> dict:
+    """Train under `RankDependentPlanner`: the fingerprint of the plan each step ran, how often this rank
+    solved, and the plan this rank would have solved itself for the last batch."""
+    trainer = Trainer(_registered(RankDependentPlanner, config))
+    records, held = [], []
+    for record in trainer.steps():
+        records.append(record)
+        held.append(trainer.last_plan.fingerprint())
+    own = run_planner(RankDependentPlanner(), Batch(trainer.last_plan.samples), trainer.planner.model)
+    return {"records": records, "held": held, "own": own.fingerprint(), "solves": trainer.planner.planner.solves}
+
+
+def _train_error(config: TrainConfig) -> str:
+    """The error training `config` from scratch raises on this rank."""
+    try:
+        Trainer(config).train()
+    except DhpError as e:
+        return str(e)
+    return "no error"
+
+
+def _diverged_after_broadcast(config: TrainConfig) -> str:
+    """Rank 1 flips the broadcast plan's phase barrier before the plan check: every rank stops with its error."""
+    broadcast = engine.broadcast_plan
+
+    def tampered(solve, domain):
+        plan = broadcast(solve, domain)
+        return replace(plan, phase_barrier=not plan.phase_barrier) if dist.get_rank() == 1 else plan
+
+    engine.broadcast_plan = tampered
+    try:
+        return _train_error(config)
+    finally:
+        engine.broadcast_plan = broadcast
 
 
 def _bad_checkpoints(config: TrainConfig, folder: Path) -> dict[str, str]:
