@@ -32,6 +32,7 @@ from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.model import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.step import reduce_gradients, run_step
 from megatron_dhp.solver import static_cp_size
@@ -149,7 +150,8 @@ class Trainer:
         run = self.config.train
         position, size = self.domain.position, self.domain.size
         batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
-        engine = StepEngine(self.domain, self.pool, self.planner, source=lambda: next(batches, None), lookahead=True)
+        engine = StepEngine(self.domain, self.pool, self.planner, source=lambda: next(batches, None), lookahead=True,
+                            seq_multiple=seq_multiple(self.model.config))
         try:
             while True:
                 start = time.perf_counter()

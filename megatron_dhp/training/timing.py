@@ -92,12 +92,14 @@ class GridTimer:
         from megatron_dhp.runtime.domain import DynamicDomain
         from megatron_dhp.runtime.engine import StepEngine
         from megatron_dhp.runtime.group_pool import GroupPool
+        from megatron_dhp.runtime.model import seq_multiple
         from megatron_dhp.training.model import build_model
 
         self.config = config
         self.domain = DynamicDomain.from_parallel_state()
-        self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups))
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
+        self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
+                                 seq_multiple=seq_multiple(self.model.config))
         n, position = self.domain.size, self.domain.position
         self.steps = []
         for point in grid:
