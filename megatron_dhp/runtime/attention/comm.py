@@ -1,11 +1,14 @@
 """Differentiable collectives over a dynamic group: the only communication the attention variants use.
 
 Each is an autograd Function whose backward is the adjoint collective (all-gather <-> reduce-scatter,
-all-to-all <-> the reverse all-to-all, ring shift forward <-> ring shift backward), so gradients are exact
-and every rank of the group runs the same collectives in the same order in both passes.
+all-to-all <-> the reverse all-to-all), so gradients are exact and every rank of the group runs the same
+collectives in the same order in both passes. The ring's point-to-point shift is the exception: the ring
+attention's own backward decides what travels (K/V with their gradients), so the shift is a plain one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,28 +56,34 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-class _RingShift(torch.autograd.Function):
-    """Send to group rank r+1 and receive from r-1 (same shape everywhere); backward shifts the other way."""
+@dataclass
+class Shift:
+    """A ring shift in flight: `wait()` returns the tensor received from the rank behind."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: D102
-        ctx.group = group
-        return _shift(x, group, +1)
+    works: list
+    sent: torch.Tensor
+    """Held until the shift completes."""
+    received: torch.Tensor
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
-        return _shift(grad, ctx.group, -1), None
+    def wait(self) -> torch.Tensor:  # noqa: D102
+        for work in self.works:
+            work.wait()
+        return self.received
 
 
-def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+def start_shift(x: torch.Tensor, group: dist.ProcessGroup | None, tag: int = 0) -> Shift:
+    """Send `x` to group rank r+1 and receive the same shape from r-1, without waiting (not differentiable).
+
+    The ring attention overlaps these with compute and differentiates them by hand; `tag` keeps two shifts in
+    flight between the same ranks apart. A ring of one rank (`group` None or of size 1) hands `x` back.
+    """
+    if group is None or group.size() == 1:
+        return Shift([], x, x)
     rank, size = group.rank(), group.size()
-    out = torch.empty_like(x)
-    dest = dist.get_global_rank(group, (rank + step) % size)
-    source = dist.get_global_rank(group, (rank - step) % size)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), dest, group=group), dist.P2POp(dist.irecv, out, source, group=group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return out
+    x, out = x.contiguous(), torch.empty_like(x)
+    dest, source = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+    ops = [dist.P2POp(dist.isend, x, dest, group=group, tag=tag), dist.P2POp(dist.irecv, out, source, group=group, tag=tag)]
+    return Shift(dist.batch_isend_irecv(ops), x, out)
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -85,8 +94,3 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Flat all-to-all with uneven splits (element counts per peer), differentiable."""
     return _AllToAll.apply(x, send_splits, recv_splits, group)
-
-
-def ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Pass `x` one step around the group's ring (r -> r+1), differentiable."""
-    return _RingShift.apply(x, group)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 # Finite stand-in for -inf: a block with no visible key for some query (common in ring steps) then has a
 # log-sum-exp of about -1e30 instead of -inf, whose merge weight is exactly 0 and whose gradient is not NaN.
-_MASKED = -1.0e30
+MASKED = -1.0e30
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
@@ -45,9 +45,9 @@ def block_attention(
     """
     h = q.shape[1]
     k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    scores = scores.masked_fill(~mask, _MASKED)
+    scores = scores.masked_fill(~mask, MASKED)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("hqk,khd->qhd", probs, v.to(acc))
@@ -82,5 +82,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half precision and fp32, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)

@@ -1,0 +1,71 @@
+"""Ring attention in O(one block): exact against one process, and what it keeps for backward is flat in the group.
+
+The ring's forward keeps q, its own k/v, the merged output and log-sum-exp; its backward sends K/V around the
+ring again with their gradient accumulators. The kernels are checked alone first (no process group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dhp.runtime.attention import blocks
+from megatron_dhp.runtime.attention.math import block_attention, visible
+from megatron_dhp.runtime.launch import launch
+from tests.runtime import ring_workers
+from tests.runtime.test_attention_math import shuffled_tokens
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_kernels_merge_and_recompute_gradients_from_the_merged_lse(kernel, dtype, monkeypatch):
+    """Two key blocks through `block_forward`, merged, then `block_backward` per block = autograd of one softmax."""
+    monkeypatch.setattr(blocks, "QUERY_CHUNK", 5)  # 23 queries: 5 chunks, some seeing nothing in a block
+    pos, seg = shuffled_tokens([9, 1, 13], seed=4)
+    order = torch.argsort(seg * 100 + pos)  # sorted by sample, like a THD block, so a chunk sees few samples
+    pos, seg = pos[order], seg[order]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g = (torch.randn(4, pos.numel(), 8, generator=gen, dtype=dtype) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    full, _ = block_attention(*(x.transpose(0, 1) for x in leaves), visible(pos, pos, seg, seg), 0.3)
+    want = [full.transpose(0, 1), *torch.autograd.grad((full.transpose(0, 1) * g).sum(), leaves)]
+
+    run = blocks.LSE_KERNELS[kernel]
+    key_blocks = [torch.arange(0, 11), torch.arange(11, 23)]
+    parts = [blocks.chunks((pos, seg), (pos[b], seg[b]), dtype, q.device) for b in key_blocks]
+    outs = [blocks.block_forward(q, k[:, b], v[:, b], p, 0.3, run) for b, p in zip(key_blocks, parts)]
+    lse = torch.logsumexp(torch.stack([s for _, s in outs]), dim=0)
+    out = sum(torch.exp(s - lse)[..., None] * o for o, s in outs)
+    grads = [blocks.block_backward(g, q, k[:, b], v[:, b], out, lse, p, 0.3, run) for b, p in zip(key_blocks, parts)]
+    got = [out, sum(gq for gq, _, _ in grads), torch.cat([gk for _, gk, _ in grads], 1), torch.cat([gv for *_, gv in grads], 1)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.to(dtype), b, rtol=0, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def exactness() -> list[dict]:
+    """Several documents (one shorter than the group), GQA 4/2, query chunks of 16 rows, groups of 2 and 3."""
+    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 16, timeout_s=300)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_ring_output_and_gradients_equal_one_process(exactness, size, backend):
+    """fp32, 1e-5, on every rank of the group: output, dq, dk, dv (the backward re-sends K/V with dK/dV)."""
+    for rank in exactness[:size]:
+        assert max(rank[size, backend]) <= 1e-5, rank[size, backend]
+
+
+def test_ring_keeps_the_same_bytes_for_backward_at_every_group_size_while_allgather_grows():
+    """4096 tokens per rank on one long sample, groups of 1 to 4 ranks: ring saves q, k, v, out and lse only."""
+    per_rank = launch(ring_workers.saved_bytes_per_rank, 4, 4096, 2, timeout_s=300)
+    sizes = (1, 2, 3, 4)
+    for size in sizes:
+        assert len({(r[size, "ring"], r[size, "allgather"]) for r in per_rank[:size]}) == 1, per_rank
+    ring = [per_rank[0][size, "ring"] for size in sizes]
+    allgather = [per_rank[0][size, "allgather"] for size in sizes]
+    assert ring == [ring[0]] * 4, ring
+    assert ring[0] == 4096 * 2 * ring_workers.HEAD_DIM * 4 * 4 + 4096 * 2 * 4  # q, k, v, out fp32, lse fp32
+    assert all(a < b for a, b in zip(allgather, allgather[1:])), allgather
+    assert allgather[3] > 2 * ring[3], (allgather, ring)
