@@ -504,7 +504,7 @@ def summary(sections: list[Section], device: str | None) -> Table:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", metavar="JSON", help="report path (default gpu_check.json)")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions, bf16 only")
     args = parser.parse_args(argv)
     console = Console()
     start = time.perf_counter()
