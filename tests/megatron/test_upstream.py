@@ -189,8 +189,6 @@ RUNS = {
     # a rank holds M // 2 per microbatch, so 2 ranks x 64 // 2 hold a 64-token row
     "pp2-documents": (["--pipeline-model-parallel-size", "2", *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
     "distributed-optimizer": (["--use-distributed-optimizer", *DOCUMENTS], []),
-    # a MILP under a time limit: rank 0 solves, every rank runs its plan
-    "flexsp-milp": ([*DOCUMENTS], ["--dhp-planner", "flexsp-milp"]),
 }
 
 
