@@ -22,7 +22,7 @@ from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.model import with_dynamic_cp
+from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
 
 
@@ -77,7 +77,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
-        seq_multiple=args.tensor_model_parallel_size if args.sequence_parallel else 1,
+        seq_multiple=seq_multiple(args),
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (

@@ -185,8 +185,7 @@ class StepEngine:
             if item is PHASE_BARRIER:
                 dist.barrier(group=self.domain.group)
                 return
-            context = CPContext(layout=item.layout, group=self.pool.get(item.group_ranks), comm=comm, backend=backend)
-            work.backward(work.forward(Slot(item, context, index, count)))
+            work.backward(work.forward(self.slot(item, index, count, comm=comm, backend=backend)))
             index += 1
 
         barriers = inputs.plan.phase_barrier
@@ -197,6 +196,11 @@ class StepEngine:
             visit(items[-1])  # outside no_sync: the last backward starts the gradient reduction while it runs
         elif overlap is not None:
             overlap.start()
+
+    def slot(self, mb: MicrobatchInputs, index: int, count: int, *, comm: str, backend: str) -> Slot:
+        """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group."""
+        context = CPContext(layout=mb.layout, group=self.pool.get(mb.group_ranks), comm=comm, backend=backend)
+        return Slot(mb, context, index, count)
 
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)

@@ -6,6 +6,7 @@ dynamic group) and its core attention. Everything else is megatron-core as shipp
 
 from __future__ import annotations
 
+import argparse
 import copy
 import zlib
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ def global_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def seq_multiple(config: TransformerConfig) -> int:
-    """What each sample's shard must divide by (`layout`): the TP size under sequence parallelism, else 1."""
+def seq_multiple(config: TransformerConfig | argparse.Namespace) -> int:
+    """What each sample's shard must divide by (`layout`): the TP size under sequence parallelism, else 1.
+    Megatron-LM's parsed args name both settings as the model config does."""
     return config.tensor_model_parallel_size if config.sequence_parallel else 1

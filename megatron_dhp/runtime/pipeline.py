@@ -33,10 +33,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import Slot, StepEngine
+from megatron_dhp.runtime.model import seq_multiple
 from megatron_dhp.runtime.slots import pipeline_work
 from megatron_dhp.runtime.step import StepResult, forward_thd, masked_loss_sum
 
@@ -51,7 +51,7 @@ class PlannedShapes(P2PCommunicator):
         super().__init__(pp_group, config)
         self._hidden = config.hidden_size
         # under sequence parallelism a stage's activation holds this TP rank's 1 / T of the rows
-        split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        split = seq_multiple(config)
         self._forward: Iterator[int] = iter(r // split for r in rows)
         self._backward: Iterator[int] = iter(r // split for r in rows)
 
@@ -84,9 +84,7 @@ def check_pipeline(domain: DynamicDomain) -> None:
 def stage_slots(engine: StepEngine, inputs: StepInputs, *, comm: str, backend: str) -> list[Slot]:
     """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
     work = pipeline_work(inputs, engine.domain.position)
-    return [Slot(mb, CPContext(layout=mb.layout, group=engine.pool.get(mb.group_ranks), comm=comm, backend=backend),
-                 index, len(work))
-            for index, mb in enumerate(work)]
+    return [engine.slot(mb, index, len(work), comm=comm, backend=backend) for index, mb in enumerate(work)]
 
 
 def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Module, *, forward_only: bool = False,
