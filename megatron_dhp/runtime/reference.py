@@ -42,14 +42,16 @@ def single_rank_groups() -> ProcessGroupCollection:
         group = dist.new_group([r])
         if r == dist.get_rank():
             own = group
-    names = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp")
+    names = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp",
+             "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp")
     return ProcessGroupCollection(**{name: own for name in names})
 
 
 def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int,
                         tied_embeddings: bool = False) -> GPTModel:
-    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test."""
-    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(), pg_collection=pgs, seed=seed,
+    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test
+    (every expert in this one process)."""
+    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(**config.layer_spec_kwargs()), pg_collection=pgs, seed=seed,
                           tied_embeddings=tied_embeddings)
 
 
