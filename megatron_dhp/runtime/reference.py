@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
@@ -56,9 +57,11 @@ def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, s
 
 
 def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:
-    """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask)."""
+    """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask); a MoE router's
+    load-balancing loss is therefore per sample, as under a plan whose microbatches are single samples."""
     model.zero_grad(set_to_none=True)
     num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_tokens))  # a MoE router's loss, as run_step
     total = 0.0
     for s in samples:
         n = s.input_ids.numel()
