@@ -4,7 +4,8 @@ Builds a tiny GPT on every rank, runs K random plans (group sizes that are not p
 phases, each communication variant in turn), or one given plan (`--plan FILE`, a plan JSON from a job,
 under each variant), and compares the loss and every parameter gradient with a single-process run of
 megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
-run by megatron-core's 1F1B (`runtime.pipeline`). Exits 1 on any mismatch.
+run by megatron-core's 1F1B (`runtime.pipeline`); with `--model moe` every MLP is megatron-core's MoE layer
+(4 experts, top-2), its experts split over `--ep` ranks carved from the domain. Exits 1 on any mismatch.
 
 Without a torchrun environment it spawns `--nproc` local ranks itself; under torchrun (any backend,
 e.g. NCCL on a cluster) it runs as one of the ranks and rank 0 prints.
@@ -35,6 +36,10 @@ class SelftestOptions:
     max_len: int
     attention: str
     timeout_s: int
+    model: str = "gpt"
+    """`gpt` (dense) or `moe` (megatron-core's MoE layer in every layer)."""
+    expert_parallel: int = 1
+    moe_dispatcher: str = "alltoall"
     plan_file: str | None = None
     """A plan JSON to replay instead of random plans (its domain size must be nproc / (tp x pp))."""
 
@@ -55,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="megatron's sequence parallelism over the --tp ranks (needs --tp > 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages, run by megatron-core's non-interleaved 1F1B (default 1)")
+    p.add_argument("--model", choices=("gpt", "moe"), default="gpt",
+                   help="tiny dense GPT, or with megatron-core's MoE layer: 4 experts, top-2 (default gpt)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size, carved from the domain's ranks (with --model moe; default 1)")
+    p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
+                   help="megatron-core's MoE token dispatcher (default alltoall; allgather only at --ep 1)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="check this plan JSON (e.g. one saved by a job) under each --comm variant instead of "
@@ -80,11 +91,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not comms:
         raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(COMM_VARIANTS)}")
     for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
-                        ("--tp", args.tp), ("--pp", args.pp)):
+                        ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
         if value < 1:
             raise DhpError(f"{flag} {value} must be at least 1")
     if args.sp and args.tp < 2:
         raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
+    if args.ep > 1 and (args.model != "moe" or args.pp > 1):
+        raise DhpError(f"--ep {args.ep} splits the experts of --model moe; it needs --model moe and --pp 1")
     plan_file = None
     if args.plan is not None:
         from megatron_dhp.plan.plan import Plan
@@ -92,12 +105,14 @@ def run(args: argparse.Namespace) -> int:
         Plan.load(args.plan)  # a missing or malformed file fails here, before any rank starts
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
-                              args.max_len, args.attention, args.timeout, plan_file)
+                              args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
+                              plan_file)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
-    if args.nproc < 1 or args.nproc % (args.tp * args.pp):
+    if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):
         stages = f" x --pp {args.pp}" if args.pp > 1 else ""
-        raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}{stages}")
+        experts = f" x --ep {args.ep}" if args.ep > 1 else ""
+        raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}{stages}{experts}")
 
     from megatron_dhp.runtime.launch import LaunchError, launch
 
@@ -130,21 +145,26 @@ def worker(options: SelftestOptions) -> int:
     if options.backend == "gloo":
         apply_cpu_compat()
     init_distributed(backend=options.backend, tensor_parallel=options.tensor_parallel,
-                     pipeline_parallel=options.pipeline_parallel, seed=options.seed,
+                     pipeline_parallel=options.pipeline_parallel, expert_parallel=options.expert_parallel,
+                     seed=options.seed,
                      timeout=timedelta(seconds=options.timeout_s))
     lead = dist.get_rank() == 0
     try:
         given = Plan.load(options.plan_file) if options.plan_file is not None else None
         longest = max((s.tokens for s in given.samples), default=0) if given is not None else options.max_len
         config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest),
-                               sequence_parallel=options.sequence_parallel)
+                               sequence_parallel=options.sequence_parallel,
+                               num_experts=4 if options.model == "moe" else 0,
+                               moe_token_dispatcher=options.moe_dispatcher)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention)
         n = check.domain.size
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
             sp = " + SP" if options.sequence_parallel else ""
+            moe = (f", MoE 4 experts top-2 ({options.moe_dispatcher}), EP {options.expert_parallel}"
+                   if options.model == "moe" else "")
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
-                  f"{sp}{pp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+                  f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
         rng = random.Random(options.seed)
         domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
         failures = 0

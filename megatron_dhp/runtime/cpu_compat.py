@@ -12,6 +12,7 @@ is available: a GPU run uses megatron-core exactly as shipped.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import types
@@ -52,8 +53,9 @@ class _NullStream:
     def synchronize(self) -> None:
         """No-op: CPU work is already ordered."""
 
-    def record_event(self, *_: Any) -> None:
-        """No-op: there is nothing to record."""
+    def record_event(self, *_: Any) -> _NullStream:
+        """Itself, as an event whose `synchronize` is a no-op (the MoE dispatcher waits on one)."""
+        return self
 
 
 def _cpu_device(device: Any) -> Any:
@@ -100,6 +102,9 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_stream = lambda *_, **__: _NullStream()
     torch.cuda.default_stream = lambda *_, **__: _NullStream()
     torch.cuda.synchronize = lambda *_, **__: None
+    # The MoE all-to-all dispatcher copies its split sizes to the host on a side stream.
+    torch.cuda.Stream = lambda *_, **__: _NullStream()
+    torch.cuda.stream = lambda *_, **__: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     # The "CUDA" RNG is the CPU generator, so megatron's RNG tracker forks and restores real states.
     # (`torch.manual_seed` itself calls `torch.cuda.manual_seed_all`, which therefore stays untouched.)
@@ -133,9 +138,28 @@ def apply_cpu_compat() -> bool:
     # copies into; the copy must not be recorded by autograd.
     optimizer._set_main_param_and_optimizer_states = torch.no_grad()(optimizer._set_main_param_and_optimizer_states)
 
+    # The MoE router's gating GEMM tests `te_general_gemm is not None`, a name megatron-core only defines when
+    # TransformerEngine imports; without TE it is undefined (NameError) instead of None.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # The all-to-all dispatcher's split sizes become host lists only when they are copied off a GPU; on the
+    # CPU they would stay tensors, which `all_to_all_single` does not accept as split sizes.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
     return True
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's `maybe_move_tensor_to_cpu` for CPU tensors: a numpy array when asked for one."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _with_cuda_type_names(fn: Any, *args: Any, **kwargs: Any) -> Any:

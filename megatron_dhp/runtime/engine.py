@@ -10,7 +10,7 @@
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`);
-7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, the idle slot) and run
+7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
    each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
 
 The walk is the seam a pipeline schedule replaces: it only needs the work list and each slot's context.
@@ -130,6 +130,7 @@ class StepEngine:
         source: SampleSource | None = None,
         lookahead: bool = False,
         seq_multiple: int = 1,
+        aligned_slots: bool = False,
     ) -> None:
         self.domain = domain
         self.pool = pool
@@ -140,6 +141,8 @@ class StepEngine:
         """`next` gathers the following step and starts planning it before this step's tokens move."""
         self.seq_multiple = seq_multiple
         """Each sample's shard is padded to a multiple of this: the TP size under sequence parallelism."""
+        self.aligned_slots = aligned_slots
+        """Every position runs the same slots per phase (`slots.work_items`): needed with expert parallelism."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -176,7 +179,7 @@ class StepEngine:
         a reduction must not start before a barrier on the same ranks and every rank must issue the buckets
         in one order, so then all ranks start it after their last barrier. Without it the caller reduces.
         """
-        items = work_items(inputs, self.domain.position)
+        items = work_items(inputs, self.domain.position, aligned=self.aligned_slots)
         count = sum(item is not PHASE_BARRIER for item in items)
         index = 0
 

@@ -112,10 +112,24 @@ class TinyGPTConfig:
     """Length of the RoPE table: at least the longest sample (checked)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (with tensor parallelism > 1; a single rank ignores it)."""
+    num_experts: int = 0
+    """Experts of megatron-core's MoE layer in place of every MLP (each ffn_hidden_size wide); 0: dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (no capacity factor: no token is ever dropped)."""
+    moe_token_dispatcher: str = "alltoall"
+    """megatron-core's token dispatcher: `alltoall` or `allgather` (over the expert-parallel group)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss; it depends on how tokens are split into microbatches."""
 
-    def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> TransformerConfig:
+    def layer_spec_kwargs(self) -> dict[str, object]:
+        """What megatron's GPT layer-spec builders need for this model (its MoE layer, if any)."""
+        return {"num_experts": self.num_experts, "moe_grouped_gemm": False} if self.num_experts else {}
+
+    def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                           expert_parallel: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
         return TransformerConfig(
+            **self._moe_options(expert_parallel),
             sequence_parallel=self.sequence_parallel and tensor_parallel > 1,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -137,6 +151,26 @@ class TinyGPTConfig:
             calculate_per_token_loss=True,
         )
 
+    def _moe_options(self, expert_parallel: int) -> dict[str, object]:
+        # No linear biases with experts: megatron-core's SequentialMLP adds an expert's bias in place to the
+        # output of its row-parallel linear, an autograd view at TP 1, which torch refuses.
+        if not self.num_experts:
+            return {}
+        if self.moe_token_dispatcher == "allgather" and expert_parallel > 1:
+            raise DhpError(
+                "megatron-core's allgather token dispatcher gathers equally long token blocks over the expert-"
+                "parallel group, but under dynamic plans its ranks run microbatches of different lengths; "
+                "use the alltoall dispatcher with expert parallelism (allgather works at EP 1)"
+            )
+        return {
+            "num_moe_experts": self.num_experts,
+            "moe_router_topk": self.moe_router_topk,
+            "moe_token_dispatcher_type": self.moe_token_dispatcher,
+            "moe_aux_loss_coeff": self.moe_aux_loss_coeff,
+            "expert_model_parallel_size": expert_parallel,
+            "add_bias_linear": False,
+        }
+
 
 def build_tiny_gpt(
     config: TinyGPTConfig | None = None,
@@ -148,8 +182,8 @@ def build_tiny_gpt(
 ) -> GPTModel:
     """A tiny RoPE GPT (dynamic-CP spec unless `spec` is given) with weights set by `init_weights_`.
 
-    The tensor- and pipeline-parallel sizes are those of `pg_collection.tp` and `.pp` (default: megatron's
-    parallel state); a pipeline stage builds its share of the layers, the embedding on the first stage and
+    The tensor-, pipeline- and expert-parallel sizes are those of `pg_collection.tp`, `.pp` and `.ep`
+    (default: megatron's parallel state); a pipeline stage builds its share of the layers, the embedding on the first stage and
     the output layer on the last; `tied_embeddings` shares the output layer with the embedding (under
     pipeline parallelism each end holds a copy and megatron-core all-reduces their gradients).
     """
@@ -157,8 +191,9 @@ def build_tiny_gpt(
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     stage, stages = pgs.pp.rank(), pgs.pp.size()
     model = GPTModel(
-        config=config.transformer_config(tensor_parallel=pgs.tp.size(), pipeline_parallel=stages),
-        transformer_layer_spec=spec if spec is not None else dhp_layer_spec(),
+        config=config.transformer_config(tensor_parallel=pgs.tp.size(), pipeline_parallel=stages,
+                                         expert_parallel=pgs.ep.size() if config.num_experts else 1),
+        transformer_layer_spec=spec if spec is not None else dhp_layer_spec(**config.layer_spec_kwargs()),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         position_embedding_type="rope",
@@ -198,16 +233,24 @@ def init_weights_(model: torch.nn.Module, *, seed: int, tp_rank: int = 0, tp_siz
 
 
 def global_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each parameter's name in the whole (one-stage) model: a pipeline stage numbers its layers from 0,
-    and the last stage's output layer tied to the embedding is the embedding weight."""
+    """Each parameter's name in the whole (one-stage, one expert-parallel rank) model: a pipeline stage
+    numbers its layers from 0, an expert-parallel rank its experts, and the last stage's output layer tied
+    to the embedding is the embedding weight."""
     module = model.module if hasattr(model, "finish_grad_sync") else model
     layers = getattr(getattr(module, "decoder", None), "layers", [])
     offsets = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}." for i, layer in enumerate(layers)}
+    experts = {
+        f"{name}.experts.local_experts.{i}.": f"{name}.experts.local_experts.{index}."
+        for name, sub in module.named_modules() if hasattr(sub, "local_expert_indices")
+        for i, index in enumerate(sub.local_expert_indices)
+    }
     tied = getattr(module, "share_embeddings_and_output_weights", False) and not getattr(module, "pre_process", True)
     out = {}
     for name, _ in module.named_parameters():
-        prefix = next((p for p in offsets if name.startswith(p)), None)
-        full = offsets[prefix] + name[len(prefix):] if prefix else name
+        expert = next((p for p in experts if name.startswith(p)), None)
+        full = experts[expert] + name[len(expert):] if expert else name
+        prefix = next((p for p in offsets if full.startswith(p)), None)
+        full = offsets[prefix] + full[len(prefix):] if prefix else full
         out[name] = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else full
     return out
 

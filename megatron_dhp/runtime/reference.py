@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
@@ -42,21 +43,25 @@ def single_rank_groups() -> ProcessGroupCollection:
         group = dist.new_group([r])
         if r == dist.get_rank():
             own = group
-    names = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp")
+    names = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp",
+             "ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp")
     return ProcessGroupCollection(**{name: own for name in names})
 
 
 def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int,
                         tied_embeddings: bool = False) -> GPTModel:
-    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test."""
-    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(), pg_collection=pgs, seed=seed,
+    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test
+    (every expert in this one process)."""
+    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(**config.layer_spec_kwargs()), pg_collection=pgs, seed=seed,
                           tied_embeddings=tied_embeddings)
 
 
 def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:
-    """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask)."""
+    """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask); a MoE router's
+    load-balancing loss is therefore per sample, as under a plan whose microbatches are single samples."""
     model.zero_grad(set_to_none=True)
     num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_tokens))  # a MoE router's loss, as run_step
     total = 0.0
     for s in samples:
         n = s.input_ids.numel()

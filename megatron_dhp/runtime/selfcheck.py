@@ -62,10 +62,11 @@ class CheckResult:
 
 
 def init_distributed(
-    *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
-    timeout: timedelta = timedelta(seconds=120)
+    *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+    seed: int = 0, timeout: timedelta = timedelta(seconds=120)
 ) -> None:
-    """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1).
+    """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
+    megatron-core carves the expert-parallel groups from the data-parallel ranks).
 
     On a CPU-only machine the caller switches on `runtime.cpu_compat` first; this leaves megatron-core as is.
     """
@@ -78,6 +79,7 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
         distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
     )
     model_parallel_cuda_manual_seed(seed)
@@ -126,7 +128,9 @@ class SelfCheck:
         """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
-        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(self.model.config))
+        config = self.model.config
+        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config),
+                            aligned_slots=config.expert_model_parallel_size > 1)
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

@@ -4,7 +4,15 @@ This is the one rule for what a rank runs: its microbatches in phase order (micr
 group), a `PHASE_BARRIER` after every phase but the last when the plan separates phases by barriers (as
 megatron-core's hybrid CP scheduler does), and, for a position the plan leaves idle, one *idle slot*: a
 one-token microbatch with no loss on a group of one, so every rank runs the same per-step code and reports
-a loss entry (it adds exactly zero to the gradients). Every walk over a step, the plain one of
+a loss entry (it adds exactly zero to the gradients).
+
+*Aligned* slots (expert parallelism): megatron-core's MoE token dispatcher runs collectives over the
+expert-parallel group in every MoE layer of every microbatch, forward and backward, and a microbatch's
+attention runs collectives over its CP group. Both stay matched only if every rank runs its k-th slot of a
+phase at the same time as every rank it shares a group with; since EP groups and CP groups between them may
+link any two positions, every phase is padded with idle slots to the most microbatches any position of the
+domain runs in it. Then the k-th slot of a phase is the k-th slot everywhere, each idle slot still routes its
+one token through the experts (with zero gradient), and no collective waits on one that comes later. Every walk over a step, the plain one of
 `engine.StepEngine.run` and the pipeline schedule (`pipeline_work`, the rule of `plan.pipeline`), takes its
 order from here.
 """
@@ -14,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dhp.plan.pipeline import pipeline_slots
+from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
@@ -24,18 +33,34 @@ WorkItem = MicrobatchInputs | None
 """A slot's microbatch, or `PHASE_BARRIER`."""
 
 
-def work_items(inputs: StepInputs, position: int) -> list[WorkItem]:
-    """Domain position `position`'s slots of the step in execution order, with its phase barriers."""
+def work_items(inputs: StepInputs, position: int, *, aligned: bool = False) -> list[WorkItem]:
+    """Domain position `position`'s slots of the step in execution order, with its phase barriers; `aligned`
+    pads every phase with idle slots to `aligned_slot_counts` (expert parallelism)."""
     microbatches = list(inputs.microbatches) or [idle_microbatch(position, inputs.seq_multiple)]
     plan = inputs.plan
-    if not plan.phase_barrier:
+    if not (plan.phase_barrier or aligned):
         return microbatches
+    counts = aligned_slot_counts(plan) if aligned else None
     work: list[WorkItem] = []
     for phase in range(plan.num_phases):
-        work += [mb for mb in microbatches if mb.phase == phase]
-        if phase < plan.num_phases - 1:
+        mine = [mb for mb in microbatches if mb.phase == phase]
+        if counts is not None:
+            mine += [idle_microbatch(position, inputs.seq_multiple) for _ in range(counts[phase] - len(mine))]
+        work += mine
+        if plan.phase_barrier and phase < plan.num_phases - 1:
             work.append(PHASE_BARRIER)
     return work
+
+
+def aligned_slot_counts(plan: Plan) -> list[int]:
+    """Slots per phase when aligned: the most microbatches any position runs in it (phase 0 at least one,
+    the idle slot of a position the plan leaves idle)."""
+    counts = [[0] * plan.num_phases for _ in range(plan.world_size)]
+    for group in plan.groups:
+        for rank in group.ranks:
+            counts[rank][group.phase] += len(group.microbatches)
+    return [max(max(per_rank[phase] for per_rank in counts), 1 if phase == 0 else 0)
+            for phase in range(plan.num_phases)]
 
 
 def pipeline_work(inputs: StepInputs, position: int) -> list[MicrobatchInputs]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
@@ -93,6 +94,9 @@ def run_step(
             "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
         )
     work = _LossSum(model, inputs.num_loss_tokens)
+    # A MoE router's load-balancing loss (a sum over a microbatch's tokens under per-token loss) is
+    # divided by the same global loss-token count as the main loss.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / inputs.num_loss_tokens))
     engine.run(inputs, work, comm=comm, backend=backend)
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--nproc", "4", "--tp", "2", "--pp", "3"], "--nproc 4 must be a positive multiple of --tp 2 x --pp 3"),
         (["--pp", "0"], "--pp 0 must be at least 1"),
         (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
+        (["--ep", "2"], "--ep 2 splits the experts of --model moe; it needs --model moe and --pp 1"),
+        (["--model", "moe", "--ep", "2", "--nproc", "6", "--tp", "2"], "--nproc 6 must be a positive multiple of --tp 2 x --ep 2"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
@@ -67,3 +69,17 @@ def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
     assert all(plan.summary() in line and line.endswith("| ok") for line in lines), proc.stdout
     wrong = selftest("--nproc", "3", "--plan", str(tmp_path / "plan.json"), "--comm", "ring")
     assert wrong.returncode == 2 and "the plan is for a domain of 2 ranks but this domain has 3" in wrong.stderr
+
+
+def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts():
+    proc = selftest("--model", "moe", "--ep", "2", "--nproc", "4", "--plans", "2", "--seed", "3", "--samples", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "MoE 4 experts top-2 (alltoall), EP 2, domain of 4" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert len(lines) == 2 and all(line.endswith("| ok") for line in lines), proc.stdout
+
+
+def test_selftest_moe_allgather_dispatcher_at_ep_one():
+    proc = selftest("--model", "moe", "--moe-dispatcher", "allgather", "--nproc", "2", "--plans", "2", "--seed", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(allgather), EP 1" in proc.stdout and "all plans exact" in proc.stdout
