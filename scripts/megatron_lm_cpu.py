@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-# megatron.training modules with device="cuda" literals on the path of a small CPU run
+# modules with device="cuda" literals on the path of a small CPU run (moe_utils: the MoE metrics training logs)
 TRAINING_MODULES = (
     "megatron.training.training",
     "megatron.training.utils",
@@ -27,6 +27,7 @@ TRAINING_MODULES = (
     "megatron.training.global_vars",
     "megatron.training.theoretical_memory_usage",
     "megatron.training.checkpointing",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 

@@ -78,6 +78,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
         seq_multiple=seq_multiple(args),
+        aligned_slots=parallel_state.get_expert_model_parallel_world_size() > 1,
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (

@@ -36,4 +36,6 @@ class DhpRuntime:
     """Cut longer sequences to this many tokens (the domain's capacity, when `truncate` is set)."""
     seq_multiple: int = 1
     """Each sample's shard is padded to a multiple of this: the TP size under --sequence-parallel."""
+    aligned_slots: bool = False
+    """Every position runs the same slots (idle ones pad), so MoE's expert-parallel collectives pair up."""
 

@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
@@ -46,17 +47,21 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
     """A copy of a GPT layer spec (megatron's local or TE one, or a user's) with dynamic-CP attention.
 
     The self-attention module becomes `DynamicCPSelfAttention`; `local` also swaps the core attention for
-    `DynamicCPAttention` (whatever the linear layers are), `te` keeps `TEDotProductAttention`.
+    `DynamicCPAttention` (whatever the linear layers are), `te` keeps `TEDotProductAttention`. A decoder
+    block spec (megatron's MoE and heterogeneous models: one spec per layer) has each layer's swapped.
     """
     _check_backend(backend)
     spec = copy.deepcopy(spec)
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec.layer_specs = [with_dynamic_cp(layer, backend=backend) for layer in spec.layer_specs]
+        return spec
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
     if not isinstance(attention, ModuleSpec) or not (
         isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)
     ):
         raise DhpError(
             f"dynamic CP needs a GPT layer spec whose self_attention is megatron's SelfAttention, got "
-            f"{getattr(attention, 'module', attention)!r}; use a standard (non-MLA, non-MoE-block) GPT layer spec"
+            f"{getattr(attention, 'module', attention)!r}; use a standard (non-MLA) GPT layer or decoder block spec"
         )
     if backend == "local":
         attention.submodules.core_attention = DynamicCPAttention

@@ -83,7 +83,7 @@ def check_pipeline(domain: DynamicDomain) -> None:
 
 def stage_slots(engine: StepEngine, inputs: StepInputs, *, comm: str, backend: str) -> list[Slot]:
     """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
-    work = pipeline_work(inputs, engine.domain.position)
+    work = pipeline_work(inputs, engine.domain.position, aligned=engine.aligned_slots)
     return [engine.slot(mb, index, len(work), comm=comm, backend=backend) for index, mb in enumerate(work)]
 
 

@@ -61,7 +61,7 @@ def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> Reference
     load-balancing loss is therefore per sample, as under a plan whose microbatches are single samples."""
     model.zero_grad(set_to_none=True)
     num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_tokens))  # a MoE router's loss, as run_step
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / num_tokens))  # shaped as megatron-core sets it
     total = 0.0
     for s in samples:
         n = s.input_ids.numel()

@@ -63,18 +63,21 @@ def aligned_slot_counts(plan: Plan) -> list[int]:
             for phase in range(plan.num_phases)]
 
 
-def pipeline_work(inputs: StepInputs, position: int) -> list[MicrobatchInputs]:
+def pipeline_work(inputs: StepInputs, position: int, *, aligned: bool = False) -> list[MicrobatchInputs]:
     """Domain position `position`'s 1F1B slots under pipeline parallelism (`plan.pipeline.pipeline_slots`):
     its microbatches with idle slots where a phase pads, at least one slot. No barriers: slot alignment
-    already orders the phases."""
+    already orders the phases. `aligned` pads the end with idle slots to the most slots any position runs,
+    so every position runs the same 1F1B schedule (expert parallelism)."""
     plan = inputs.plan
     by_samples = {mb.layout.sample_ids: mb for mb in inputs.microbatches}
-    work = [
+    slots = pipeline_slots(plan)
+    length = max(1, max(map(len, slots)) if aligned else len(slots[position]))
+    mine = slots[position] + [None] * (length - len(slots[position]))
+    return [
         idle_microbatch(position, inputs.seq_multiple) if slot is None
         else by_samples[tuple(plan.groups[slot.group].microbatches[slot.microbatch])]
-        for slot in pipeline_slots(plan)[position]
+        for slot in mine
     ]
-    return work or [idle_microbatch(position, inputs.seq_multiple)]
 
 
 def idle_microbatch(position: int, seq_multiple: int = 1) -> MicrobatchInputs:

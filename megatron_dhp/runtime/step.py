@@ -96,7 +96,7 @@ def run_step(
     work = _LossSum(model, inputs.num_loss_tokens)
     # A MoE router's load-balancing loss (a sum over a microbatch's tokens under per-token loss) is
     # divided by the same global loss-token count as the main loss.
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / inputs.num_loss_tokens))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
     engine.run(inputs, work, comm=comm, backend=backend)
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)

@@ -31,6 +31,8 @@ MICRO_BATCH = 2
 LOADER_MICROBATCHES = 2
 """K: loader microbatches per rank and step (Megatron's get_num_microbatches())."""
 
+DENSE = TinyGPTConfig()
+
 
 def megatron_args(**overrides: object) -> argparse.Namespace:
     """The parsed Megatron-LM arguments `setup` reads, with DHP on and small sizes."""
@@ -86,7 +88,7 @@ class Harness:
     """One rank's Megatron-LM process: model, loader, and the DHP hooks around them."""
 
     def __init__(self, *, seed: int, overlap_grad_reduce: bool = False, steps: range = range(6),
-                 sequence_parallel: bool = False) -> None:
+                 gpt: TinyGPTConfig = DENSE) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -99,7 +101,7 @@ class Harness:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.position = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         self.num_positions = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        inner = build_tiny_gpt(TinyGPTConfig(sequence_parallel=sequence_parallel), seed=seed)
+        inner = build_tiny_gpt(gpt, seed=seed)
         self.model = DistributedDataParallel(
             config=inner.config,
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000),
@@ -108,7 +110,7 @@ class Harness:
         config = inner.config
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync if overlap_grad_reduce else None
-        self.reference = build_reference_gpt(TinyGPTConfig(), single_rank_groups(), seed=seed)
+        self.reference = build_reference_gpt(replace(gpt, sequence_parallel=False), single_rank_groups(), seed=seed)
         self.pulled = 0
         # Megatron builds loaders on tensor-parallel rank 0 of the first and the last pipeline stage
         ends = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
@@ -261,7 +263,7 @@ def hooks_checks() -> dict:
     tp2.planner.close()
 
     # --- TP 2 with --sequence-parallel: every shard padded to an even row count, LayerNorm grads over TP
-    u = Harness(seed=7, sequence_parallel=True)
+    u = Harness(seed=7, gpt=TinyGPTConfig(sequence_parallel=True))
     train, _, _ = setup(megatron_args(dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2, sequence_parallel=True),
                         u.train, None, None)
     sp = train.iterable.runtime
@@ -285,6 +287,21 @@ def hooks_checks() -> dict:
         out["pp2_counts"] = len(reports)
     out["pp2"].append(q.compare(100, q.run(valid, forward_only=True)[1], grads=False))
     pp2.planner.close()
+
+    # --- MoE with expert parallelism 2 carved from the domain of 4: a hand plan where rank 3 is idle and the
+    # others run different slot counts, then the dhp planner; every rank runs the same slots, so the
+    # all-to-all dispatcher's collectives pair up
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(0)
+    e = Harness(seed=8, steps=range(5, 7), gpt=TinyGPTConfig(num_experts=4))
+    train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2), e.train, None, None)
+    ep2 = train.iterable.runtime
+    out["ep2_aligned"] = ep2.aligned_slots
+    ep2.planner.close()
+    hand = replace(ep2, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4)))
+    it = wrap_data_iterator(e.train, hand, lookahead=False)
+    out["ep2"] = [e.compare(step, e.run(it)[1]) for step in (5, 6)]
     dist.destroy_process_group()
     out["tolerance"] = TOLERANCE
     return out

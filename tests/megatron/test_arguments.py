@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 MEGATRON_DEFAULTS = dict(
     context_parallel_size=1, calculate_per_token_loss=True, pipeline_model_parallel_size=1,
     hybrid_context_parallel=False, sequence_parallel=False, num_experts=None, mtp_num_layers=None,
+    expert_model_parallel_size=1, moe_token_dispatcher_type="allgather",
     multi_latent_attention=False, use_legacy_models=False, reset_attention_mask=False, reset_position_ids=False,
     iterations_to_skip=[], rampup_batch_size=None, attention_dropout=0.0, transformer_impl="local",
     cp_comm_type=["p2p"], cuda_graph_impl="none", attention_backend="AttnBackend.auto",
@@ -83,7 +84,9 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
          "interleaved pipelining \\(virtual pipeline size 2\\) with --dhp.*drop --num-layers-per-virtual-pipeline-stage"),
         ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
-        ([], dict(num_experts=8), "--num-experts 8 with --dhp: MoE"),
+        ([], dict(num_experts=8, expert_model_parallel_size=2),
+         "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2.*use --moe-token-dispatcher-type alltoall"),
+        ([], dict(num_experts=8, moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex with --dhp"),
         ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
         ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
         ([], dict(use_legacy_models=True), "--use-legacy-models"),
@@ -104,6 +107,12 @@ def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
         validate_dhp_args(parse(["--dhp", *argv], **megatron))
 
 
+@pytest.mark.parametrize("ep,dispatcher", [(1, "allgather"), (1, "alltoall"), (4, "alltoall")])
+def test_moe_is_accepted(ep, dispatcher):
+    args = parse(["--dhp"], num_experts=8, expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher)
+    assert validate_dhp_args(args).planner == "dhp"
+
+
 def test_sequence_parallelism_is_accepted():
     assert validate_dhp_args(parse(["--dhp"], sequence_parallel=True)).planner == "dhp"
 
@@ -122,13 +131,13 @@ def test_every_problem_is_reported_at_once():
 
 def test_each_refusal_is_one_line_naming_the_value_and_the_fix():
     with pytest.raises(DhpError) as e:
-        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False, num_experts=8))
+        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False, mtp_num_layers=1))
     assert str(e.value).splitlines() == [
         "--context-parallel-size 2 with --dhp: megatron-dhp forms the context-parallel groups itself every step; "
         "set --context-parallel-size 1 (the DP ranks become the dynamic domain)",
         "--dhp needs --calculate-per-token-loss: with groups that change every step only a loss summed per token "
         "and divided by the global token count keeps gradients exact; add --calculate-per-token-loss",
-        "--num-experts 8 with --dhp: MoE layers are not supported yet; use a dense model",
+        "--mtp-num-layers 1 with --dhp: multi-token prediction is not supported yet; drop --mtp-num-layers",
     ]
     assert all(rule.refused and rule.why and rule.fix for rule in REFUSALS)
 

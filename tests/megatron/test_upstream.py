@@ -177,6 +177,7 @@ def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
     return losses, log.count("dhp plan: ")
 
 
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
 # id -> (extra Megatron-LM flags, extra --dhp flags)
 RUNS = {
     # upstream masks attention between documents from the loader's masks; megatron-dhp runs each as a sequence
@@ -189,6 +190,11 @@ RUNS = {
     # a rank holds M // 2 per microbatch, so 2 ranks x 64 // 2 hold a 64-token row
     "pp2-documents": (["--pipeline-model-parallel-size", "2", *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
     "distributed-optimizer": (["--use-distributed-optimizer", *DOCUMENTS], []),
+    # megatron-core's MoE layer, experts split over EP groups of 2 carved from the domain: every rank runs the
+    # same slots (idle ones pad), so the dispatcher's all-to-alls pair up while CP groups change
+    "moe-ep2-alltoall": ([*MOE, "--moe-token-dispatcher-type", "alltoall", *DOCUMENTS], []),
+    "moe-ep2-pp2": ([*MOE, "--moe-token-dispatcher-type", "alltoall", "--pipeline-model-parallel-size", "2",
+                     *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
 }
 
 
