@@ -209,6 +209,17 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
 
 
+def test_flexsp_milp_is_planned_on_rank_zero_and_trains_like_upstream(patched, tmp_path):
+    """A planner under a wall-clock limit (HiGHS may return different incumbents on different ranks): rank 0
+    solves and broadcasts, so the plan check passes and the losses are upstream's."""
+    config = tmp_path / "milp.yaml"
+    config.write_text("planner: flexsp-milp\ntime_limit_s: 1.0\n")
+    upstream, _ = train_on_cpu(patched, [*TINY, *DOCUMENTS])
+    dhp, plans = train_on_cpu(patched, [*TINY, *DOCUMENTS, *DHP, "--dhp-config", str(config)])
+    assert plans == 6
+    assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+
+
 def test_a_checkpoint_saved_under_dhp_resumes_with_or_without_it(patched, tmp_path):
     """Megatron-LM's --save/--load with the distributed optimizer: 2 steps under --dhp, saved; the run resumed
     with --dhp and without it gives upstream's own resumed losses (the loader restarts at the consumed
