@@ -110,7 +110,13 @@ def test_launch_script_flags_pass_megatron_lm_validation(tmp_path):
                CHECKPOINT_DIR=str(tmp_path), NNODES="4")
     command = shlex.split(subprocess.run([str(REPO / "scripts" / "pretrain_gpt_dhp.sh")], env=env, check=True,
                                          capture_output=True, text=True).stdout)
-    argv = command[command.index("pretrain_gpt.py") + 1:]
+    out = validate_flags(tree, command[command.index("pretrain_gpt.py") + 1:], world_size=32)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT 16 2 te 8192" in out.stdout
+
+
+def validate_flags(tree: Path, argv: list[str], *, world_size: int) -> subprocess.CompletedProcess:
+    """`argv` through Megatron-LM's parser, its validate_args and megatron-dhp's validator; prints RESULT."""
     code = textwrap.dedent(f"""
         import sys, warnings
         warnings.filterwarnings("ignore")
@@ -123,9 +129,30 @@ def test_launch_script_flags_pass_megatron_lm_validation(tmp_path):
         config = dhp.validate_dhp_args(args)
         print("RESULT", args.data_parallel_size, args.tensor_model_parallel_size, config.layer_spec, config.max_tokens_per_rank)
     """)
-    out = run_python(code, cwd=tree, WORLD_SIZE="32", RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    return run_python(code, cwd=tree, WORLD_SIZE=str(world_size), RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_upstream_llama3_8b_example_passes_with_dhp_added(tp, tmp_path):
+    """examples/llama/train_llama3_8b_h100_fp8.sh (TP 1, and at TP 2 with its --sequence-parallel), its
+    flags as its torchrun receives them, plus --dhp: Megatron-LM's validation and megatron-dhp's accept them."""
+    tree = tree_of("core_v0.16.1")
+    require_megatron_training(tree)
+    script = (tree / "examples" / "llama" / "train_llama3_8b_h100_fp8.sh").read_text()
+    (tmp_path / "pretrain_gpt.py").touch()  # the script checks that it runs from a Megatron-LM root
+    (tmp_path / "bin").mkdir()
+    torchrun = tmp_path / "bin" / "torchrun"
+    torchrun.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
+    torchrun.chmod(0o755)
+    (tmp_path / "train.sh").write_text(script.replace("TP_SIZE=1", f"TP_SIZE={tp}"))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "ARGV_OUT": str(tmp_path / "argv")}
+    subprocess.run(["bash", str(tmp_path / "train.sh")], cwd=tmp_path, env=env, check=True, capture_output=True)
+    argv = (tmp_path / "argv").read_text().splitlines()
+    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    assert "--sequence-parallel" in argv and "--use-distributed-optimizer" in argv
+    out = validate_flags(tree, [*argv, "--dhp"], world_size=8)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "RESULT 16 2 te 8192" in out.stdout
+    assert f"RESULT {8 // tp} {tp} " in out.stdout
 
 
 # A tiny GPT on mock data, small enough for 4 CPU ranks; every fusion off (they need CUDA or TE).
