@@ -68,6 +68,9 @@ def test_ep_group_across_nodes_takes_the_inter_node_bandwidth(round_config):
     # EP 3 on 48 ranks, 8 per node: the group of ranks 6, 7, 8 spans two nodes, so the step waits on it.
     spans = build_cost_model(dataclasses.replace(round_config, world_size=48, expert_parallel_size=3))
     assert t(spans, 10_000, 1, True) == pytest.approx(4.85, rel=1e-12)
+    # EP 3 on a 3-rank domain of one node (4 per node): inside it, 4.2 again.
+    one_node = build_cost_model(dataclasses.replace(round_config, world_size=3, gpus_per_node=4, expert_parallel_size=3))
+    assert t(one_node, 10_000, 1, True) == pytest.approx(4.2, rel=1e-12)
 
 
 def test_mixtral_preset_by_hand(mixtral_config):

@@ -38,8 +38,9 @@ class ReferenceCostModel:
         self.config = config
         self.domain: Domain = config.domain
         self.step_overhead_s = config.step_overhead_s
-        # EP groups of consecutive ranks each sit in one node iff they tile the nodes.
-        ep_intra = self.domain.gpus_per_node % config.expert_parallel_size == 0
+        # The EP groups (consecutive ranks) each sit in one node iff they tile the nodes or the domain is one node.
+        g = self.domain.gpus_per_node
+        ep_intra = g % config.expert_parallel_size == 0 or self.domain.world_size <= g
         ep_bytes_per_s = config.intra_node_bytes_per_s if ep_intra else config.inter_node_bytes_per_s
         # b + x + alpha / bw_EP: the seconds per token that split over a sample's group (exactly b when dense).
         self.per_token_s = (config.linear_s_per_token + config.moe_expert_s_per_token
