@@ -5,6 +5,8 @@ Deliberately written from the benchmark text with plain Python floats and no cod
 config's three optional terms (absent keys are 0, as in the reference files): a per-sample overhead s on
 every rank of the sample's group, an extra per-microbatch overhead lambda on groups of more than one rank,
 and a per-step overhead sigma that every rank pays before its first group (and the lower bound with it).
+It also knows the mixture-of-experts terms (docs/cost-model.md): expert seconds per token and the
+all-to-all bytes per token on the expert-parallel groups, both added to compute.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 def sample_time(cfg: dict, tokens: int, images: list[int], d: int, intra: bool) -> float:
     compute = (cfg["attn_s_per_token2"] * tokens * tokens + cfg["linear_s_per_token"] * tokens) / d
     compute += sum(cfg["enc_attn_s_per_token2"] * p * p + cfg["enc_linear_s_per_token"] * p for p in images) / d
+    compute += (cfg.get("moe_expert_s_per_token", 0.0) + cfg.get("moe_a2a_bytes_per_token", 0.0) / ep_bandwidth(cfg)) * tokens / d
     if d == 1:
         comm = 0.0
     else:
@@ -23,6 +26,13 @@ def sample_time(cfg: dict, tokens: int, images: list[int], d: int, intra: bool) 
         comm = cfg["comm_bytes_per_token"] * tokens * (d - 1) / d / bw
     t = max(compute, comm) if cfg["overlap_comm"] else compute + comm
     return t + cfg.get("sample_overhead_s", 0.0)
+
+
+def ep_bandwidth(cfg: dict) -> float:
+    """The intra-node bandwidth if every expert-parallel group (consecutive ranks) sits in one node."""
+    ep, gpn = cfg.get("expert_parallel_size", 1), cfg["gpus_per_node"]
+    one_node = all(len({r // gpn for r in range(start, start + ep)}) == 1 for start in range(0, cfg["world_size"], ep))
+    return cfg["intra_node_bytes_per_s"] if one_node else cfg["inter_node_bytes_per_s"]
 
 
 def microbatch_overhead(cfg: dict, d: int) -> float:

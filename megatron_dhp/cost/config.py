@@ -16,6 +16,9 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")
+OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
+                 "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size")
+"""Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,16 @@ class CostConfig:
     """sigma: fixed seconds every step adds to its microbatches (on a CPU a few ms: the gaps between them,
     caches cold after the optimizer, the planning thread; 0 in the reference model). Every plan pays it once,
     so the simulated step time and the lower bound both include it and no planner decision changes."""
+    moe_expert_s_per_token: float = 0.0
+    """x: expert-MLP seconds per token of a mixture-of-experts model (its top-k experts, all MoE layers,
+    forward+backward, one rank); split over a sample's group like b. 0: a dense model."""
+    moe_a2a_bytes_per_token: float = 0.0
+    """alpha: bytes the MoE token dispatcher's all-to-all moves per token over all MoE layers, forward+backward
+    (dispatch and combine: hidden x bytes x top-k x 2 x 2 x layers x (EP - 1) / EP); runs on the EP group and
+    adds to compute (megatron-core does not overlap it with the experts)."""
+    expert_parallel_size: int = 1
+    """EP: ranks of the static expert-parallel groups the all-to-all runs on, consecutive domain ranks tiling the
+    domain (must divide world_size); intra-node bandwidth when every group sits in one node."""
     description: str = ""
     """Free text: where the numbers come from."""
 
@@ -100,6 +113,13 @@ class CostConfig:
             if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
                 raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
         self.domain  # noqa: B018 - validates the domain fields
+        ep = self.expert_parallel_size
+        if ep < 1 or self.world_size % ep:
+            raise DhpError(f"cost key 'expert_parallel_size' = {ep!r} must be >= 1 and divide world_size = "
+                           f"{self.world_size} (the expert-parallel groups tile the domain)")
+        if self.moe_a2a_bytes_per_token and ep == 1:
+            raise DhpError(f"cost key 'moe_a2a_bytes_per_token' = {self.moe_a2a_bytes_per_token!r} needs "
+                           "expert_parallel_size > 1 (an expert-parallel group of one rank moves nothing)")
 
     @property
     def domain(self) -> Domain:
@@ -111,9 +131,10 @@ class CostConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict:
-        """Every field, as the YAML keys (description, s, lambda and sigma only when set: reference files stay as they were)."""
-        optional = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s")
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in optional or getattr(self, f.name)}
+        """Every field, as the YAML keys (the optional ones only when not at their defaults: reference files
+        stay as they were)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in OPTIONAL_KEYS or getattr(self, f.name) != f.default}
 
     # ------------------------------------------------------------------ YAML
     @classmethod

@@ -8,6 +8,15 @@ where bw is the intra-node bandwidth when all the group's ranks sit on one node.
 m + sum t and is feasible only if sum L / d <= M. Three optional terms, 0 in the reference model and set by
 `megatron-dhp profile` where a device needs them: a per-sample overhead s added to t, a per-microbatch
 overhead lambda on groups of more than one rank, and a per-step overhead sigma before the first microbatch.
+
+Mixture of experts: a MoE model adds, per token, its top-k experts' seconds x and the dispatcher's
+all-to-all, alpha bytes on the static expert-parallel group (bandwidth bw_EP: intra-node when every EP group
+sits in one node). A sample on d ranks routes L / d tokens from each rank, so both split over the group:
+    compute(L, d) = (a L^2 + (b + x + alpha / bw_EP) L + sum_images (e P^2 + f P)) / d
+The all-to-all counts as compute, outside the max with the context-parallel comm: megatron-core's alltoall
+dispatcher runs between the router and the experts, on the compute stream's critical path, and is not
+overlapped with expert compute by default; and it runs on the EP group, whatever the sample's CP group is, so
+it does not depend on that group's placement. d t(L, d) stays non-decreasing in d, so the lower bound holds.
 """
 
 from __future__ import annotations
@@ -29,13 +38,20 @@ class ReferenceCostModel:
         self.config = config
         self.domain: Domain = config.domain
         self.step_overhead_s = config.step_overhead_s
+        # The EP groups (consecutive ranks) each sit in one node iff they tile the nodes or the domain is one node.
+        g = self.domain.gpus_per_node
+        ep_intra = g % config.expert_parallel_size == 0 or self.domain.world_size <= g
+        ep_bytes_per_s = config.intra_node_bytes_per_s if ep_intra else config.inter_node_bytes_per_s
+        # b + x + alpha / bw_EP: the seconds per token that split over a sample's group (exactly b when dense).
+        self.per_token_s = (config.linear_s_per_token + config.moe_expert_s_per_token
+                            + config.moe_a2a_bytes_per_token / ep_bytes_per_s)
 
     # ------------------------------------------------------------------ per-sample terms
     def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
-        """Compute seconds of each sample on one rank: a L^2 + b L + encoder terms."""
+        """Compute seconds of each sample on one rank: a L^2 + (b + x + alpha / bw_EP) L + encoder terms."""
         c = self.config
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-        work = c.attn_s_per_token2 * tokens**2 + c.linear_s_per_token * tokens
+        work = c.attn_s_per_token2 * tokens**2 + self.per_token_s * tokens
         counts = np.fromiter((len(s.images) for s in samples), dtype=np.int64, count=len(samples))
         if counts.any() and (c.enc_attn_s_per_token2 or c.enc_linear_s_per_token):
             images = np.fromiter(chain.from_iterable(s.images for s in samples), dtype=np.float64, count=int(counts.sum()))
