@@ -82,7 +82,7 @@ def aligned_slot_rows(plan: Plan, seq_multiple: int = 1) -> SlotRows:
     idle slot counts as one), rounded up to a multiple of every such layout's `row_multiple` so that each
     can pad to it. From the plan alone, the same on every rank."""
     lengths = {s.id: s.tokens for s in plan.samples}
-    idle = idle_microbatch(0, seq_multiple).layout
+    idle = _idle_layout(seq_multiple)
     table = []
     for phase, count in enumerate(aligned_slot_counts(plan)):
         slots = [[idle] * count for _ in range(plan.world_size)]
@@ -118,7 +118,7 @@ def pipeline_work(inputs: StepInputs, position: int) -> list[MicrobatchInputs]:
 def idle_microbatch(position: int, seq_multiple: int = 1, rows: int | None = None) -> MicrobatchInputs:
     """An idle slot: one token (id 0, sample id -1; padded to `seq_multiple` rows, or to `rows`) with loss
     mask 0, on a group of `position` alone."""
-    layout = MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0, seq_multiple=seq_multiple)
+    layout = _idle_layout(seq_multiple)
     if rows is not None:
         layout = layout.with_rows(rows)
     zero = torch.zeros(layout.num_slots, dtype=torch.int64)
@@ -131,3 +131,7 @@ def idle_microbatch(position: int, seq_multiple: int = 1, rows: int | None = Non
         loss_mask=torch.zeros(layout.num_slots),
         position_ids=layout.local_positions,
     )
+
+
+def _idle_layout(seq_multiple: int) -> MicrobatchLayout:
+    return MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0, seq_multiple=seq_multiple)
