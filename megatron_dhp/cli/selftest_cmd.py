@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size, carved from the domain's ranks (with --model moe; default 1)")
     p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
-                   help="megatron-core's MoE token dispatcher (default alltoall; allgather only at --ep 1)")
+                   help="megatron-core's MoE token dispatcher (default alltoall)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="check this plan JSON (e.g. one saved by a job) under each --comm variant instead of "

@@ -67,6 +67,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     cap = _sample_cap(args.seq_length, domain, config, stages)
     cost = live_cost_config(config, world_size=domain.size, gpus_per_node=domain_node_size(config, domain.global_ranks, dist.get_world_size()))
     share_group, share_source = _loader_sharing()
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     runtime = DhpRuntime(
         config=config,
         domain=domain,
@@ -78,7 +79,8 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
         seq_multiple=seq_multiple(args),
-        aligned_slots=parallel_state.get_expert_model_parallel_world_size() > 1,
+        aligned_slots=expert_parallel,
+        equal_rows=expert_parallel and getattr(args, "moe_token_dispatcher_type", None) == "allgather",
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (

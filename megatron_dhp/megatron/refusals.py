@@ -76,13 +76,15 @@ REFUSALS: tuple[Refusal, ...] = (
             "--hybrid-context-parallel with --dhp",
             "both form dynamic CP groups",
             "drop `--hybrid-context-parallel`"),
-    Refusal("MoE's `allgather` token dispatcher with `--expert-model-parallel-size` > 1",
+    Refusal("MoE's `allgather` token dispatcher with `--expert-model-parallel-size` > 1 and pipeline parallelism",
             lambda a, c: a.expert_model_parallel_size if getattr(a, "num_experts", None) and
-            a.moe_token_dispatcher_type == "allgather" and a.expert_model_parallel_size > 1 else None,
-            "--moe-token-dispatcher-type allgather with --expert-model-parallel-size {value}",
-            "it gathers equally long token blocks over the expert-parallel group, and planned microbatches "
-            "differ in length across ranks",
-            "use `--moe-token-dispatcher-type alltoall` (allgather works at expert parallelism 1)"),
+            a.moe_token_dispatcher_type == "allgather" and a.expert_model_parallel_size > 1 and
+            a.pipeline_model_parallel_size > 1 else None,
+            "--moe-token-dispatcher-type allgather with --expert-model-parallel-size {value} and "
+            "--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+            "it gathers equally long token blocks over the expert-parallel group, and megatron-dhp pads 1F1B "
+            "slots to equal counts but not yet to equal lengths",
+            "use `--moe-token-dispatcher-type alltoall` (allgather works without pipeline parallelism)"),
     Refusal("MoE's `flex` token dispatcher (`--moe-token-dispatcher-type flex`)",
             lambda a, c: getattr(a, "num_experts", None) and getattr(a, "moe_token_dispatcher_type", "") == "flex",
             "--moe-token-dispatcher-type flex with --dhp",

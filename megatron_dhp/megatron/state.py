@@ -38,4 +38,6 @@ class DhpRuntime:
     """Each sample's shard is padded to a multiple of this: the TP size under --sequence-parallel."""
     aligned_slots: bool = False
     """Every position runs the same slots (idle ones pad), so MoE's expert-parallel collectives pair up."""
+    equal_rows: bool = False
+    """The k-th slot holds the same rows on every position (MoE's allgather dispatcher gathers equal blocks)."""
 

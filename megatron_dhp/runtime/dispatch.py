@@ -30,7 +30,7 @@ from megatron_dhp.plan.plan import Plan, PlanError
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.fused import gather_rows, scatter_rows
-from megatron_dhp.runtime.layout import MicrobatchLayout, zigzag_positions
+from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.workload.sample import Batch, Sample
 
 
@@ -77,6 +77,10 @@ class GatheredBatch:
     """Tokens whose loss counts, over the whole global batch: the step's loss denominator."""
 
 
+SlotRows = tuple[tuple[int, ...], ...]
+"""Local rows of the k-th slot of each phase, `rows[phase][k]`, the same on every rank of the domain."""
+
+
 @dataclass(frozen=True)
 class MicrobatchInputs:
     """One microbatch as this rank runs it: its group, its THD layout and its shards, all [t]."""
@@ -104,6 +108,8 @@ class StepInputs:
     """Real tokens of the global batch."""
     seq_multiple: int = 1
     """Every sample's shard is padded to a multiple of this (the TP size under sequence parallelism)."""
+    slot_rows: SlotRows | None = None
+    """Rows every rank holds in each aligned slot when the step equalises them (`slots.aligned_slot_rows`)."""
 
 
 def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
@@ -195,9 +201,10 @@ def broadcast_plan(solve: Callable[[], Plan], domain: DynamicDomain) -> Plan:
 
 
 def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain, *,
-                seq_multiple: int = 1) -> StepInputs:
+                seq_multiple: int = 1, slot_rows: SlotRows | None = None) -> StepInputs:
     """Send every token to the rank that computes it and pack this rank's microbatches (each sample's shard
-    padded to a multiple of `seq_multiple`, see `layout`). Collective."""
+    padded to a multiple of `seq_multiple`, see `layout`; the k-th microbatch of a phase padded further to
+    `slot_rows[phase][k]` rows when given). Collective."""
     me = domain.position
     lengths = {s.id: s.tokens for s in gathered.batch.samples}
     # this rank's samples back to back, one row (input id, label, loss mask) per token
@@ -209,16 +216,16 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     picks, send_rows = [torch.empty(0, dtype=torch.int64)], []
     for dest in range(domain.size):
         count = 0
-        for layout, _, _ in _microbatches_of(plan, dest, lengths, seq_multiple):
-            for sid, n in zip(layout.sample_ids, layout.lengths):
+        for layout, _, _ in _microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
+            for i, (sid, n) in enumerate(zip(layout.sample_ids, layout.lengths)):
                 if gathered.owners[sid] == me:
-                    held = zigzag_positions(n, layout.group_size, layout.rank, seq_multiple)
+                    held = layout.sample_positions(i)
                     picks.append(first_row[sid] + held[held < n])
                     count += picks[-1].numel()
         send_rows.append(count)
     send = gather_rows(rows, torch.cat(picks))
 
-    mine = _microbatches_of(plan, me, lengths, seq_multiple)
+    mine = _microbatches_of(plan, me, lengths, seq_multiple, slot_rows)
     owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
     slots_of_sample = [n for layout, _, _ in mine for n in layout.local_lengths]
     sources = torch.repeat_interleave(
@@ -238,6 +245,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
         num_loss_tokens=gathered.num_loss_tokens,
         num_tokens=gathered.batch.num_tokens,
         seq_multiple=seq_multiple,
+        slot_rows=slot_rows,
     )
 
 
@@ -257,17 +265,19 @@ def _local_problem(plan: Plan, gathered: GatheredBatch) -> str | None:
     return None
 
 
-def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int],
-                     seq_multiple: int) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
+def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int], seq_multiple: int,
+                     slot_rows: SlotRows | None) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
     """(layout, sorted group ranks, phase) of every microbatch `position` runs, in execution order."""
     out = []
     for group in plan.groups_of_rank(position):
         ranks = tuple(sorted(group.ranks))
-        for mb in group.microbatches:
+        for k, mb in enumerate(group.microbatches):
             layout = MicrobatchLayout(
                 sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position),
                 seq_multiple=seq_multiple,
             )
+            if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
+                layout = layout.with_rows(slot_rows[group.phase][k])
             out.append((layout, ranks, group.phase))
     return out
 

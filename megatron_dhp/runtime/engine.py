@@ -52,7 +52,7 @@ from megatron_dhp.runtime.dispatch import (
 )
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.slots import PHASE_BARRIER, work_items
+from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, work_items
 from megatron_dhp.workload.sample import Batch
 
 
@@ -131,7 +131,10 @@ class StepEngine:
         lookahead: bool = False,
         seq_multiple: int = 1,
         aligned_slots: bool = False,
+        equal_rows: bool = False,
     ) -> None:
+        if equal_rows and not aligned_slots:
+            raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
         self.domain = domain
         self.pool = pool
         """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
@@ -143,6 +146,9 @@ class StepEngine:
         """Each sample's shard is padded to a multiple of this: the TP size under sequence parallelism."""
         self.aligned_slots = aligned_slots
         """Every position runs the same slots per phase (`slots.work_items`): needed with expert parallelism."""
+        self.equal_rows = equal_rows
+        """Every position holds the same rows in each aligned slot (`slots.aligned_slot_rows`): needed by
+        megatron-core's allgather MoE dispatcher with expert parallelism."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -214,7 +220,9 @@ class StepEngine:
                 self.planning.prefetch(self._ahead.gathered.batch)
         if self.pool is not None:
             self.pool.prepare(plan)
-        return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple)
+        rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
+        return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
+                           slot_rows=rows)
 
     def _plan(self, batch: Batch) -> Plan:
         """The plan of `batch`, solved on rank `PLANNING_RANK` and broadcast to every rank. Collective."""

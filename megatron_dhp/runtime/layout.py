@@ -11,12 +11,17 @@ loss mask drops it. A group of one rank keeps the sample whole and unpadded.
 Under sequence parallelism megatron-core splits every rank's THD rows over its T tensor-parallel ranks, so
 each sample's shard must also divide by T (`seq_multiple`): samples are padded to a multiple of
 lcm(2d, dT) (of T for d = 1), the same rule TransformerEngine's THD CP with SP follows.
+
+A layout may also carry `extra_rows`: more padding at the end of its last sample, so that a rank holds a
+given number of rows (megatron-core's allgather MoE dispatcher needs every rank of an expert-parallel group
+to hold as many rows as the others in a slot, see `slots.aligned_slot_rows`). It is padding like any other:
+past the sample's end, unseen by real queries under the causal mask, never in the loss.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -34,17 +39,27 @@ def padded_length(length: int, group_size: int, seq_multiple: int = 1) -> int:
     return -(-length // m) * m
 
 
+def row_multiple(group_size: int, seq_multiple: int = 1) -> int:
+    """A rank's shard of a sample grows in steps of this many rows (`shard_multiple` / d)."""
+    return shard_multiple(group_size, seq_multiple) // group_size
+
+
 def zigzag_positions(length: int, group_size: int, rank: int, seq_multiple: int = 1) -> torch.Tensor:
     """Positions of the padded sample that group rank `rank` holds, in its local order.
 
     Chunk `rank` then chunk `2d-1-rank`; positions >= `length` are padding. The position of a real token is
     also its index in the sample, so this doubles as the gather index for dispatch.
     """
+    return _zigzag(padded_length(length, group_size, seq_multiple), group_size, rank)
+
+
+def _zigzag(padded: int, group_size: int, rank: int) -> torch.Tensor:
+    """`zigzag_positions` of a sample padded to `padded` (a multiple of 2d for d > 1)."""
     if not 0 <= rank < group_size:
         raise ValueError(f"rank {rank} is outside a group of {group_size}")
     if group_size == 1:
-        return torch.arange(padded_length(length, 1, seq_multiple), dtype=torch.int64)
-    chunk = padded_length(length, group_size, seq_multiple) // (2 * group_size)
+        return torch.arange(padded, dtype=torch.int64)
+    chunk = padded // (2 * group_size)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.int64)
     mirror = 2 * group_size - 1 - rank
     second = torch.arange(mirror * chunk, (mirror + 1) * chunk, dtype=torch.int64)
@@ -67,15 +82,31 @@ class MicrobatchLayout:
     """This rank's index in the group: its place among the group's sorted domain positions."""
     seq_multiple: int = 1
     """Each sample's shard divides by this: the tensor-parallel size under sequence parallelism, else 1."""
+    extra_rows: int = 0
+    """Padding rows added to each rank's shard of the last sample (a multiple of `row_multiple`)."""
 
     def __post_init__(self) -> None:
         assert len(self.sample_ids) == len(self.lengths) > 0, "a microbatch holds at least one sample"
         assert 0 <= self.rank < self.group_size, f"rank {self.rank} outside a group of {self.group_size}"
+        assert self.extra_rows >= 0 and self.extra_rows % self.row_multiple == 0, (
+            f"{self.extra_rows} extra rows are not a multiple of {self.row_multiple}")
+
+    @property
+    def row_multiple(self) -> int:
+        """`layout.row_multiple` of this group: the steps in which `num_slots` can grow."""
+        return row_multiple(self.group_size, self.seq_multiple)
+
+    def with_rows(self, rows: int) -> MicrobatchLayout:
+        """This layout with its last sample padded further so each rank holds `rows` slots."""
+        return replace(self, extra_rows=self.extra_rows + rows - self.num_slots)
 
     @cached_property
     def padded_lengths(self) -> tuple[int, ...]:
-        """Sample lengths rounded up to `shard_multiple` (unchanged for d = 1 without sequence parallelism)."""
-        return tuple(padded_length(n, self.group_size, self.seq_multiple) for n in self.lengths)
+        """Sample lengths rounded up to `shard_multiple` (unchanged for d = 1 without sequence parallelism),
+        the last one plus `extra_rows` per rank."""
+        padded = [padded_length(n, self.group_size, self.seq_multiple) for n in self.lengths]
+        padded[-1] += self.extra_rows * self.group_size
+        return tuple(padded)
 
     @cached_property
     def local_lengths(self) -> tuple[int, ...]:
@@ -109,8 +140,11 @@ class MicrobatchLayout:
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """True position (index within its sample) of every local slot of `rank` (default: this rank)."""
-        r = self.rank if rank is None else rank
-        return torch.cat([zigzag_positions(n, self.group_size, r, self.seq_multiple) for n in self.lengths])
+        return torch.cat([self.sample_positions(i, rank) for i in range(len(self.lengths))])
+
+    def sample_positions(self, index: int, rank: int | None = None) -> torch.Tensor:
+        """Positions of sample `index` (in microbatch order) that `rank` holds (default: this rank)."""
+        return _zigzag(self.padded_lengths[index], self.group_size, self.rank if rank is None else rank)
 
     @cached_property
     def local_positions(self) -> torch.Tensor:

@@ -161,12 +161,6 @@ class TinyGPTConfig:
         # output of its row-parallel linear, an autograd view at TP 1, which torch refuses.
         if not self.num_experts:
             return {}
-        if self.moe_token_dispatcher == "allgather" and expert_parallel > 1:
-            raise DhpError(
-                "megatron-core's allgather token dispatcher gathers equally long token blocks over the expert-"
-                "parallel group, but under dynamic plans its ranks run microbatches of different lengths; "
-                "use the alltoall dispatcher with expert parallelism (allgather works at EP 1)"
-            )
         return {
             "num_moe_experts": self.num_experts,
             "moe_router_topk": self.moe_router_topk,

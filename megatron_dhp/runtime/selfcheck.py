@@ -129,8 +129,9 @@ class SelfCheck:
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
-        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config),
-                            aligned_slots=config.expert_model_parallel_size > 1)
+        expert_parallel = config.expert_model_parallel_size > 1
+        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=expert_parallel,
+                            equal_rows=expert_parallel and config.moe_token_dispatcher_type == "allgather")
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

@@ -15,15 +15,24 @@ domain runs in it. Then the k-th slot of a phase is the k-th slot everywhere, ea
 one token through the experts (with zero gradient), and no collective waits on one that comes later. Every walk over a step, the plain one of
 `engine.StepEngine.run` and the pipeline schedule (`pipeline_work`, the rule of `plan.pipeline`), takes its
 order from here.
+
+*Equal rows* (the allgather MoE dispatcher): megatron-core's `MoEAllGatherTokenDispatcher` all-gathers
+equally long token blocks over the TP x EP group, so aligned slots must also be equally long there. Every
+rank pads its k-th slot of a phase to `aligned_slot_rows`, the most local rows any position of the domain
+holds in that slot, known from the plan alone; the extra rows extend the last sample's padding
+(`layout.MicrobatchLayout.extra_rows`). They are routed through the experts like an idle slot's token, with
+zero gradient.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from megatron_dhp.plan.pipeline import pipeline_slots
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
+from megatron_dhp.runtime.dispatch import MicrobatchInputs, SlotRows, StepInputs
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
 PHASE_BARRIER = None
@@ -35,17 +44,22 @@ WorkItem = MicrobatchInputs | None
 
 def work_items(inputs: StepInputs, position: int, *, aligned: bool = False) -> list[WorkItem]:
     """Domain position `position`'s slots of the step in execution order, with its phase barriers; `aligned`
-    pads every phase with idle slots to `aligned_slot_counts` (expert parallelism)."""
-    microbatches = list(inputs.microbatches) or [idle_microbatch(position, inputs.seq_multiple)]
-    plan = inputs.plan
-    if not (plan.phase_barrier or aligned):
-        return microbatches
+    pads every phase with idle slots to `aligned_slot_counts` (expert parallelism), each idle slot to its
+    slot's rows when the step equalises them (`StepInputs.slot_rows`)."""
+    plan, rows = inputs.plan, inputs.slot_rows
+    assert aligned or rows is None, "equal slot rows need aligned slots"
+    microbatches = list(inputs.microbatches)
+    if not aligned:
+        microbatches = microbatches or [idle_microbatch(position, inputs.seq_multiple)]
+        if not plan.phase_barrier:
+            return microbatches
     counts = aligned_slot_counts(plan) if aligned else None
     work: list[WorkItem] = []
     for phase in range(plan.num_phases):
         mine = [mb for mb in microbatches if mb.phase == phase]
         if counts is not None:
-            mine += [idle_microbatch(position, inputs.seq_multiple) for _ in range(counts[phase] - len(mine))]
+            mine += [idle_microbatch(position, inputs.seq_multiple, None if rows is None else rows[phase][k])
+                     for k in range(len(mine), counts[phase])]
         work += mine
         if plan.phase_barrier and phase < plan.num_phases - 1:
             work.append(PHASE_BARRIER)
@@ -61,6 +75,30 @@ def aligned_slot_counts(plan: Plan) -> list[int]:
             counts[rank][group.phase] += len(group.microbatches)
     return [max(max(per_rank[phase] for per_rank in counts), 1 if phase == 0 else 0)
             for phase in range(plan.num_phases)]
+
+
+def aligned_slot_rows(plan: Plan, seq_multiple: int = 1) -> SlotRows:
+    """Local rows of every aligned slot, `[phase][k]`: the most any position of the domain holds in it (an
+    idle slot counts as one), rounded up to a multiple of every such layout's `row_multiple` so that each
+    can pad to it. From the plan alone, the same on every rank."""
+    lengths = {s.id: s.tokens for s in plan.samples}
+    idle = _idle_layout(seq_multiple)
+    table = []
+    for phase, count in enumerate(aligned_slot_counts(plan)):
+        slots = [[idle] * count for _ in range(plan.world_size)]
+        for group in plan.groups:
+            if group.phase == phase:
+                for k, mb in enumerate(group.microbatches):
+                    layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), group.size, 0, seq_multiple)
+                    for rank in group.ranks:
+                        slots[rank][k] = layout
+        table.append(tuple(_common_rows([per_rank[k] for per_rank in slots]) for k in range(count)))
+    return tuple(table)
+
+
+def _common_rows(layouts: list[MicrobatchLayout]) -> int:
+    step = math.lcm(*(layout.row_multiple for layout in layouts))
+    return -(-max(layout.num_slots for layout in layouts) // step) * step
 
 
 def pipeline_work(inputs: StepInputs, position: int, *, aligned: bool = False) -> list[MicrobatchInputs]:
@@ -80,10 +118,12 @@ def pipeline_work(inputs: StepInputs, position: int, *, aligned: bool = False) -
     ]
 
 
-def idle_microbatch(position: int, seq_multiple: int = 1) -> MicrobatchInputs:
-    """An idle slot: one token (id 0, sample id -1; padded to `seq_multiple` rows) with loss mask 0, on a
-    group of `position` alone."""
-    layout = MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0, seq_multiple=seq_multiple)
+def idle_microbatch(position: int, seq_multiple: int = 1, rows: int | None = None) -> MicrobatchInputs:
+    """An idle slot: one token (id 0, sample id -1; padded to `seq_multiple` rows, or to `rows`) with loss
+    mask 0, on a group of `position` alone."""
+    layout = _idle_layout(seq_multiple)
+    if rows is not None:
+        layout = layout.with_rows(rows)
     zero = torch.zeros(layout.num_slots, dtype=torch.int64)
     return MicrobatchInputs(
         group_ranks=(position,),
@@ -94,3 +134,7 @@ def idle_microbatch(position: int, seq_multiple: int = 1) -> MicrobatchInputs:
         loss_mask=torch.zeros(layout.num_slots),
         position_ids=layout.local_positions,
     )
+
+
+def _idle_layout(seq_multiple: int) -> MicrobatchLayout:
+    return MicrobatchLayout(sample_ids=(-1,), lengths=(1,), group_size=1, rank=0, seq_multiple=seq_multiple)

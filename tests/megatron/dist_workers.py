@@ -302,6 +302,17 @@ def hooks_checks() -> dict:
     hand = replace(ep2, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4)))
     it = wrap_data_iterator(e.train, hand, lookahead=False)
     out["ep2"] = [e.compare(step, e.run(it)[1]) for step in (5, 6)]
+
+    # --- the allgather dispatcher gathers equal blocks: every position's k-th slot also holds equal rows
+    a = Harness(seed=9, steps=range(7, 9), gpt=TinyGPTConfig(num_experts=4, moe_token_dispatcher="allgather"))
+    train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"),
+                        a.train, None, None)
+    gathered = train.iterable.runtime
+    out["ep2_allgather_rows"] = gathered.equal_rows
+    gathered.planner.close()
+    it = wrap_data_iterator(a.train, replace(gathered, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4))),
+                            lookahead=False)
+    out["ep2"] += [a.compare(step, a.run(it)[1]) for step in (7, 8)]
     dist.destroy_process_group()
     out["tolerance"] = TOLERANCE
     return out

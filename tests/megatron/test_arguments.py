@@ -84,8 +84,9 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
          "interleaved pipelining \\(virtual pipeline size 2\\) with --dhp.*drop --num-layers-per-virtual-pipeline-stage"),
         ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
-        ([], dict(num_experts=8, expert_model_parallel_size=2),
-         "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2.*use --moe-token-dispatcher-type alltoall"),
+        ([], dict(num_experts=8, expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+         "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 and --pipeline-model-parallel-size 2"
+         ".*use --moe-token-dispatcher-type alltoall"),
         ([], dict(num_experts=8, moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex with --dhp"),
         ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
         ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
@@ -107,7 +108,7 @@ def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
         validate_dhp_args(parse(["--dhp", *argv], **megatron))
 
 
-@pytest.mark.parametrize("ep,dispatcher", [(1, "allgather"), (1, "alltoall"), (4, "alltoall")])
+@pytest.mark.parametrize("ep,dispatcher", [(1, "allgather"), (1, "alltoall"), (4, "alltoall"), (2, "allgather")])
 def test_moe_is_accepted(ep, dispatcher):
     args = parse(["--dhp"], num_experts=8, expert_model_parallel_size=ep, moe_token_dispatcher_type=dispatcher)
     assert validate_dhp_args(args).planner == "dhp"

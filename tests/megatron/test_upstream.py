@@ -220,6 +220,7 @@ RUNS = {
     # megatron-core's MoE layer, experts split over EP groups of 2 carved from the domain: every rank runs the
     # same slots (idle ones pad), so the dispatcher's all-to-alls pair up while CP groups change
     "moe-ep2-alltoall": ([*MOE, "--moe-token-dispatcher-type", "alltoall", *DOCUMENTS], []),
+    "moe-ep2-allgather": ([*MOE, "--moe-token-dispatcher-type", "allgather", *DOCUMENTS], []),
     "moe-ep2-pp2": ([*MOE, "--moe-token-dispatcher-type", "alltoall", "--pipeline-model-parallel-size", "2",
                      *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
 }

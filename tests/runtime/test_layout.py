@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dhp.runtime.layout import MicrobatchLayout, padded_length, zigzag_positions
@@ -48,3 +48,19 @@ def test_one_rank_group_is_unpadded():
     layout = MicrobatchLayout(sample_ids=(0, 1), lengths=(3, 4), group_size=1, rank=0)
     assert layout.num_slots == 7 and bool(layout.real().all())
     assert layout.local_positions.tolist() == [0, 1, 2, 0, 1, 2, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), d=st.integers(1, 4), t=st.integers(1, 3),
+       steps=st.integers(0, 5))
+def test_extra_rows_pad_the_last_sample_and_keep_every_token_once(lengths, d, t, steps):
+    base = MicrobatchLayout(tuple(range(len(lengths))), tuple(lengths), d, 0, seq_multiple=t)
+    rows = base.num_slots + steps * base.row_multiple
+    layouts = [MicrobatchLayout(base.sample_ids, base.lengths, d, r, seq_multiple=t).with_rows(rows) for r in range(d)]
+    assert {layout.num_slots for layout in layouts} == {rows} and rows % t == 0
+    assert layouts[0].padded_lengths[:-1] == base.padded_lengths[:-1]
+    for i, n in enumerate(lengths):
+        held = torch.cat([layout.sample_positions(i) for layout in layouts])
+        assert sorted(held.tolist()) == list(range(layouts[0].padded_lengths[i]))
+        assert sorted(held[held < n].tolist()) == list(range(n))
+    assert sum(int(layout.real().sum()) for layout in layouts) == sum(lengths)

@@ -1,5 +1,6 @@
-"""Mixture of experts under dynamic plans: megatron-core's MoE layer with expert parallelism 2 on 4 gloo ranks
-against the single-process oracle, and the slot alignment that keeps its collectives matched."""
+"""Mixture of experts under dynamic plans: megatron-core's MoE layer with expert parallelism 2 on gloo ranks
+against the single-process oracle (alltoall and allgather dispatchers), and the slot alignment (and, for
+allgather, the equal slot rows) that keeps its collectives matched."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.launch import launch
-from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_counts, work_items
+from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_counts, aligned_slot_rows, work_items
 from tests.runtime import moe_workers
 from tests.runtime.test_distributed import assert_exact
 
@@ -39,9 +40,49 @@ def test_load_balancing_loss_is_exact_when_microbatches_are_samples(ep2):
         assert "router" in rank["aux_split"].worst_param
 
 
-def test_allgather_dispatcher_with_expert_parallelism_is_refused(ep2):
+@pytest.mark.parametrize("plan", [*moe_workers.plans_of_four(), "rounded rows", "ulysses"])
+def test_expert_parallel_allgather_matches_single_process(ep2, plan):
     for rank in ep2:
-        assert "allgather token dispatcher" in rank["allgather"] and "alltoall" in rank["allgather"]
+        assert_exact(rank["allgather"][plan])
+
+
+@pytest.fixture(scope="module")
+def ep2_of_two() -> list[dict]:
+    return launch(moe_workers.allgather_checks, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("plan", list(moe_workers.plans_of_two()))
+def test_allgather_over_a_domain_of_two_matches_single_process(ep2_of_two, plan):
+    for rank in ep2_of_two:
+        assert (rank["ep"], rank["tp_ep"], rank["domain"], rank["sp"]) == (2, 2, 2, False)
+        assert_exact(rank["exact"][plan])
+
+
+def test_allgather_with_tensor_and_sequence_parallelism_matches_single_process():
+    ranks = launch(moe_workers.allgather_checks, 4, 2, timeout_s=400)
+    for rank in ranks:
+        # the dispatcher gathers over TP x EP = all 4 ranks, which hold two domains of 2
+        assert (rank["ep"], rank["tp_ep"], rank["domain"], rank["sp"]) == (2, 4, 2, True)
+        for result in rank["exact"].values():
+            assert_exact(result)
+
+
+def test_equal_rows_pad_every_slot_to_a_size_every_position_can_reach():
+    # slot 0 of phase 0 holds 7, 1, 2, 2 rows: a pair pads its shards in steps of 2, so all pad to 8
+    assert aligned_slot_rows(moe_workers.rounded_rows_of_four()) == ((8, 20), (28, 3))
+    # under SP (TP 2) every shard grows in steps of 2: odd rows round up
+    plan = moe_workers.plans_of_two()["1+1, counts 2/3, then 2"]
+    assert aligned_slot_rows(plan) == ((26, 12, 16), (14, 18))
+    assert aligned_slot_rows(plan, 2) == ((28, 14, 16), (14, 18))
+
+
+def test_idle_slots_pad_to_their_slot_rows():
+    plan = moe_workers.rounded_rows_of_four()
+    rows = aligned_slot_rows(plan)
+    inputs = StepInputs(plan=plan, microbatches=(), num_tokens=0, num_loss_tokens=0, slot_rows=rows)
+    items = work_items(inputs, 1, aligned=True)  # as if position 1 ran nothing: every slot idle
+    assert [item.layout.num_slots for item in items] == [8, 20, 28, 3]
+    assert all(int(item.layout.real().sum()) == 1 and float(item.loss_mask.sum()) == 0 for item in items)
 
 
 @pytest.mark.parametrize("name", list(moe_workers.plans_of_four()))
