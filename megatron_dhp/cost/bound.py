@@ -34,6 +34,9 @@ import numpy as np
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.workload.sample import Sample
 
+SLACK = 1e-9
+"""How far `threshold_share` keeps its thresholds from the fills eps and 1 - eps themselves."""
+
 
 def identity_share(u: np.ndarray) -> np.ndarray:
     """f(u) = u: the overheads spread over the tokens (as `lower_bound` charges them)."""
@@ -42,10 +45,11 @@ def identity_share(u: np.ndarray) -> np.ndarray:
 
 def threshold_share(eps: float) -> Callable[[np.ndarray], np.ndarray]:
     """Fekete-Schepers u^(eps), eps <= 1/2: 1 above 1 - eps, u in between, 0 below eps (a microbatch holding a
-    fill above 1 - eps holds nothing else above eps)."""
+    fill above 1 - eps holds nothing else above eps). It is taken at eps - `SLACK`, so that fills of exactly
+    eps or 1 - eps (L = d M / 3, say), which rounding may put on either side, sit clear of both thresholds."""
 
     def share(u: np.ndarray) -> np.ndarray:
-        return np.where(u > 1.0 - eps, 1.0, np.where(u < eps, 0.0, u))
+        return np.where(u > 1.0 - eps + SLACK, 1.0, np.where(u < eps - SLACK, 0.0, u))
 
     return share
 
