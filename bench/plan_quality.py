@@ -15,9 +15,13 @@ A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is repo
     python bench/plan_quality.py --pp 4 --planners dhp,static,megatron-hcp,fcp-ref   # 1F1B over 4 stages
     python bench/plan_quality.py --planners dhp,static,megatron-hcp,fcp-ref --domains mixtral-8x7b-64   # MoE
     python bench/plan_quality.py --from-json fast.json flexsp.json   # tables and targets of stored runs
+    python bench/plan_quality.py --variants --planners dhp,static,megatron-hcp,fcp-ref --batches 3
 
 `--from-json` joins the records of earlier `--json` runs (e.g. the fast planners on 10 batches and
 flexsp-milp, minutes per batch, on the first few of the same batches) and prints them as one run.
+
+`--variants` runs the planners on the workloads under variants of the gpt7b-64 cost model instead (see
+`VARIANTS`) and prices each plan against the best lower bound (`cost.bound.best_lower_bound`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from rich.table import Table
 
 from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -214,6 +219,99 @@ def plot(records: list[dict], args: argparse.Namespace, path: str) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- --variants: beyond the reference model
+VARIANT_BASE = "gpt7b-64"
+VARIANTS: dict[str, dict[str, object]] = {
+    "reference": {},
+    "no overlap": {"overlap_comm": False},
+    "4 per node": {"gpus_per_node": 4},
+    "72 per node": {"gpus_per_node": 72},
+    "M 4096": {"max_tokens_per_rank": 4096},
+    "M 32768": {"max_tokens_per_rank": 32768},
+    "N 40": {"world_size": 40},
+    "N 256": {"world_size": 256},
+    "N 1024": {"world_size": 1024},
+    "inter 5 GB/s": {"inter_node_bytes_per_s": 5.0e9},
+    "m 0.2 s": {"microbatch_overhead_s": 0.2},
+}
+"""Cost-model variants of `VARIANT_BASE`: the fields each one overrides."""
+
+
+def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
+    """Plan every batch with every planner under every variant; one record per (variant, workload, batch,
+    planner), each with the reference bound and the best bound of its batch."""
+    records = []
+    base = CostConfig.load(VARIANT_BASE)
+    cases = [(v, w) for v in VARIANTS for w in args.workloads]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning variants", total=len(cases) * args.batches * len(args.planners))
+        for variant, workload in cases:
+            model = build_cost_model(base.with_overrides(**VARIANTS[variant]))
+            source = LengthSource.from_args(dist=workload)
+            capacity = model.domain.capacity
+            batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
+                       for k in range(args.batches)]
+            context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
+                                     time_limit_s=args.time_limit)
+            planners = [build_planner(name, context) for name in args.planners]
+            for k, batch in enumerate(batches):
+                best_s = best_lower_bound(model, batch.samples)
+                for planner in planners:
+                    record = {"variant": variant, "workload": workload, "batch": k, "planner": planner.name, "best_lb_s": best_s}
+                    try:
+                        plan = run_planner(planner, batch, model)
+                        record.update(step_s=plan.predicted_step_time_s, lb_s=plan.lower_bound_s, solve_ms=plan.solve_time_ms)
+                    except PlannerUnsupported as e:
+                        record.update(step_s=None, unsupported=str(e))
+                    records.append(record)
+                    progress.advance(task)
+    return records
+
+
+def variant_rows(records: list[dict], planners: list[str]) -> list[dict]:
+    """Per variant: each planner's step / best bound (mean, max), dhp's step / reference bound (mean), and
+    dhp / peer step (mean, worst) over the batches both planned."""
+    rows = []
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        mine = [r for r in records if r["variant"] == variant and r["step_s"] is not None]
+        step = {(r["workload"], r["batch"], r["planner"]): r for r in mine}
+        dhp = {k[:2]: r for k, r in step.items() if k[2] == "dhp"}
+        row: dict = {"variant": variant, "batches": len(dhp)}
+        for p in planners:
+            ratios = [r["step_s"] / r["best_lb_s"] for k, r in step.items() if k[2] == p]
+            row[p] = (float(np.mean(ratios)), float(np.max(ratios))) if ratios else None
+        row["dhp/LB"] = float(np.mean([r["step_s"] / r["lb_s"] for r in dhp.values()])) if dhp else float("nan")
+        for p in planners:
+            if p != "dhp":
+                vs = [d["step_s"] / step[k + (p,)]["step_s"] for k, d in dhp.items() if k + (p,) in step]
+                row[f"vs {p}"] = (float(np.mean(vs)), float(np.max(vs))) if vs else None
+        rows.append(row)
+    return rows
+
+
+def print_variants(records: list[dict], args: argparse.Namespace, console: Console) -> None:
+    """The variant table, and its markdown form with `--markdown`."""
+    rows = variant_rows(records, args.planners)
+    peers = [p for p in args.planners if p != "dhp"]
+    cols = ["variant", *(f"{p} step/best LB mean (max)" for p in args.planners), "dhp step/ref LB mean",
+            *(f"dhp / {p} mean (max)" for p in peers)]
+
+    def cells(row: dict) -> list[str]:
+        pair = [f"{row[p][0]:.3f} ({row[p][1]:.3f})" if row[p] else "n/a" for p in args.planners]
+        vs = [f"{row[f'vs {p}'][0]:.3f} ({row[f'vs {p}'][1]:.3f})" if row[f"vs {p}"] else "n/a" for p in peers]
+        return [row["variant"], *pair, f"{row['dhp/LB']:.3f}", *vs]
+
+    table = Table(title=f"variants of {VARIANT_BASE}: {len(args.workloads)} workloads x {args.batches} batches of {args.global_batch}")
+    for col in cols:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*cells(row))
+    console.print(table)
+    if args.markdown:
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        print("\n".join("| " + " | ".join(cells(row)) + " |" for row in rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=10)
@@ -229,6 +327,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="bar chart of mean step / LB")
     parser.add_argument("--markdown", action="store_true", help="also print the README summary table")
     parser.add_argument("--from-json", nargs="+", metavar="FILE", help="report the records of earlier --json runs instead of planning")
+    parser.add_argument("--variants", action="store_true", help=f"plan under the cost-model variants of {VARIANT_BASE} (VARIANTS)")
     args = parser.parse_args()
     for key in ("planners", "workloads", "domains"):
         setattr(args, key, [x for x in getattr(args, key).split(",") if x])
@@ -237,6 +336,12 @@ def main() -> None:
         parser.error(f"unknown planner {unknown[0]!r}; choose from {', '.join(PLANNERS)}")
 
     console = Console(width=150)
+    if args.variants:
+        records = run_variants(args, console)
+        print_variants(records, args, console)
+        if args.json:
+            save_json(args.json, records, [])
+        return
     if args.from_json:
         records = load_records(args.from_json)
         present = {r["planner"] for r in records}
