@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, LAYER_SPECS
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS, LAYER_SPECS
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class DhpConfig:
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:
                 raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")
+        if self.layer_spec == "te" and self.comm in DOMAIN_COMMS:
+            raise DhpError(f"comm {self.comm!r} gives a group no process group, which TransformerEngine's attention "
+                           "needs; use layer_spec local with it, or another comm")
         for name in ("max_tokens_per_rank", "max_groups"):
             if getattr(self, name) < 1:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")

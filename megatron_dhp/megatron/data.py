@@ -70,7 +70,8 @@ class StepIterator:
         """Megatron's loader iterator on the rank that reads it (`DhpRuntime.share_source`); None elsewhere."""
         self.runtime = runtime
         self.engine = StepEngine(runtime.domain, runtime.pool, runtime.planner, source=self._read, lookahead=lookahead,
-                                 seq_multiple=runtime.seq_multiple, aligned_slots=runtime.aligned_slots)
+                                 seq_multiple=runtime.seq_multiple, aligned_slots=runtime.aligned_slots,
+                                 comm=runtime.config.comm)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
 

@@ -130,7 +130,7 @@ class SelfCheck:
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config),
-                            aligned_slots=config.expert_model_parallel_size > 1)
+                            aligned_slots=config.expert_model_parallel_size > 1, comm=comm)
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step
