@@ -22,7 +22,8 @@ def test_defaults_and_yaml(tmp_path):
     [
         ({"planer": "dhp"}, "unknown key 'planer'; did you mean 'planner'"),
         ({"planner": "magic"}, "planner 'magic' is unknown"),
-        ({"comm": "p2p"}, "comm 'p2p' is unknown; choose one of allgather, ring, ulysses"),
+        ({"comm": "a2a"}, "comm 'a2a' is unknown; choose one of allgather, ring, ulysses, p2p"),
+        ({"comm": "p2p", "layer_spec": "te"}, "comm 'p2p' gives a group no process group"),
         ({"max_tokens_per_rank": "8k"}, "key 'max_tokens_per_rank' = '8k' must be an integer"),
         ({"max_tokens_per_rank": 0}, "max_tokens_per_rank = 0 must be >= 1"),
         ({"overlap_planning": "yes"}, "key 'overlap_planning' = 'yes' must be true or false"),

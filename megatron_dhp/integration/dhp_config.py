@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, LAYER_SPECS
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS, LAYER_SPECS
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class DhpConfig:
     max_tokens_per_rank: int = 8192
     """Memory cap M: the most tokens one rank holds in a microbatch; a longer sample gets more ranks."""
     comm: str = "allgather"
-    """Context-parallel communication inside a group: allgather (K/V), ring (P2P) or ulysses (all-to-all).
+    """Context-parallel communication inside a group: allgather (K/V), ring (P2P on the group), ulysses
+    (all-to-all) or p2p (the ring on the domain's communicator: no communicator per group).
     Applies to layer_spec local; TransformerEngine's attention follows its own cp_comm_type."""
     attention_backend: str = "auto"
     """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
@@ -58,6 +59,9 @@ class DhpConfig:
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:
                 raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")
+        if self.layer_spec == "te" and self.comm in DOMAIN_COMMS:
+            raise DhpError(f"comm {self.comm!r} gives a group no process group, which TransformerEngine's attention "
+                           "needs; use layer_spec local with it, or another comm")
         for name in ("max_tokens_per_rank", "max_groups"):
             if getattr(self, name) < 1:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")

@@ -71,7 +71,7 @@ class StepIterator:
         self.runtime = runtime
         self.engine = StepEngine(runtime.domain, runtime.pool, runtime.planner, source=self._read, lookahead=lookahead,
                                  seq_multiple=runtime.seq_multiple, aligned_slots=runtime.aligned_slots,
-                                 equal_rows=runtime.equal_rows)
+                                 equal_rows=runtime.equal_rows, comm=runtime.config.comm)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
 

@@ -8,7 +8,8 @@
 3. **check** that every rank holds the same valid plan (`dispatch.check_plan`);
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
-5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective);
+5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective), unless the engine's variant runs on
+   the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
    each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
@@ -37,6 +38,8 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.attention import DOMAIN_COMMS
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import (
     PLANNING_RANK,
@@ -132,12 +135,16 @@ class StepEngine:
         seq_multiple: int = 1,
         aligned_slots: bool = False,
         equal_rows: bool = False,
+        comm: str | None = None,
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
         self.domain = domain
         self.pool = pool
         """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
+        self.comm = comm
+        """The variant every step runs, when the caller knows it before the first one (`run` must get the same):
+        one in `DOMAIN_COMMS` makes the engine create no group at all. None: groups are prepared for any."""
         self.planning = planning
         self.source = source
         self.lookahead = lookahead
@@ -197,19 +204,24 @@ class StepEngine:
             work.backward(work.forward(self.slot(item, index, count, comm=comm, backend=backend)))
             index += 1
 
-        barriers = inputs.plan.phase_barrier
+        # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):
+        # NCCL needs every rank to issue both in one order, so the reduction waits for the walk, as after a barrier.
+        deferred = inputs.plan.phase_barrier or comm in DOMAIN_COMMS
         with (overlap.no_sync if overlap is not None else contextlib.nullcontext)():
-            for item in items if barriers else items[:-1]:
+            for item in items if deferred else items[:-1]:
                 visit(item)
-        if not barriers:
+        if not deferred:
             visit(items[-1])  # outside no_sync: the last backward starts the gradient reduction while it runs
         elif overlap is not None:
             overlap.start()
 
     def slot(self, mb: MicrobatchInputs, index: int, count: int, *, comm: str, backend: str) -> Slot:
-        """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group."""
-        context = CPContext(layout=mb.layout, group=self.pool.get(mb.group_ranks), comm=comm, backend=backend)
-        return Slot(mb, context, index, count)
+        """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group (under a
+        `DOMAIN_COMMS` variant its `PeerRing` on the domain's communicator; the pool is not asked)."""
+        if self.comm is not None and comm != self.comm:
+            raise DhpError(f"this engine prepares its steps for comm {self.comm!r}; it cannot run {comm!r}")
+        group = PeerRing.in_domain(self.domain, mb.group_ranks) if comm in DOMAIN_COMMS else self.pool.get(mb.group_ranks)
+        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=backend), index, count)
 
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)
@@ -218,7 +230,7 @@ class StepEngine:
             self._ahead = self._read()
             if self._ahead is not None and dist.get_rank() == PLANNING_RANK:
                 self.planning.prefetch(self._ahead.gathered.batch)
-        if self.pool is not None:
+        if self.pool is not None and self.comm not in DOMAIN_COMMS:
             self.pool.prepare(plan)
         rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
         return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,

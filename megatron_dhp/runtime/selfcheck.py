@@ -131,7 +131,7 @@ class SelfCheck:
         config = self.model.config
         expert_parallel = config.expert_model_parallel_size > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=expert_parallel,
-                            equal_rows=expert_parallel and config.moe_token_dispatcher_type == "allgather")
+                            equal_rows=expert_parallel and config.moe_token_dispatcher_type == "allgather", comm=comm)
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

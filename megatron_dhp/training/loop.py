@@ -151,7 +151,7 @@ class Trainer:
         position, size = self.domain.position, self.domain.size
         batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
         engine = StepEngine(self.domain, self.pool, self.planner, source=lambda: next(batches, None), lookahead=True,
-                            seq_multiple=seq_multiple(self.model.config))
+                            seq_multiple=seq_multiple(self.model.config), comm=self.config.dhp.comm)
         try:
             while True:
                 start = time.perf_counter()

@@ -99,7 +99,7 @@ class GridTimer:
         self.domain = DynamicDomain.from_parallel_state()
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
         self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
-                                 seq_multiple=seq_multiple(self.model.config))
+                                 seq_multiple=seq_multiple(self.model.config), comm=config.dhp.comm)
         n, position = self.domain.size, self.domain.position
         self.steps = []
         for point in grid:

@@ -53,7 +53,7 @@ def test_flags_parse_into_the_argument_group():
     unset = parser.parse_args([])
     assert unset.dhp is False and unset.dhp_config is None and unset.dhp_log_plans is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--dhp-comm", "p2p"])
+        parser.parse_args(["--dhp-comm", "a2a"])
 
 
 def test_with_dhp_args_keeps_the_other_provider():

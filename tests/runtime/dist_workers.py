@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.runtime.attention import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
@@ -57,14 +57,22 @@ def plans_of_four() -> dict[str, Plan]:
 
 
 def domain_of_four_checks() -> dict:
-    """TP 1 on 4 ranks: exactness per plan and variant, token coverage, pool reuse and LRU, plan divergence."""
+    """TP 1 on 4 ranks: exactness per plan and variant, token coverage, pool reuse and LRU, plan divergence,
+    no group created by p2p's steps."""
     start_cpu_rank(tensor_parallel=1)
     out: dict = {"rank": dist.get_rank()}
     check = SelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_four()
 
-    out["exact"] = {(name, comm): check.check(plan, samples, comm) for name, plan in plans.items() for comm in COMM_VARIANTS}
+    pools = {"groups": check.pool, "p2p": GroupPool(check.domain)}  # p2p's steps get a pool of their own
+    out["exact"] = {}
+    for name, plan in plans.items():
+        for comm in COMM_VARIANTS:
+            check.pool = pools["p2p" if comm in DOMAIN_COMMS else "groups"]
+            out["exact"][name, comm] = check.check(plan, samples, comm)
+    check.pool = pools["groups"]
+    out["p2p_pool"] = (pools["p2p"].created, pools["p2p"].hits, len(pools["p2p"]))
 
     created = check.pool.created
     check.check(plans["sizes 3+1 then 4"], samples, "allgather")

@@ -6,6 +6,7 @@ process start-up each.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.runtime.attention import blocks
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.core_attention import VARIANTS
 from megatron_dhp.runtime.attention.kernels import attend
@@ -35,7 +37,7 @@ def _groups(sizes: tuple[int, ...]) -> Iterator[tuple[int, dist.ProcessGroup]]:
 
 
 def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, query_chunk: int) -> dict:
-    """Per (group size, backend): ring output and q/k/v gradients on this rank's shards minus one process's."""
+    """Per (group size, backend, ring or p2p): output and q/k/v gradients on this rank's shards minus one process's."""
     blocks.QUERY_CHUNK = query_chunk  # several chunks per block, some seeing nothing in it
     whole = MicrobatchLayout(tuple(range(len(lengths))), lengths, 1, 0)
     gen = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
@@ -51,12 +53,14 @@ def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int
         def shard(x: torch.Tensor, layout: MicrobatchLayout = layout) -> torch.Tensor:
             return zigzag_pack(x, layout.cu_seqlens, layout.group_size, layout.rank)
 
-        for backend in ("sdpa", "math"):
+        # p2p: the same ring with its members addressed by global rank on the world's communicator
+        rings = {"ring": group, "p2p": PeerRing(tuple(range(size)), group.rank(), None)}
+        for (comm, ring), backend in itertools.product(rings.items(), ("sdpa", "math")):
             shards = [shard(x).requires_grad_() for x in (q, k, v)]
-            out = VARIANTS["ring"](*shards, CPContext(layout, group, "ring", backend), 0.3)
+            out = VARIANTS[comm](*shards, CPContext(layout, ring, comm, backend), 0.3)
             got = [out, *torch.autograd.grad((out * shard(w)).sum(), shards)]
             real = layout.real()
-            diffs[size, backend] = [float((shard(x)[real] - y[real]).abs().max()) for x, y in zip(want, got)]
+            diffs[size, backend, comm] = [float((shard(x)[real] - y[real]).abs().max()) for x, y in zip(want, got)]
     return diffs
 
 

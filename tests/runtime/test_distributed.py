@@ -65,6 +65,12 @@ def test_warm_run_creates_no_group(four):
         assert rank["hits"] >= 2
 
 
+def test_p2p_steps_create_no_group(four):
+    """Both plans' steps under p2p (groups of 1 to 4 ranks, non-contiguous, an idle rank) ask their pool nothing."""
+    for rank in four:
+        assert rank["p2p_pool"] == (0, 0, 0)
+
+
 def test_lru_cap_releases_and_recreates(four):
     for rank in four:
         assert rank["lru"] == (5, 2, 3)  # 2 + 3 distinct groups over two plans, cap 3: the first two go

@@ -1,12 +1,16 @@
-"""The step engine's walk on one process: slot order, indices, the idle slot, where the reduction starts."""
+"""The step engine's walk on one process: slot order, indices, the idle slot, where the reduction starts, and
+the group each slot gets (a PeerRing under p2p, the pool's otherwise)."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
+from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import OverlappedReduction, StepEngine
@@ -67,3 +71,26 @@ def test_an_idle_position_runs_one_idle_slot():
     inputs = _inputs(0)
     _engine(position=1).run(StepInputs(inputs.plan, (), 4, 4), work, comm="ring")
     assert work.log == [("F", (-1,), 0, 1, False), ("B", 0, False)]
+
+
+def test_p2p_holds_the_reduction_back_until_the_walk_is_done():
+    """The domain's communicator carries both p2p's ring and the gradient reduction: all ranks issue them in one
+    order only if the reduction starts after every microbatch."""
+    work = Recorder()
+    _engine().run(_inputs(0, 1), work, comm="p2p", overlap=work.overlap())
+    assert work.log == [("F", (0,), 0, 2, True), ("B", 0, True), ("F", (1,), 1, 2, True), ("B", 1, True), ("start",)]
+
+
+def test_p2p_slot_gets_a_peer_ring_on_the_domain_and_never_asks_the_pool():
+    domain = DynamicDomain(global_ranks=(1, 3, 5, 7), rank=5, all_domains=((0, 2, 4, 6), (1, 3, 5, 7)))
+    engine = StepEngine(domain, GroupPool(domain), comm="p2p")
+    z = torch.zeros(4, dtype=torch.int64)
+    mb = MicrobatchInputs((0, 2, 3), 0, MicrobatchLayout((0,), (12,), 3, 1), z, z, torch.ones(4), z)
+    ring = engine.slot(mb, 0, 1, comm="p2p", backend="math").context.group
+    assert ring == PeerRing(members=(1, 5, 7), index=1, group=None)
+    assert (ring.size(), ring.rank(), ring.next, ring.previous) == (3, 1, 7, 1)
+    assert PeerRing.in_domain(domain, (2,)) is None  # one rank: nothing to send
+    with pytest.raises(DhpError, match="prepares its steps for comm 'p2p'; it cannot run 'ring'"):
+        engine.slot(mb, 0, 1, comm="ring", backend="math")
+    with pytest.raises(DhpError, match="group \\(0, 2, 3\\) was not prepared"):  # the other variants ask the pool
+        StepEngine(domain, GroupPool(domain)).slot(mb, 0, 1, comm="ring", backend="math")

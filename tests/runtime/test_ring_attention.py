@@ -49,12 +49,14 @@ def exactness() -> list[dict]:
     return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 16, timeout_s=300)
 
 
+@pytest.mark.parametrize("comm", ["ring", "p2p"])
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("size", [2, 3])
-def test_ring_output_and_gradients_equal_one_process(exactness, size, backend):
-    """fp32, 1e-5, on every rank of the group: output, dq, dk, dv (the backward re-sends K/V with dK/dV)."""
+def test_ring_output_and_gradients_equal_one_process(exactness, size, backend, comm):
+    """fp32, 1e-5, on every rank of the group: output, dq, dk, dv (the backward re-sends K/V with dK/dV), over
+    the group's communicator (`ring`) or a PeerRing on the world's (`p2p`, rank 2 idle in the group of 2)."""
     for rank in exactness[:size]:
-        assert max(rank[size, backend]) <= 1e-5, rank[size, backend]
+        assert max(rank[size, backend, comm]) <= 1e-5, rank[size, backend, comm]
 
 
 def test_ring_keeps_the_same_bytes_for_backward_at_every_group_size_while_allgather_grows():

@@ -43,10 +43,10 @@ def selftest(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_selftest_runs_two_ranks_end_to_end():
-    proc = selftest("--nproc", "2", "--plans", "3", "--seed", "1")
+    proc = selftest("--nproc", "2", "--plans", str(len(COMM_VARIANTS)), "--seed", "1")  # one plan per variant
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
-    assert len(lines) == 3 and all(line.endswith("| ok") for line in lines), proc.stdout
+    assert len(lines) == len(COMM_VARIANTS) and all(line.endswith("| ok") for line in lines), proc.stdout
     assert set(COMM_VARIANTS) == {line.split("|")[-6].strip() for line in lines}
     assert "all plans exact" in proc.stdout
 

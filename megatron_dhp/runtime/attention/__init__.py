@@ -9,8 +9,13 @@ COMM_VARIANTS: dict[str, str] = {
     "allgather": "K/V all-gather, dK/dV reduce-scatter",
     "ring": "P2P ring of K/V blocks",
     "ulysses": "Ulysses all-to-all of heads",
+    "p2p": "ring of K/V blocks by point-to-point on the domain's communicator: no communicator per group",
 }
 """Context-parallel communication inside a group (`core_attention.VARIANTS` holds one function per name)."""
+
+DOMAIN_COMMS: frozenset[str] = frozenset({"p2p"})
+"""Variants that address a group's members by global rank on the domain's own communicator
+(`comm.PeerRing`), so the engine creates no process group for them; the others get one per group."""
 
 BACKENDS: dict[str, str] = {
     "auto": "flash-attn on GPU when it applies, else sdpa",

@@ -3,15 +3,21 @@
 Each is an autograd Function whose backward is the adjoint collective (all-gather <-> reduce-scatter,
 all-to-all <-> the reverse all-to-all), so gradients are exact and every rank of the group runs the same
 collectives in the same order in both passes. The ring's point-to-point shift is the exception: the ring
-attention's own backward decides what travels (K/V with their gradients), so the shift is a plain one.
+attention's own backward decides what travels (K/V with their gradients), so the shift is a plain one, and
+it runs over either a group's own communicator or a `PeerRing` on the domain's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_dhp.runtime.domain import DynamicDomain
 
 # torch 2.13 renamed the flat collectives and deprecates the old names; older releases only have those.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,6 +62,55 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+@dataclass(frozen=True)
+class PeerRing:
+    """A group's members as peers on a communicator they share with every other group (the domain's).
+
+    It answers what the ring and megatron's THD RoPE ask of a process group, `size()` and `rank()` (RoPE
+    reads nothing else on megatron-core 0.16.1), and names the neighbours by global rank, which is what
+    `dist.P2POp` takes whatever its group: a group then costs no communicator of its own.
+    """
+
+    members: tuple[int, ...]
+    """Global ranks of the group, in group-rank order."""
+    index: int
+    """This rank's place in `members`."""
+    group: dist.ProcessGroup | None
+    """The communicator the traffic runs on (None: the default one)."""
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.index < len(self.members), f"index {self.index} outside a ring of {len(self.members)}"
+
+    def size(self) -> int:  # noqa: D102
+        return len(self.members)
+
+    def rank(self) -> int:  # noqa: D102
+        return self.index
+
+    @property
+    def next(self) -> int:
+        """Global rank of the member after this one (the ring sends to it)."""
+        return self.members[(self.index + 1) % len(self.members)]
+
+    @property
+    def previous(self) -> int:
+        """Global rank of the member before this one (the ring receives from it)."""
+        return self.members[(self.index - 1) % len(self.members)]
+
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup) -> PeerRing:
+        """A process group's members on the group's own communicator."""
+        return cls(tuple(dist.get_process_group_ranks(group)), group.rank(), group)
+
+    @classmethod
+    def in_domain(cls, domain: DynamicDomain, positions: Sequence[int]) -> PeerRing | None:
+        """The group of sorted domain `positions` (this rank among them) on the domain's communicator; None
+        for one rank, which communicates nothing."""
+        if len(positions) == 1:
+            return None
+        return cls(tuple(domain.global_ranks[p] for p in positions), list(positions).index(domain.position), domain.group)
+
+
 @dataclass
 class Shift:
     """A ring shift in flight: `wait()` returns the tensor received from the rank behind."""
@@ -71,18 +126,19 @@ class Shift:
         return self.received
 
 
-def start_shift(x: torch.Tensor, group: dist.ProcessGroup | None, tag: int = 0) -> Shift:
+def start_shift(x: torch.Tensor, ring: dist.ProcessGroup | PeerRing | None, tag: int = 0) -> Shift:
     """Send `x` to group rank r+1 and receive the same shape from r-1, without waiting (not differentiable).
 
-    The ring attention overlaps these with compute and differentiates them by hand; `tag` keeps two shifts in
-    flight between the same ranks apart. A ring of one rank (`group` None or of size 1) hands `x` back.
+    `ring` is a group's own process group or a `PeerRing` on a shared one. The ring attention overlaps these
+    with compute and differentiates them by hand; `tag` keeps two shifts in flight between the same ranks
+    apart. A ring of one rank (`ring` None or of size 1) hands `x` back.
     """
-    if group is None or group.size() == 1:
+    if ring is None or ring.size() == 1:
         return Shift([], x, x)
-    rank, size = group.rank(), group.size()
+    peers = ring if isinstance(ring, PeerRing) else PeerRing.of_group(ring)
     x, out = x.contiguous(), torch.empty_like(x)
-    dest, source = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-    ops = [dist.P2POp(dist.isend, x, dest, group=group, tag=tag), dist.P2POp(dist.irecv, out, source, group=group, tag=tag)]
+    ops = [dist.P2POp(dist.isend, x, peers.next, group=peers.group, tag=tag),
+           dist.P2POp(dist.irecv, out, peers.previous, group=peers.group, tag=tag)]
     return Shift(dist.batch_isend_irecv(ops), x, out)
 
 

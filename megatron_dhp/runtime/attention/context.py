@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
+from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
 
@@ -23,10 +24,12 @@ class CPContext:
     """Which ranks attend together for this microbatch, where its tokens are, and how to communicate."""
 
     layout: MicrobatchLayout
-    group: dist.ProcessGroup | None
-    """The group's process group; None exactly when the group is one rank (no communication at all)."""
+    group: dist.ProcessGroup | PeerRing | None
+    """The group's process group, or its `PeerRing` on the domain's communicator under a `DOMAIN_COMMS`
+    variant; None exactly when the group is one rank (no communication at all)."""
     comm: str = "allgather"
-    """`allgather` (K/V all-gather, dK/dV reduce-scatter), `ring` (P2P K/V ring) or `ulysses` (all-to-all)."""
+    """`allgather` (K/V all-gather, dK/dV reduce-scatter), `ring` (P2P K/V ring), `ulysses` (all-to-all) or
+    `p2p` (the ring on the domain's communicator)."""
     backend: str = "auto"
     """Local attention kernel: `math` (reference), `sdpa` (torch), `flash` (flash-attn varlen, GPU); `auto`
     picks flash on CUDA when importable, else sdpa."""
@@ -36,6 +39,9 @@ class CPContext:
             raise DhpError(f"context-parallel comm {self.comm!r} is unknown; use one of {', '.join(COMM_VARIANTS)}")
         if self.backend not in BACKENDS:
             raise DhpError(f"attention backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        if self.group is not None and isinstance(self.group, PeerRing) != (self.comm in DOMAIN_COMMS):
+            wanted = "a PeerRing" if self.comm in DOMAIN_COMMS else "a process group"
+            raise DhpError(f"comm {self.comm!r} runs on {wanted}, got {type(self.group).__name__}")
         size = 1 if self.group is None else self.group.size()
         assert size == self.layout.group_size, f"group of {size} ranks for a layout of {self.layout.group_size}"
         assert self.group is None or self.group.rank() == self.layout.rank, "layout rank is not the group rank"
@@ -47,7 +53,8 @@ class DhpPackedSeqParams(PackedSeqParams):
 
     The inherited fields follow TransformerEngine's THD context-parallel convention (true and padded
     cumulative lengths of whole samples, `cp_group`, `local_cp_size`), so Megatron's RoPE and TE read
-    the same layout as megatron-dhp's own attention.
+    the same layout as megatron-dhp's own attention. Under `p2p`, `cp_group` is the group's `PeerRing`:
+    RoPE asks it only `size()` and `rank()`; TE would need a process group, so `p2p` is local-spec only.
     """
 
     dhp: CPContext | None = None

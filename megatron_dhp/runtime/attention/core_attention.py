@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.attention.allgather import allgather_attention
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.attention.kernels import attend
 from megatron_dhp.runtime.attention.ring import ring_attention
@@ -36,6 +37,7 @@ VARIANTS: dict[str, Variant] = {
     "allgather": allgather_attention,
     "ring": ring_attention,
     "ulysses": ulysses_attention,
+    "p2p": ring_attention,  # the same ring; its CPContext carries a PeerRing on the domain's communicator
 }
 assert VARIANTS.keys() == COMM_VARIANTS.keys(), "one function per name of runtime.attention.COMM_VARIANTS"
 
@@ -114,8 +116,10 @@ class DynamicCPSelfAttention(SelfAttention):
 
 
 @contextmanager
-def _cp_group_for_rope(pgs: ProcessGroupCollection, group: torch.distributed.ProcessGroup | None) -> Iterator[None]:
-    """Let megatron's THD RoPE see `group` (None: keep the static CP group of size 1).
+def _cp_group_for_rope(pgs: ProcessGroupCollection, group: torch.distributed.ProcessGroup | PeerRing | None
+                      ) -> Iterator[None]:
+    """Let megatron's THD RoPE see `group` (None: keep the static CP group of size 1). A `PeerRing` does: RoPE
+    only asks its `size()` and `rank()`.
 
     The collection object is shared by every layer of the model, so the swap is undone as soon as this
     layer's forward returns; RoPE's backward needs no group, so nothing else can observe it.
