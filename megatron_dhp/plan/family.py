@@ -12,18 +12,22 @@ It is a pure function of (N = world_size, g = gpus_per_node, K = max_groups_per_
   (cell-aligned; megatron-core's aligned power-of-two blocks); any other s sits at both ends of each
   aligned power-of-two block of the next power of two B >= s (or of the node when B does not fit), so the
   rest of a block that such a window leaves free is a window too. No window straddles two nodes.
+- across two nodes: every ladder size s with g < s < 2g at both ends of each aligned node pair (a node and
+  part of the next; the rest of the pair is a window of the other node). Without these a sample that
+  needs 9 - 15 ranks at g = 8 would get 16, which cost dhp 12 % of its step time on WLB-LLM at N = 64.
 - across nodes: k whole nodes for every k >= 2 of the ladder, at node offsets that are multiples of k
-  (aligned runs of nodes), and the whole domain.
+  (aligned runs of nodes; megatron-core's power-of-two blocks above a node), and the whole domain.
 
-The ladder with p steps per octave is 1..p and then 2^j * (1 + i/p): consecutive sizes differ by at most a
+The ladder with p steps per octave is 1..p and then 2^j (1 + i/p): consecutive sizes differ by at most a
 factor 1 + 1/p. The builder takes the finest p of (8, 4, 2, 1) whose largest per-rank membership is <= K.
-"Close" is then: for d <= g the smallest family size >= d is at most d (1 + 1/p) (and at most the node);
-for d > g it is at most min(N, g * ceil(ceil(d / g) * (1 + 1/p))), i.e. one ladder step in whole nodes.
+"Close" is then: for d < 2g the smallest family size >= d is at most d (1 + 1/p) (and at most 2g); for
+d >= 2g it is at most min(N, g * ceil(ceil(d / g) * (1 + 1/p))): one ladder step up in whole nodes.
 
-The default K = 32: the finest ladder fits it up to N = 64 (p = 8: every size to 16 nodes), p = 4 (at most
-25 % more ranks) up to a few hundred ranks and p = 2 up to N = 16,384 with g = 8, while a rank holds at
-most 32 communicators (a few GB at the reported few hundred MB each, lazily connected since NCCL 2.22);
-1 - 2 times what megatron-core's hybrid CP plus Megatron's own ~20 groups hold. K = 0 means no family.
+The default K = 32 (`DEFAULT_MAX_GROUPS_PER_RANK`) fits p = 8 (every size to 16 nodes) at N = 64, p = 4
+(at most 25 % more ranks) at N = 256 and p = 2 (at most 50 %) at N = 1,024 and 16,384 with g = 8, where
+dhp's plans stay within 1 % of unrestricted groups at N = 64 and 256 (docs/planners.md, "Group family").
+32 communicators per rank is about what megatron-core's hybrid CP plus Megatron's own ~20 groups hold,
+a few GB at the reported few hundred MB each and lazily connected since NCCL 2.22. K = 0 means no family.
 
 API for the runtime (the group pool creates the family at start-up, collectively, on every rank alike):
 
@@ -96,6 +100,11 @@ def _windows(world_size: int, gpus_per_node: int, steps: int) -> np.ndarray:
             starts = (offsets[:, None] + pattern[None, :, 0]).ravel()
             parts.append(np.stack([starts, np.tile(pattern[:, 1], count)], axis=1))
     nodes = full + (1 if last else 0)
+    pairs = np.arange(0, n - 2 * g + 1, 2 * g, dtype=np.int64)
+    for size in ladder(2 * g - 1, steps):
+        if size > g and len(pairs):  # a node and part of the next, at either end of an aligned node pair
+            parts += [np.stack([pairs, np.full_like(pairs, size)], axis=1),
+                      np.stack([pairs + 2 * g - size, np.full_like(pairs, size)], axis=1)]
     for k in ladder(nodes, steps):
         if k >= 2:
             first = np.arange(0, nodes - k + 1, k, dtype=np.int64) * g
