@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dhp.cli.common import add_planning_args, planning_inputs
+from megatron_dhp.cli.common import add_planning_args, group_usage, multi_rank_groups, planning_inputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,5 +32,6 @@ def run(args: argparse.Namespace) -> int:
     print(plan.summary())
     if plan.pipeline_stages > 1:
         print(f"lower bound at {plan.pipeline_stages} pipeline stages: {plan.lower_bound_s:.3f}s")
+    print(group_usage(inputs.config, {planner.name: (getattr(planner, "max_groups_per_rank", 0), multi_rank_groups(plan))}))
     print(f"wrote {args.out} ({len(plan.samples)} samples, {len(plan.groups)} groups, fingerprint {plan.fingerprint()})")
     return 0

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from megatron_dhp.cli.common import add_planning_args, planning_inputs
+from megatron_dhp.cli.common import add_planning_args, group_usage, multi_rank_groups, planning_inputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
+    used = {p.name: (getattr(p, "max_groups_per_rank", 0), set()) for p in planners}
     console = Console()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(batches) * len(planners))
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
                         "ratio": plan.predicted_step_time_s / plan.lower_bound_s,
                         "solve_time_ms": plan.solve_time_ms, "summary": plan.summary(),
                     })
+                    used[planner.name][1].update(multi_rank_groups(plan))
                     if k == 0:
                         first_plans[planner.name] = plan
                 progress.advance(task)
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if unsupported:
             batches_na = ", ".join(str(r["batch"]) for r in unsupported)
             console.print(f"{n}: n/a on batch {batches_na}: {unsupported[0]['unsupported']}", highlight=False)
+    console.print(group_usage(config, used), highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": source.name, "cost": config.to_dict(), "results": results}, f, indent=1)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
 from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, LAYER_SPECS
 
 
@@ -42,6 +43,9 @@ class DhpConfig:
     """Log the one-line plan summary every step."""
     max_groups: int = 256
     """Process groups kept alive in the pool before the least recently used is released."""
+    max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
+    """Plan only with a fixed family of groups, created once, of which each rank joins at most this many
+    (`plan.family`: every sample size still has a group within one size step); 0: any groups, as they come."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -63,6 +67,8 @@ class DhpConfig:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
+        if self.max_groups_per_rank < 0:
+            raise DhpError(f"max_groups_per_rank = {self.max_groups_per_rank} must be >= 0 (0: no group family)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
 

@@ -171,6 +171,11 @@ class GroupFamily:
         """The most groups any position belongs to (<= max_groups_per_rank)."""
         return int(self.membership.max(initial=0))
 
+    def summary(self) -> str:
+        """One line: how many groups, the most per rank, and the bound and ladder that gave them."""
+        return (f"group family: {len(self)} groups, at most {self.max_membership} per rank "
+                f"(max_groups_per_rank {self.max_groups_per_rank}, {self.steps_per_octave} sizes per octave)")
+
     def starts(self, size: int) -> np.ndarray:
         """Sorted first positions of the windows of `size` ranks (empty if the size is not in the family)."""
         return self._starts.get(size, np.zeros(0, dtype=np.int64))

@@ -38,6 +38,9 @@ class PlannerContext(TypedDict, total=False):
     """The dataset's longest sample (static sizes its one CP by it, so no later batch outgrows the groups)."""
     time_limit_s: float
     """Time limit of each solver call (flexsp-milp's MILPs)."""
+    max_groups_per_rank: int
+    """Plan only with the fixed group family of at most this many groups per rank (`plan.family`); 0: any
+    groups. dhp plans with it; a peer whose groups fall outside it is `PlannerUnsupported`."""
 
 
 def build_planner(name: str, context: PlannerContext | None = None, **options: object) -> Planner:

@@ -131,7 +131,8 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
 
 @dataclass
 class DhpPlanner:
-    """Groups of any size per step, minimising the simulated step time under the cost model."""
+    """Groups of any size per step (of the fixed group family by default), minimising the simulated step time
+    under the cost model."""
 
     cells: tuple[int, ...] | None = None
     """Cell sizes to try (default: every divisor of gpus_per_node)."""
