@@ -26,12 +26,17 @@ import numpy as np
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
-from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
+from megatron_dhp.solver.dhp.rounds import (
+    fit_to_family,
+    pipeline_order_of,
+    round_layouts,
+    spaced_round_groups,
+)
 from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
 
@@ -178,10 +183,12 @@ class DhpPlanner:
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
-            layouts = [pipeline_groups(inst, best), *round_layouts(inst, batch), *([spaced] if spaced else []), static]
-            # fcp-ref's rounds and static's replicas are candidates only where their groups are the family's.
-            return fastest_pipeline(inst, batch, p, [groups for groups in layouts if family is None
-                                                     or all(family.contains(g.ranks) for g in groups)])
+            peers = [*round_layouts(inst, batch), *([spaced] if spaced else []), static]
+            if family is not None:  # fcp-ref's rounds and static's replicas, moved onto the family where they fit
+                tokens_of = {s.id: s.tokens for s in batch.samples}
+                peers = [fit_to_family(family, groups, tokens_of, inst.cap) for groups in peers]
+                peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
+            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *peers])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -204,6 +211,17 @@ def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
     times = inst.times(group.size, inst.model.is_intra(group.ranks))
     return pipeline_order_of(sorted(group.microbatches,
                                     key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb))))
+
+
+def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup]) -> bool:
+    """Whether the layout is a valid plan (the memory rule over P slots included)."""
+    domain = inst.model.domain
+    try:
+        Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+             max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages).validate()
+    except PlanError:
+        return False
+    return True
 
 
 def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:
