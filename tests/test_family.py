@@ -126,3 +126,17 @@ def test_config_key():
     with pytest.raises(DhpError, match="max_groups_per_rank = -1"):
         DhpConfig(max_groups_per_rank=-1)
     assert np.all(group_family(8, 8).membership >= 1)
+
+
+def test_runs_that_are_not_family_groups_are_cut_into_family_groups():
+    from megatron_dhp.solver.dhp.instance import Instance
+    from megatron_dhp.solver.dhp.layout import Skyline, open_bins
+    from megatron_dhp.workload import Batch
+
+    family = group_family(8, 8)
+    inst = Instance.from_batch(Batch.from_lengths([100]), model_for(8, 8), family=family)
+    skyline = Skyline.empty(8)
+    skyline.ready[[0, 7]] = 1.0  # ranks 1-6 free first: a run of 6 at rank 1, which is no family group
+    bins = open_bins(inst, skyline, 8)
+    assert all(family.contains(b.ranks) for b in bins)
+    assert sorted(r for b in bins for r in b.ranks) == list(range(8))
