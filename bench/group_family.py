@@ -57,7 +57,7 @@ def run_domain(n: int, args: argparse.Namespace, progress: Progress, task) -> di
             times[key].append(plan.predicted_step_time_s)
         progress.advance(task)
     family = group_family(n, 8, args.k)
-    row = {"n": n, "family": len(family), "family_per_rank": family.max_membership}
+    row = {"n": n, "family_groups": len(family), "family_per_rank": family.max_membership}
     for key in planners:
         used = {g for step in steps[key] for g in step}
         per_rank = np.zeros(n, dtype=np.int64)
@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--pool-cap", type=int, default=256, help="group pool cap without the family (default 256)")
     p.add_argument("--solve-batches", type=int, default=20, help="batches for the solve-time p50 (default 20)")
     args = p.parse_args()
-    console = Console()
+    console = Console(width=220)
     domains = [int(x) for x in args.domains.split(",")]
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(domains) * args.steps)
@@ -101,8 +101,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     for r in rows:
         a, f = r["any"], r["family"]
-        table.add_row(str(r["n"]), str(r["family"]), str(r["family_per_rank"]), f"{a['distinct']} / {f['distinct']}",
-                      f"{a['per_rank']} / {f['per_rank']}", f"{a['created']} / {a['destroyed']}", f"{r['family']} / {f['outside']}",
+        table.add_row(str(r["n"]), str(r["family_groups"]), str(r["family_per_rank"]), f"{a['distinct']} / {f['distinct']}",
+                      f"{a['per_rank']} / {f['per_rank']}", f"{a['created']} / {a['destroyed']}", f"{r['family_groups']} / {f['outside']}",
                       f"{r['ratio_mean']:.4f}", f"{r['ratio_max']:.4f}")
     console.print(table)
     console.print(f"dhp solve p50 with the family, 512 samples on 64 ranks: {solve_p50(args.solve_batches, args.k):.1f} ms "
