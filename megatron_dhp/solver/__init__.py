@@ -53,9 +53,11 @@ def build_planner(name: str, context: PlannerContext | None = None, **options: o
         raise DhpError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
     cls = PLANNERS[name]
     accepted = [p for p in inspect.signature(cls).parameters if p != "name"]
+    # Every planner takes the family bound (a job fact, `PlannerContext`); the error names the planner's own options.
+    own = [p for p in accepted if p != "max_groups_per_rank"]
     for key in options:
         if key not in accepted:
-            takes = f"it accepts {', '.join(accepted)}" if accepted else "it takes no options"
+            takes = f"it accepts {', '.join(own)}" if own else "it takes no options"
             raise DhpError(f"planner {name!r} has no option {key!r}; {takes}")
     context = context or {}
     for key in context:
