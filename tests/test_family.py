@@ -114,10 +114,10 @@ def test_option_off_is_the_old_behaviour():
 def test_peers_are_held_to_the_family_on_request():
     model = model_for(64, 8)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
-    static = run_planner(build_planner("static", {"max_groups_per_rank": 32}), batch, model)  # unchanged
+    static = run_planner(build_planner("static", max_groups_per_rank=32), batch, model)  # unchanged
     assert static.groups == run_planner(build_planner("static"), batch, model).groups
     with pytest.raises(PlannerUnsupported, match="not in the fixed group family"):
-        run_planner(build_planner("fcp-ref", {"max_groups_per_rank": 32}), batch, model)
+        run_planner(build_planner("fcp-ref", max_groups_per_rank=32), batch, model)
 
 
 def test_config_key():

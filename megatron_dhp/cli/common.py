@@ -59,11 +59,14 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
-    if args.max_groups_per_rank is not None:
-        if args.max_groups_per_rank < 0:
-            raise DhpError(f"--max-groups-per-rank {args.max_groups_per_rank} must be >= 0 (0: no group family)")
-        context["max_groups_per_rank"] = args.max_groups_per_rank
+    if args.max_groups_per_rank is not None and args.max_groups_per_rank < 0:
+        raise DhpError(f"--max-groups-per-rank {args.max_groups_per_rank} must be >= 0 (0: no group family)")
     return context
+
+
+def planner_options(args: argparse.Namespace) -> dict:
+    """Options every planner takes that the flags set: the group family bound of --max-groups-per-rank."""
+    return {} if args.max_groups_per_rank is None else {"max_groups_per_rank": args.max_groups_per_rank}
 
 
 def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:

@@ -7,7 +7,13 @@ import json
 
 import numpy as np
 
-from megatron_dhp.cli.common import add_planning_args, group_usage, multi_rank_groups, planning_inputs
+from megatron_dhp.cli.common import (
+    add_planning_args,
+    group_usage,
+    multi_rank_groups,
+    planner_options,
+    planning_inputs,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = planning_inputs(args, count=args.batches)
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    planners = [build_planner(n, inputs.context) for n in names]
+    planners = [build_planner(n, inputs.context, **planner_options(args)) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}

@@ -45,8 +45,8 @@ class StepPlanner:
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
         self.planner = build_planner(
-            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s,
-                                           max_groups_per_rank=config.max_groups_per_rank)
+            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
+            max_groups_per_rank=config.max_groups_per_rank,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None

@@ -38,9 +38,6 @@ class PlannerContext(TypedDict, total=False):
     """The dataset's longest sample (static sizes its one CP by it, so no later batch outgrows the groups)."""
     time_limit_s: float
     """Time limit of each solver call (flexsp-milp's MILPs)."""
-    max_groups_per_rank: int
-    """Plan only with the fixed group family of at most this many groups per rank (`plan.family`); 0: any
-    groups. dhp plans with it; a peer whose groups fall outside it is `PlannerUnsupported`."""
 
 
 def build_planner(name: str, context: PlannerContext | None = None, **options: object) -> Planner:
@@ -53,7 +50,8 @@ def build_planner(name: str, context: PlannerContext | None = None, **options: o
         raise DhpError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
     cls = PLANNERS[name]
     accepted = [p for p in inspect.signature(cls).parameters if p != "name"]
-    # Every planner takes the family bound (a job fact, `PlannerContext`); the error names the planner's own options.
+    # Every planner takes the family bound `max_groups_per_rank` (dhp plans with it; `run_planner` holds a
+    # peer to it); the error names the options that are the planner's own.
     own = [p for p in accepted if p != "max_groups_per_rank"]
     for key in options:
         if key not in accepted:
