@@ -64,9 +64,11 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     return context
 
 
-def planner_options(args: argparse.Namespace) -> dict:
-    """Options every planner takes that the flags set: the group family bound of --max-groups-per-rank."""
-    return {} if args.max_groups_per_rank is None else {"max_groups_per_rank": args.max_groups_per_rank}
+def planner_options(args: argparse.Namespace, name: str) -> dict:
+    """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank."""
+    from megatron_dhp.solver import family_option
+
+    return family_option(name, args.max_groups_per_rank)
 
 
 def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:

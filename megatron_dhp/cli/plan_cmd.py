@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.solver import build_planner, run_planner
 
     inputs = planning_inputs(args, first=args.batch_index)
-    planner = build_planner(args.planner, inputs.context, **planner_options(args))
+    planner = build_planner(args.planner, inputs.context, **planner_options(args, args.planner))
     plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), pipeline_stages=inputs.pipeline_stages)
     plan.save(args.out)
     print(plan.summary())

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = planning_inputs(args, count=args.batches)
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    planners = [build_planner(n, inputs.context, **planner_options(args)) for n in names]
+    planners = [build_planner(n, inputs.context, **planner_options(args, n)) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
