@@ -41,6 +41,9 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner options")
     g.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="time limit of each MILP a planner solves (flexsp-milp; default 10)")
+    g.add_argument("--max-groups-per-rank", type=int, metavar="K",
+                   help="plan only with the fixed group family of at most K groups per rank; 0: any groups "
+                        "(default: each planner's own, dhp 32, the peers 0)")
     g.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline-parallel stages: plan and price each position's microbatches as 1F1B slots (default 1)")
 
@@ -56,7 +59,32 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
+    if args.max_groups_per_rank is not None and args.max_groups_per_rank < 0:
+        raise DhpError(f"--max-groups-per-rank {args.max_groups_per_rank} must be >= 0 (0: no group family)")
     return context
+
+
+def planner_options(args: argparse.Namespace, name: str) -> dict:
+    """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank."""
+    from megatron_dhp.solver import family_option
+
+    return family_option(name, args.max_groups_per_rank)
+
+
+def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:
+    """One line: the group family (of the largest bound any planner keeps) and, per planner, the distinct
+    multi-rank groups its plans used (`used`: name -> (its max_groups_per_rank, the rank tuples))."""
+    from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+
+    limit = max((k for k, _ in used.values()), default=0) or DEFAULT_MAX_GROUPS_PER_RANK
+    family = group_family(config.world_size, config.gpus_per_node, limit).summary()
+    counts = ", ".join(f"{name} {len(groups)}{'' if k else ' (any groups)'}" for name, (k, groups) in used.items())
+    return f"{family}; distinct multi-rank groups used: {counts}"
+
+
+def multi_rank_groups(plan) -> set[tuple[int, ...]]:
+    """The plan's groups of more than one rank, as sorted rank tuples (each is a communicator)."""
+    return {tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1}
 
 
 def add_planning_args(p: argparse.ArgumentParser, *, default_dist: str | None = None,

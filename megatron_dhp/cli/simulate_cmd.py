@@ -7,7 +7,13 @@ import json
 
 import numpy as np
 
-from megatron_dhp.cli.common import add_planning_args, planning_inputs
+from megatron_dhp.cli.common import (
+    add_planning_args,
+    group_usage,
+    multi_rank_groups,
+    planner_options,
+    planning_inputs,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,10 +50,11 @@ def run(args: argparse.Namespace) -> int:
     inputs = planning_inputs(args, count=args.batches)
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    planners = [build_planner(n, inputs.context) for n in names]
+    planners = [build_planner(n, inputs.context, **planner_options(args, n)) for n in names]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
+    used = {p.name: (getattr(p, "max_groups_per_rank", 0), set()) for p in planners}
     console = Console()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(batches) * len(planners))
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                         "ratio": plan.predicted_step_time_s / plan.lower_bound_s,
                         "solve_time_ms": plan.solve_time_ms, "summary": plan.summary(),
                     })
+                    used[planner.name][1].update(multi_rank_groups(plan))
                     if k == 0:
                         first_plans[planner.name] = plan
                 progress.advance(task)
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         if unsupported:
             batches_na = ", ".join(str(r["batch"]) for r in unsupported)
             console.print(f"{n}: n/a on batch {batches_na}: {unsupported[0]['unsupported']}", highlight=False)
+    console.print(group_usage(config, used), highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": source.name, "cost": config.to_dict(), "results": results}, f, indent=1)

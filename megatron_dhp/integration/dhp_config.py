@@ -43,6 +43,10 @@ class DhpConfig:
     """Log the one-line plan summary every step."""
     max_groups: int = 256
     """Process groups kept alive in the pool before the least recently used is released."""
+    max_groups_per_rank: int = 0
+    """Plan only with a fixed family of groups of which each rank joins at most this many (`plan.family`, e.g.
+    32: every sample size still has a group within one size step); 0 (the default until the runtime creates
+    the family at start-up, and because it costs dhp under PP and rules out fcp-ref / flexsp-milp): any groups."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -67,6 +71,8 @@ class DhpConfig:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
+        if self.max_groups_per_rank < 0:
+            raise DhpError(f"max_groups_per_rank = {self.max_groups_per_rank} must be >= 0 (0: no group family)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
 

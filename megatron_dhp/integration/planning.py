@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.solver import PlannerContext, build_planner, run_planner
+from megatron_dhp.solver import PlannerContext, build_planner, family_option, run_planner
 from megatron_dhp.workload.sample import Batch
 
 
@@ -45,7 +45,8 @@ class StepPlanner:
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
         self.planner = build_planner(
-            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s)
+            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
+            **family_option(config.planner, config.max_groups_per_rank),
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None

@@ -9,10 +9,12 @@ from typing import Protocol
 
 import numpy as np
 
+from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import lower_bound as pipeline_lower_bound
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -30,7 +32,8 @@ class Planner(Protocol):
 
     A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
     attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`. A planner that plans for
-    pipeline parallelism says so with `plans_pipeline = True` and takes `pipeline_stages` in `solve`.
+    pipeline parallelism says so with `plans_pipeline = True` and takes `pipeline_stages` in `solve`. A
+    planner with `max_groups_per_rank` = K > 0 may use only the groups of `group_family(N, g, K)`.
     """
 
     name: str
@@ -56,6 +59,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     groups = planner.solve(batch, planning_model, pipeline_stages=pipeline_stages) if pipelined \
         else planner.solve(batch, planning_model)
     solve_ms = (time.perf_counter() - start) * 1e3
+    check_family(planner, groups, domain)
     plan = Plan(
         planner=planner.name,
         world_size=domain.world_size,
@@ -73,6 +77,20 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
         lower_bound_s=pipeline_lower_bound(model, batch.samples, pipeline_stages),
         solve_time_ms=solve_ms,
     )
+
+
+def check_family(planner: Planner, groups: list[PlanGroup], domain: Domain) -> None:
+    """`PlannerUnsupported` if the planner is held to a group family and formed a group outside it."""
+    limit = getattr(planner, "max_groups_per_rank", 0)
+    if not limit:
+        return
+    family = group_family(domain.world_size, domain.gpus_per_node, limit)
+    outside = next((g for g in groups if not family.contains(g.ranks)), None)
+    if outside is not None:
+        raise PlannerUnsupported(
+            f"{planner.name} formed a group of {outside.size} ranks {list(outside.ranks)} that is not in the fixed "
+            f"group family of {domain.world_size} ranks (max_groups_per_rank = {limit}); set max_groups_per_rank "
+            "to 0 to plan it with any groups")
 
 
 def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:

@@ -142,6 +142,9 @@ class FCPRefPlanner:
     """
 
     max_cp_degree: int | None = None
+    max_groups_per_rank: int = 0
+    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
+    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "fcp-ref"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

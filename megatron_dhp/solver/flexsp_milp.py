@@ -97,6 +97,9 @@ class FlexSPPlanner:
     """FlexSP: Sequence Blaster microbatches, bucketing, and a MILP over power-of-two groups per microbatch."""
 
     time_limit_s: float = 10.0
+    max_groups_per_rank: int = 0
+    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
+    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "flexsp-milp"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

@@ -50,6 +50,9 @@ def upstream_group_sizes(world_size: int) -> set[int]:
 class MegatronHCPPlanner:
     """megatron-core's `BalancedCPScheduler`; its successive group sets become barrier-separated phases."""
 
+    max_groups_per_rank: int = 0
+    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
+    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "megatron-hcp"
     phase_barrier: ClassVar[bool] = True
     _scheduler_cls: type = field(init=False, repr=False)

@@ -38,6 +38,9 @@ class StaticPlanner:
     """Static CP x DP with greedy packing; `dataset_max_tokens` fixes CP (default: the batch's longest)."""
 
     dataset_max_tokens: int | None = None
+    max_groups_per_rank: int = 0
+    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
+    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "static"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

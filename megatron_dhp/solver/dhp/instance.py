@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.workload.sample import Batch
 
@@ -23,11 +24,14 @@ class Instance:
     min_degree: np.ndarray
     cap: int
     """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism."""
+    family: GroupFamily | None = None
+    """The groups the plan may use (None: any contiguous window)."""
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
     _order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
 
     @classmethod
-    def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None) -> Instance:
+    def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None,
+                   family: GroupFamily | None = None) -> Instance:
         """Flatten the batch; every array is in batch order. `cap` (default M) bounds each microbatch."""
         tokens = batch.lengths
         return cls(
@@ -37,12 +41,18 @@ class Instance:
             work=model.sample_work(batch.samples),
             min_degree=np.maximum(1, model.min_degree(tokens) if cap is None else -(-tokens.astype(np.int64) // cap)),
             cap=cap or model.domain.max_tokens_per_rank,
+            family=family,
         )
 
     @property
     def num_ranks(self) -> int:
         """N, the ranks of the dynamic domain."""
         return self.model.domain.world_size
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Group sizes a sample may get: the family's, or every size 1..N."""
+        return np.array(self.family.sizes) if self.family else np.arange(1, self.num_ranks + 1)
 
     def overhead(self, size: int) -> float:
         """The fixed cost of one microbatch on a group of `size` ranks (m, plus any multi-rank latency)."""

@@ -75,13 +75,15 @@ def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
-    """Place wide samples, widest first, each on the window where it can start (and so end) earliest."""
+    """Place wide samples, widest first, each on the window where it can start (and so end) earliest.
+
+    With a family the windows are the family's groups of the sample's degree (a family size)."""
     n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap
     prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
         i, d = int(items[k]), int(degrees[k])
-        starts = window_starts(n, d, cell, gpn)
+        starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn)
         begin = window_max(skyline.ready, d, starts)
         waste = d * begin - (prefix[starts + d] - prefix[starts])
         best = int(np.lexsort((starts, waste, begin))[0])
@@ -115,7 +117,9 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> No
 
 
 def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
-    """Every maximal run of ranks inside one cell that is free at the same time, as an empty group."""
+    """Every maximal run of ranks inside one cell that is free at the same time, as an empty group.
+
+    With a family a run is cut, from its first rank on, into the widest family groups that fit it."""
     bins: list[DraftGroup] = []
     num_ranks = inst.num_ranks
     for c0 in range(0, num_ranks, cell):
@@ -125,6 +129,8 @@ def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
             e = r + 1
             while e < c1 and skyline.ready[e] == skyline.ready[r] and skyline.phase[e] == skyline.phase[r]:
                 e += 1
+            if inst.family:
+                e = r + inst.family.largest_at(r, e - r)
             bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.cap, inst.overhead(e - r)))
             r = e
     return bins

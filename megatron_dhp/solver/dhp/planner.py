@@ -25,12 +25,18 @@ import numpy as np
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_step_time
-from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
-from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
+from megatron_dhp.solver.dhp.rounds import (
+    fit_to_family,
+    pipeline_order_of,
+    round_layouts,
+    spaced_round_groups,
+)
 from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
 
@@ -54,10 +60,12 @@ def cell_sizes(num_ranks: int, gpus_per_node: int) -> list[int]:
 
 
 def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarray:
-    """Fewest ranks (>= memory minimum) that run each sample within the target; else its fastest degree."""
+    """Fewest ranks (>= memory minimum) that run each sample within the target; else its fastest degree.
+
+    The degrees are group sizes the instance allows (with a family, the next family size up)."""
     n = inst.num_ranks
     degrees = np.empty(len(items), dtype=np.int64)
-    ds = np.arange(1, n + 1)
+    ds = inst.sizes
     overhead = np.array([inst.overhead(int(d)) for d in ds])
     step = max(1, 2**20 // n)  # bounded memory: items x N per chunk
     for begin in range(0, len(items), step):
@@ -66,7 +74,7 @@ def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarr
         t = np.where(ds[None, :] >= inst.min_degree[chunk, None], t + overhead[None, :], np.inf)
         within = np.isfinite(t) & (t <= target_s)  # inf <= inf: without isfinite, an inf target picks degree 1
         first = np.argmax(within, axis=1)
-        degrees[begin : begin + len(chunk)] = np.where(within.any(axis=1), first, np.argmin(t, axis=1)) + 1
+        degrees[begin : begin + len(chunk)] = ds[np.where(within.any(axis=1), first, np.argmin(t, axis=1))]
     return degrees
 
 
@@ -128,7 +136,8 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
 
 @dataclass
 class DhpPlanner:
-    """Groups of any size per step, minimising the simulated step time under the cost model."""
+    """Groups of any size per step (of the fixed group family by default), minimising the simulated step time
+    under the cost model."""
 
     cells: tuple[int, ...] | None = None
     """Cell sizes to try (default: every divisor of gpus_per_node)."""
@@ -136,13 +145,18 @@ class DhpPlanner:
     """Local-search moves per candidate."""
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
+    max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
+    """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
     plans_pipeline: ClassVar[bool] = True
 
     def solve(self, batch: Batch, model: CostModel, pipeline_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step."""
         p = pipeline_stages
-        inst = Instance.from_batch(batch, model, None if p == 1 else model.domain.max_tokens_per_rank // p)
+        domain = model.domain
+        family = group_family(domain.world_size, domain.gpus_per_node, self.max_groups_per_rank) \
+            if self.max_groups_per_rank else None
+        inst = Instance.from_batch(batch, model, None if p == 1 else domain.max_tokens_per_rank // p, family)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
             raise PlannerUnsupported(
@@ -150,7 +164,6 @@ class DhpPlanner:
                 f"and a {int(inst.tokens[too_long].max())}-token sample needs more than the domain's "
                 f"{inst.num_ranks} ranks of that")
         target = model.lower_bound_arrays(inst.tokens, inst.work)
-        domain = model.domain
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
         maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
         degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
@@ -170,8 +183,12 @@ class DhpPlanner:
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
-            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *round_layouts(inst, batch),
-                                                      *([spaced] if spaced else []), static])
+            peers = [*round_layouts(inst, batch), *([spaced] if spaced else []), static]
+            if family is not None:  # fcp-ref's rounds and static's replicas, moved onto the family where they fit
+                tokens_of = {s.id: s.tokens for s in batch.samples}
+                peers = [fit_to_family(family, groups, tokens_of, inst.cap) for groups in peers]
+                peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
+            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *peers])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -194,6 +211,17 @@ def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
     times = inst.times(group.size, inst.model.is_intra(group.ranks))
     return pipeline_order_of(sorted(group.microbatches,
                                     key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb))))
+
+
+def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup]) -> bool:
+    """Whether the layout is a valid plan (the memory rule over P slots included)."""
+    domain = inst.model.domain
+    try:
+        Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+             max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages).validate()
+    except PlanError:
+        return False
+    return True
 
 
 def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:

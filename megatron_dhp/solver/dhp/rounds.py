@@ -19,6 +19,9 @@ Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost ab
 
 from __future__ import annotations
 
+import numpy as np
+
+from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, round_groups, split_rounds
@@ -82,3 +85,26 @@ def pipeline_order_of(longest_first: list) -> list:
     if len(longest_first) < 3:
         return longest_first[::-1]
     return [longest_first[-2], *longest_first[:-2], longest_first[-1]]
+
+
+def fit_to_family(family: GroupFamily, groups: list[PlanGroup], tokens_of: dict[int, int], cap: int) -> list[PlanGroup] | None:
+    """The layout moved onto the family, phase by phase: each group, widest first, on the first free family
+    window of the largest family size between its microbatches' memory minimum (at `cap` tokens per rank)
+    and its own size (or the next family size up); ranks it leaves free sit the phase out. None where a
+    phase does not fit."""
+    out: list[PlanGroup] = []
+    for phase in sorted({g.phase for g in groups}):
+        members = sorted((g for g in groups if g.phase == phase), key=lambda g: (-g.size, g.ranks[0]))
+        covered = sorted({r for g in members for r in g.ranks})
+        free = np.ones(family.world_size, dtype=bool)
+        for g in members:
+            need = max((-(-sum(tokens_of[i] for i in mb) // cap) for mb in g.microbatches), default=1)
+            sizes = [s for s in family.sizes if need <= s <= g.size] or [family.ceil_size(g.size)]
+            window = next(((a, s) for s in reversed(sizes) for a in family.starts(s).tolist() if free[a:a + s].all()), None)
+            if window is None:
+                return None
+            a, s = window
+            free[a:a + s] = False
+            out.append(PlanGroup(ranks=tuple(range(a, a + s)), microbatches=g.microbatches, phase=phase))
+        out += [PlanGroup(ranks=(r,), microbatches=(), phase=phase) for r in covered if free[r]]
+    return out
