@@ -46,6 +46,17 @@ DOMAINS = ("gpt7b-64", "gpt7b-48")
 PEERS = ("megatron-hcp", "fcp-ref", "flexsp-milp")
 
 
+
+def batches_and_planners(model, workload: str, args: argparse.Namespace) -> tuple[list, list]:
+    """The workload's batches for this domain and every requested planner, built for them."""
+    source = LengthSource.from_args(dist=workload)
+    capacity = model.domain.capacity
+    batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
+               for k in range(args.batches)]
+    context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
+                             time_limit_s=args.time_limit)
+    return batches, [build_planner(name, context) for name in args.planners]
+
 def run(args: argparse.Namespace, console: Console) -> list[dict]:
     """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""
     records = []
@@ -54,13 +65,7 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
         task = progress.add_task("planning", total=len(cases) * args.batches * len(args.planners))
         for domain, workload in cases:
             model = build_cost_model(CostConfig.load(domain))
-            source = LengthSource.from_args(dist=workload)
-            capacity = model.domain.capacity
-            batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
-                       for k in range(args.batches)]
-            context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
-                                     time_limit_s=args.time_limit)
-            planners = [build_planner(name, context) for name in args.planners]
+            batches, planners = batches_and_planners(model, workload, args)
             for k, batch in enumerate(batches):
                 for planner in planners:
                     record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}
@@ -247,13 +252,7 @@ def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
         task = progress.add_task("planning variants", total=len(cases) * args.batches * len(args.planners))
         for variant, workload in cases:
             model = build_cost_model(base.with_overrides(**VARIANTS[variant]))
-            source = LengthSource.from_args(dist=workload)
-            capacity = model.domain.capacity
-            batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
-                       for k in range(args.batches)]
-            context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
-                                     time_limit_s=args.time_limit)
-            planners = [build_planner(name, context) for name in args.planners]
+            batches, planners = batches_and_planners(model, workload, args)
             for k, batch in enumerate(batches):
                 best_s = best_lower_bound(model, batch.samples)
                 for planner in planners:
