@@ -21,8 +21,9 @@ from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
-from megatron_dhp.workload import Batch, LengthSource, Sample
+from megatron_dhp.workload import Batch, Sample
 from tests import reference_eval
+from tests.cost_defaults import assert_defaults_change_nothing
 
 MOE_KEYS = ("moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size")
 
@@ -92,15 +93,7 @@ def test_dense_defaults_leave_every_reference_number_unchanged(tmp_path, gpt7b_c
     explicit = dataclasses.replace(gpt7b_config, moe_expert_s_per_token=0.0, moe_a2a_bytes_per_token=0.0,
                                    expert_parallel_size=1)
     assert build_cost_model(gpt7b_config).per_token_s == gpt7b_config.linear_s_per_token  # exactly b
-    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=256, seed=0, capacity=64 * 8192)
-    for name in ("static", "dhp"):
-        a = run_planner(build_planner(name), batch, build_cost_model(gpt7b_config))
-        b = run_planner(build_planner(name), batch, build_cost_model(explicit))
-        assert a.predicted_step_time_s == b.predicted_step_time_s and a.lower_bound_s == b.lower_bound_s
-    gpt7b_config.save(tmp_path / "ref.yaml")
-    text = (tmp_path / "ref.yaml").read_text()
-    assert [key for key in MOE_KEYS if key in text] == []  # files stay as they were
-    assert CostConfig.load(tmp_path / "ref.yaml") == gpt7b_config
+    assert_defaults_change_nothing(gpt7b_config, explicit, MOE_KEYS, tmp_path)
 
 
 def test_moe_keys_round_trip(tmp_path, mixtral_config):

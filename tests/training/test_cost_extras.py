@@ -19,21 +19,14 @@ from megatron_dhp.training.profile import ProfileReport
 from megatron_dhp.training.timing import data_grid, microbatches, point_plan
 from megatron_dhp.workload import Batch, LengthSource
 from tests import reference_eval
+from tests.cost_defaults import assert_defaults_change_nothing
 
 
 def test_zero_extras_leave_every_reference_number_unchanged(tmp_path):
     reference = CostConfig.load("gpt7b-64")
     explicit = replace(reference, sample_overhead_s=0.0, cp_microbatch_overhead_s=0.0, step_overhead_s=0.0)
-    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=256, seed=0, capacity=64 * 8192)
-    for name in ("static", "dhp"):
-        a = run_planner(build_planner(name), batch, build_cost_model(reference))
-        b = run_planner(build_planner(name), batch, build_cost_model(explicit))
-        assert a.predicted_step_time_s == b.predicted_step_time_s and a.lower_bound_s == b.lower_bound_s
-    reference.save(tmp_path / "ref.yaml")
-    text = (tmp_path / "ref.yaml").read_text()
-    for key in ("sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s"):
-        assert key not in text  # files stay as they were
-    assert CostConfig.load(tmp_path / "ref.yaml") == reference
+    assert_defaults_change_nothing(reference, explicit, ("sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s"),
+                                   tmp_path)
 
 
 def test_extras_add_exactly_their_time():
