@@ -24,6 +24,7 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
+from megatron_dhp.runtime.slots import moe_slot_rules
 
 
 def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
@@ -67,7 +68,8 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     cap = _sample_cap(args.seq_length, domain, config, stages)
     cost = live_cost_config(config, world_size=domain.size, gpus_per_node=domain_node_size(config, domain.global_ranks, dist.get_world_size()))
     share_group, share_source = _loader_sharing()
-    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+    aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
+                                         getattr(args, "moe_token_dispatcher_type", None))
     runtime = DhpRuntime(
         config=config,
         domain=domain,
@@ -79,8 +81,8 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
         seq_multiple=seq_multiple(args),
-        aligned_slots=expert_parallel,
-        equal_rows=expert_parallel and getattr(args, "moe_token_dispatcher_type", None) == "allgather",
+        aligned_slots=aligned,
+        equal_rows=equal_rows,
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     return (

@@ -25,6 +25,7 @@ from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names, seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
+from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.workload.sample import Batch
 
@@ -129,9 +130,9 @@ class SelfCheck:
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
-        expert_parallel = config.expert_model_parallel_size > 1
-        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=expert_parallel,
-                            equal_rows=expert_parallel and config.moe_token_dispatcher_type == "allgather", comm=comm)
+        aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
+        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
+                            equal_rows=equal_rows, comm=comm)
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

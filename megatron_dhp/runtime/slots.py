@@ -66,6 +66,14 @@ def work_items(inputs: StepInputs, position: int, *, aligned: bool = False) -> l
     return work
 
 
+def moe_slot_rules(expert_parallel: int, dispatcher: str | None) -> tuple[bool, bool]:
+    """(aligned slots, equal rows) of a step under expert parallelism `expert_parallel`: the dispatcher's
+    expert-parallel collectives pair up only if every position runs the same slots, and megatron-core's
+    `allgather` dispatcher also gathers equally long blocks, so its k-th slots must hold equal rows."""
+    aligned = expert_parallel > 1
+    return aligned, aligned and dispatcher == "allgather"
+
+
 def aligned_slot_counts(plan: Plan) -> list[int]:
     """Slots per phase when aligned: the most microbatches any position runs in it (phase 0 at least one,
     the idle slot of a position the plan leaves idle)."""

@@ -288,31 +288,23 @@ def hooks_checks() -> dict:
     out["pp2"].append(q.compare(100, q.run(valid, forward_only=True)[1], grads=False))
     pp2.planner.close()
 
-    # --- MoE with expert parallelism 2 carved from the domain of 4: a hand plan where rank 3 is idle and the
-    # others run different slot counts, then the dhp planner; every rank runs the same slots, so the
-    # all-to-all dispatcher's collectives pair up
+    # --- MoE with expert parallelism 2 carved from the domain of 4, under hand plans where rank 3 is idle
+    # and the others run different slot counts: every rank runs the same slots, so the dispatcher's
+    # collectives pair up; allgather gathers equal blocks, so its k-th slots also hold equal rows
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_cuda_manual_seed(0)
-    e = Harness(seed=8, steps=range(5, 7), gpt=TinyGPTConfig(num_experts=4))
-    train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2), e.train, None, None)
-    ep2 = train.iterable.runtime
-    out["ep2_aligned"] = ep2.aligned_slots
-    ep2.planner.close()
-    hand = replace(ep2, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4)))
-    it = wrap_data_iterator(e.train, hand, lookahead=False)
-    out["ep2"] = [e.compare(step, e.run(it)[1]) for step in (5, 6)]
-
-    # --- the allgather dispatcher gathers equal blocks: every position's k-th slot also holds equal rows
-    a = Harness(seed=9, steps=range(7, 9), gpt=TinyGPTConfig(num_experts=4, moe_token_dispatcher="allgather"))
-    train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"),
-                        a.train, None, None)
-    gathered = train.iterable.runtime
-    out["ep2_allgather_rows"] = gathered.equal_rows
-    gathered.planner.close()
-    it = wrap_data_iterator(a.train, replace(gathered, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4))),
-                            lookahead=False)
-    out["ep2"] += [a.compare(step, a.run(it)[1]) for step in (7, 8)]
+    out["ep2"], out["ep2_rules"] = [], {}
+    for seed, steps, dispatcher in ((8, range(5, 7), "alltoall"), (9, range(7, 9), "allgather")):
+        e = Harness(seed=seed, steps=steps, gpt=TinyGPTConfig(num_experts=4, moe_token_dispatcher=dispatcher))
+        train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher),
+                            e.train, None, None)
+        ep2 = train.iterable.runtime
+        out["ep2_rules"][dispatcher] = (ep2.aligned_slots, ep2.equal_rows)
+        ep2.planner.close()
+        hand = replace(ep2, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4)))
+        it = wrap_data_iterator(e.train, hand, lookahead=False)
+        out["ep2"] += [e.compare(step, e.run(it)[1]) for step in steps]
     dist.destroy_process_group()
     out["tolerance"] = TOLERANCE
     return out
