@@ -52,9 +52,13 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
     """
     _check_backend(backend)
     spec = copy.deepcopy(spec)
-    if isinstance(spec, TransformerBlockSubmodules):
-        spec.layer_specs = [with_dynamic_cp(layer, backend=backend) for layer in spec.layer_specs]
-        return spec
+    for layer in spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]:
+        _swap_attention(layer, backend)
+    return spec
+
+
+def _swap_attention(spec: ModuleSpec, backend: str) -> None:
+    """`with_dynamic_cp` on one layer spec, in place (idempotent: layers may share one spec object)."""
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
     if not isinstance(attention, ModuleSpec) or not (
         isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)
@@ -74,7 +78,6 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
                 f"{attention.submodules.core_attention!r}; build it with --transformer-impl transformer_engine"
             )
     attention.module = DynamicCPSelfAttention
-    return spec
 
 
 def _check_backend(backend: str) -> None:

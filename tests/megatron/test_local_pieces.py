@@ -154,3 +154,22 @@ def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
     assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention  # TE keeps its own
     with pytest.raises(DhpError, match="layer spec 'te' needs TEDotProductAttention as core attention"):
         with_dynamic_cp(get_gpt_layer_local_spec(), backend="te")
+
+
+def test_a_decoder_block_spec_gets_dynamic_cp_attention_in_every_layer():
+    """megatron-core builds MoE models from a block spec, one layer spec per layer (some dense, some MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
+    from megatron_dhp.runtime.model import with_dynamic_cp
+
+    config = TransformerConfig(num_layers=3, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
+                               moe_layer_freq=[0, 1, 1], use_cpu_initialization=True)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    swapped = with_dynamic_cp(block, backend="local")
+    assert len(swapped.layer_specs) == 3
+    for layer in swapped.layer_specs:
+        assert layer.submodules.self_attention.module is DynamicCPSelfAttention
+        assert layer.submodules.self_attention.submodules.core_attention is DynamicCPAttention
+    assert all(layer.submodules.self_attention.module is not DynamicCPSelfAttention for layer in block.layer_specs)
