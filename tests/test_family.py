@@ -8,8 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.planning import StepPlanner
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, _windows, group_family
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
@@ -121,8 +123,11 @@ def test_peers_are_held_to_the_family_on_request():
 
 
 def test_config_key():
-    assert DhpConfig().max_groups_per_rank == 0  # off in training until the runtime creates the family
-    assert DhpConfig(max_groups_per_rank=0).max_groups_per_rank == 0
+    assert DhpConfig().max_groups_per_rank is None  # each planner's own: dhp plans on the family of 32
+    assert StepPlanner(DhpConfig(), CostConfig.load("gpt7b-64")).family_groups() == group_family(64, 8).groups
+    assert StepPlanner(DhpConfig(max_groups_per_rank=0), CostConfig.load("gpt7b-64")).family_groups() == ()
+    assert StepPlanner(DhpConfig(comm="p2p"), CostConfig.load("gpt7b-64")).family_groups() == ()  # no group at all
+    assert StepPlanner(DhpConfig(planner="fcp-ref"), CostConfig.load("gpt7b-64")).family_groups() == ()
     with pytest.raises(DhpError, match="max_groups_per_rank = -1"):
         DhpConfig(max_groups_per_rank=-1)
     assert np.all(group_family(8, 8).membership >= 1)

@@ -18,6 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
 from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
 
 
@@ -42,6 +43,9 @@ class SelftestOptions:
     moe_dispatcher: str = "alltoall"
     plan_file: str | None = None
     """A plan JSON to replay instead of random plans (its domain size must be nproc / (tp x pp))."""
+    family: int = DEFAULT_MAX_GROUPS_PER_RANK
+    """Create the group family of this bound at start-up and draw the random plans' groups from it; 0: any
+    groups, non-contiguous ones included, created as plans need them."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="check this plan JSON (e.g. one saved by a job) under each --comm variant instead of "
                         "random plans; its world size must be the domain size nproc / (tp x pp)")
+    p.add_argument("--family", type=int, default=DEFAULT_MAX_GROUPS_PER_RANK, metavar="K",
+                   help="create the group family of at most K groups per rank at start-up (as training does) and "
+                        "draw the random plans' groups from it; 0: any groups, non-contiguous ones included "
+                        f"(default {DEFAULT_MAX_GROUPS_PER_RANK})")
     p.add_argument("--seed", type=int, default=0, help="seed of batches, plans and weights (default 0)")
     p.add_argument("--comm", default=every_comm,
                    help=f"comma-separated CP variants, used in turn (default {every_comm})")
@@ -90,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in comms if c not in COMM_VARIANTS]
     if unknown or not comms:
         raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(COMM_VARIANTS)}")
+    if args.family < 0:
+        raise DhpError(f"--family {args.family} must be >= 0 (0: any groups)")
     for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
                         ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
         if value < 1:
@@ -106,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file)
+                              plan_file, args.family)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
     if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):
@@ -135,8 +145,10 @@ def worker(options: SelftestOptions) -> int:
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
+    from megatron_dhp.plan.family import group_family
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+    from megatron_dhp.runtime.group_pool import GroupPool
     from megatron_dhp.runtime.model import TinyGPTConfig
     from megatron_dhp.runtime.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
     from megatron_dhp.solver.random_plan import random_plan
@@ -158,6 +170,8 @@ def worker(options: SelftestOptions) -> int:
                                moe_token_dispatcher=options.moe_dispatcher)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention)
         n = check.domain.size
+        family = group_family(n, n, options.family) if options.family else None
+        check.pool = GroupPool(check.domain, family=family.groups if family is not None else ())
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
             sp = " + SP" if options.sequence_parallel else ""
@@ -165,6 +179,7 @@ def worker(options: SelftestOptions) -> int:
                    if options.model == "moe" else "")
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
                   f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+            print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
         rng = random.Random(options.seed)
         domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
         failures = 0
@@ -174,7 +189,7 @@ def worker(options: SelftestOptions) -> int:
                 plan, batch = given, Batch(given.samples)
             else:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
-                plan = random_plan(batch, domain, rng)
+                plan = random_plan(batch, domain, rng, family=family)
             comm = options.comms[k % len(options.comms)]
             result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k), comm)
             failures += not result.ok
@@ -185,8 +200,7 @@ def worker(options: SelftestOptions) -> int:
                       f"tokens {result.tokens_computed}/{result.batch_tokens} | {'ok' if result.ok else 'MISMATCH'}",
                       flush=True)
         if lead:
-            pool = check.pool
-            print(f"groups: {pool.created} created, {pool.hits} cached hits, {pool.released} released; "
+            print(f"{check.pool.summary()}; "
                   f"{'all plans exact' if not failures else f'{failures} of {runs} plans MISMATCH'}", flush=True)
         return 1 if failures else 0
     except DhpError as e:

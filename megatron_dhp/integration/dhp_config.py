@@ -43,10 +43,11 @@ class DhpConfig:
     """Log the one-line plan summary every step."""
     max_groups: int = 256
     """Process groups kept alive in the pool before the least recently used is released."""
-    max_groups_per_rank: int = 0
-    """Plan only with a fixed family of groups of which each rank joins at most this many (`plan.family`, e.g.
-    32: every sample size still has a group within one size step); 0 (the default until the runtime creates
-    the family at start-up, and because it costs dhp under PP and rules out fcp-ref / flexsp-milp): any groups."""
+    max_groups_per_rank: int | None = None
+    """Plan only with a fixed family of groups, created once at start-up, of which each rank joins at most this
+    many (`plan.family`; 32: every sample size still has a group within one size step); 0: any groups, created
+    when a plan first needs them. Default: the planner's own (32 for dhp; 0 for the peers, which plan as
+    published). Ignored with comm p2p, which needs no group."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -71,7 +72,7 @@ class DhpConfig:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
-        if self.max_groups_per_rank < 0:
+        if self.max_groups_per_rank is not None and self.max_groups_per_rank < 0:
             raise DhpError(f"max_groups_per_rank = {self.max_groups_per_rank} must be >= 0 (0: no group family)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")

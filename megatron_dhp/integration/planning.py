@@ -15,7 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.attention import DOMAIN_COMMS
 from megatron_dhp.solver import PlannerContext, build_planner, family_option, run_planner
 from megatron_dhp.workload.sample import Batch
 
@@ -50,6 +52,15 @@ class StepPlanner:
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None
+
+    def family_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups the runtime creates at start-up: the planner's group family in its creation order (none
+        when the planner may use any group, or when the comm variant needs no group)."""
+        limit = getattr(self.planner, "max_groups_per_rank", 0)
+        if not limit or self.config.comm in DOMAIN_COMMS:
+            return ()
+        domain = self.model.domain
+        return group_family(domain.world_size, domain.gpus_per_node, limit).groups
 
     def plan(self, batch: Batch) -> Plan:
         """The plan of `batch`: the prefetched one if it was started for this batch, else solved now."""

@@ -35,6 +35,7 @@ _OVERRIDES = {
     "dhp_comm": "comm",
     "dhp_cost": "cost",
     "dhp_log_plans": "log_plans",
+    "dhp_max_groups_per_rank": "max_groups_per_rank",
 }
 
 def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,6 +55,9 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        + "; ".join(f"{name}: {what}" for name, what in COMM_VARIANTS.items()) + ".")
     group.add_argument("--dhp-cost", type=str, default=None, metavar="YAML",
                        help="Cost model: a YAML written by megatron-dhp profile, or a preset name from configs/.")
+    group.add_argument("--dhp-max-groups-per-rank", type=int, default=None, metavar="K",
+                       help="Plan only with a fixed family of groups, created at start-up, at most K per rank "
+                       "(default: the planner's own, 32 for dhp); 0: any groups, created as plans need them.")
     group.add_argument("--dhp-log-plans", action="store_true", default=None,
                        help="Log each step's plan in one line.")
     return parser

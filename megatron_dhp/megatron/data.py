@@ -88,7 +88,7 @@ class StepIterator:
         if inputs is None:
             raise StopIteration
         if self.runtime.config.log_plans and dist.get_rank() == 0:
-            logger.info("dhp plan: %s", inputs.plan.summary())
+            logger.info("dhp plan: %s | %s", inputs.plan.summary(), self.runtime.pool.summary())
         return inputs
 
     def _read(self) -> list[TokenSample] | None:

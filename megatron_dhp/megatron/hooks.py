@@ -70,12 +70,13 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     share_group, share_source = _loader_sharing()
     aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                          getattr(args, "moe_token_dispatcher_type", None))
+    planner = StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
+                          pipeline_stages=stages)
     runtime = DhpRuntime(
         config=config,
         domain=domain,
-        pool=GroupPool(domain, max_groups=config.max_groups),
-        planner=StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
-                            pipeline_stages=stages),
+        pool=GroupPool(domain, max_groups=config.max_groups, family=planner.family_groups()),
+        planner=planner,
         share_group=share_group,
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),

@@ -10,11 +10,17 @@ compute different names and wait for each other forever (seen with gloo on torch
 creation names groups by a global counter that advances identically everywhere, provided every rank runs
 the same sequence of `prepare` calls on the same plans, which invariant 3 (one plan everywhere) gives.
 Non-members return immediately, so the cost is a counter step per group and domain.
+
+A pool given a group family (`plan.family`) creates all of it in `__init__`, in the family's one order, and
+keeps it for the whole job; a plan held to that family then finds every group already there, so no step
+creates or destroys a communicator (`created` stays 0: the training log, `selftest` and a test show it).
+A group outside the family is still created on demand and cached under the LRU rule.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,35 +33,49 @@ GroupKey = tuple[int, ...]
 
 
 class GroupPool:
-    """An LRU cache of the dynamic groups of a domain, identical in content and order on every rank."""
+    """The dynamic groups of a domain, identical in content and order on every rank: a fixed family created
+    at start-up plus an LRU cache of any others."""
 
-    def __init__(self, domain: DynamicDomain, *, max_groups: int = 256, timeout: timedelta | None = None) -> None:
+    def __init__(self, domain: DynamicDomain, *, max_groups: int = 256, timeout: timedelta | None = None,
+                 family: Sequence[GroupKey] = ()) -> None:
+        """Collective when `family` is given: every rank of the world creates it in the given order."""
         if max_groups < 1:
             raise DhpError(f"max_groups = {max_groups} must be >= 1")
         self.domain = domain
         self.max_groups = max_groups
         self.timeout = timeout if timeout is not None else domain.timeout
+        self._fixed: dict[GroupKey, dist.ProcessGroup | None] = {}
+        for key in family:
+            if len(key) > 1 and key not in self._fixed:
+                self._fixed[key] = self._create(key)
+        self.at_startup = len(self._fixed)
+        """Rank sets of the family, created in `__init__` and kept to the end."""
         self._groups: OrderedDict[GroupKey, dist.ProcessGroup | None] = OrderedDict()
         self.created = 0
-        """Rank sets created (each is one communicator per domain)."""
+        """Rank sets created after start-up, by `prepare` (each is one communicator per domain)."""
         self.hits = 0
         """Rank sets a plan needed that were already cached."""
         self.released = 0
         """Rank sets evicted (their communicators destroyed) to stay under `max_groups`."""
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self._fixed) + len(self._groups)
 
     def __contains__(self, ranks: object) -> bool:
-        return isinstance(ranks, tuple) and tuple(sorted(ranks)) in self._groups
+        if not isinstance(ranks, tuple):
+            return False
+        key = tuple(sorted(ranks))
+        return key in self._fixed or key in self._groups
 
     def prepare(self, plan: Plan) -> None:
         """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""
-        needed = list(dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1))
+        keys = dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1)
+        needed = [key for key in keys if key not in self._fixed]
+        self.hits += len(keys) - len(needed)
         if len(needed) > self.max_groups:
             raise DhpError(
-                f"the plan uses {len(needed)} distinct multi-rank groups, above the pool cap of {self.max_groups}; "
-                "raise max_groups"
+                f"the plan uses {len(needed)} distinct multi-rank groups outside the family, above the pool cap of "
+                f"{self.max_groups}; raise max_groups"
             )
         for key in needed:
             if key in self._groups:
@@ -70,6 +90,11 @@ class GroupPool:
                 dist.destroy_process_group(group)
             self.released += 1
 
+    def summary(self) -> str:
+        """One line of what the pool created: the family at start-up, then anything after it."""
+        return (f"groups: {self.at_startup} created at start-up, {self.created} created after start-up, "
+                f"{self.hits} cached hits, {self.released} released")
+
     def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """This rank's process group for a rank set it belongs to; None for a group of one rank."""
         if len(ranks) == 1:
@@ -77,17 +102,11 @@ class GroupPool:
         key = tuple(sorted(ranks))
         if self.domain.position not in key:
             raise DhpError(f"domain position {self.domain.position} is not in group {key}")
+        if key in self._fixed:
+            return self._fixed[key]
         if key not in self._groups:
             raise DhpError(f"group {key} was not prepared; call GroupPool.prepare(plan) on every rank first")
         return self._groups[key]
-
-    def clear(self) -> None:
-        """Destroy every cached group (on every rank, like `prepare`)."""
-        while self._groups:
-            _, group = self._groups.popitem(last=False)
-            if group is not None:
-                dist.destroy_process_group(group)
-            self.released += 1
 
     def _create(self, key: GroupKey) -> dist.ProcessGroup | None:
         mine = None

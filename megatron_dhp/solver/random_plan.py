@@ -11,6 +11,7 @@ import random
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -28,6 +29,17 @@ def random_partition(ranks: list[int], rng: random.Random, *, contiguous: bool) 
     return groups
 
 
+def family_partition(world_size: int, family: GroupFamily, rng: random.Random) -> list[tuple[int, ...]]:
+    """Cut positions 0..N-1 into groups of the family (single ranks included), each a random one of those that
+    start where the previous ended."""
+    groups, start = [], 0
+    while start < world_size:
+        size = rng.choice([s for s in family.sizes if start + s <= world_size and family.contains(range(start, start + s))])
+        groups.append(tuple(range(start, start + size)))
+        start += size
+    return groups
+
+
 def random_plan(
     batch: Batch,
     domain: Domain,
@@ -35,12 +47,14 @@ def random_plan(
     *,
     max_phases: int = 2,
     max_samples_per_microbatch: int = 3,
+    family: GroupFamily | None = None,
 ) -> Plan:
     """A valid plan with random groups, phases and microbatches for `batch` on `domain`.
 
     Phase 0 covers every rank; later phases re-partition a random subset of the ranks (and if no group is
     wide enough for the longest sample, a last phase runs the whole domain). Each sample goes to a random
-    group that can hold it (length <= group size x max_tokens_per_rank).
+    group that can hold it (length <= group size x max_tokens_per_rank). With a `family` every group is
+    one of it (a later phase keeps a random subset of a partition into family groups).
     """
     n, cap = domain.world_size, domain.max_tokens_per_rank
     too_long = [s for s in batch.samples if s.tokens > n * cap]
@@ -49,6 +63,11 @@ def random_plan(
         raise DhpError(f"sample {s.id} has {s.tokens} tokens, more than the whole domain holds ({n} x {cap})")
     layout: list[tuple[int, tuple[int, ...]]] = []
     for phase in range(rng.randint(1, max_phases)):
+        if family is not None:
+            parts = family_partition(n, family, rng)
+            kept = parts if phase == 0 else rng.sample(parts, rng.randint(1, len(parts)))
+            layout += [(phase, g) for g in sorted(kept)]
+            continue
         ranks = list(range(n)) if phase == 0 else sorted(rng.sample(range(n), rng.randint(1, n)))
         layout += [(phase, g) for g in random_partition(ranks, rng, contiguous=rng.random() < 0.5)]
     widest = max(-(-s.tokens // cap) for s in batch.samples)

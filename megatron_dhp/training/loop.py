@@ -56,6 +56,8 @@ class StepRecord:
     num_tokens: int
     groups: str
     """Group sizes of the plan as `countxsize`, e.g. `2x1 1x2`."""
+    groups_created: int
+    """Communicators created after start-up so far (0 while plans stay in the group family made at start-up)."""
     num_microbatches: int
     predicted_s: float
     """The plan's forward+backward makespan under the cost model."""
@@ -76,7 +78,7 @@ class StepRecord:
 
     def line(self, total_steps: int, *, plan: bool = True) -> str:
         """The step's log line; `plan` adds the plan's groups and microbatches (`dhp.log_plans`)."""
-        groups = f"groups {self.groups} | {self.num_microbatches} mb | " if plan else ""
+        groups = f"groups {self.groups} ({self.groups_created} created) | {self.num_microbatches} mb | " if plan else ""
         return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
                 f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | {groups}pred {self.predicted_s:.3f}s "
                 f"meas {self.measured_s:.3f}s | sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | "
@@ -104,7 +106,7 @@ class Trainer:
         self.static_cp = static_cp_size(longest, self.cost.domain)
         self.planner = StepPlanner(config.dhp, self.cost, dataset_max_tokens=longest,
                                    pipeline_stages=config.train.pp)
-        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups)
+        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups, family=self.planner.family_groups())
         if config.train.pp > 1:
             check_pipeline(self.domain)
         self.loss_ranks = _last_stage_domain()
@@ -124,7 +126,8 @@ class Trainer:
                 f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
-                f"{self.longest} (static CP {self.static_cp}) | from step {self.completed + 1} of {c.train.steps}")
+                f"{self.longest} (static CP {self.static_cp}) | {self.pool.at_startup} groups created at start-up | "
+                f"from step {self.completed + 1} of {c.train.steps}")
 
     def _cost_config(self, config: TrainConfig) -> CostConfig:
         """The configured cost model on this job's domain."""
@@ -216,6 +219,7 @@ class Trainer:
             num_samples=len(plan.samples),
             num_tokens=num_tokens,
             groups=" ".join(f"{n}x{d}" for d, n in sorted(sizes.items())),
+            groups_created=self.pool.created,
             num_microbatches=plan.num_microbatches,
             predicted_s=float(plan.predicted_step_time_s or 0.0),
             measured_s=times[0],

@@ -31,6 +31,8 @@ class TrainResult:
     """The plan JSON of every step this run trained, in step order (for plots and comparisons)."""
     cost: CostConfig
     """The cost model the run planned and predicted with, on its live domain."""
+    groups_at_startup: int
+    """Multi-rank groups (communicators per domain) created at start-up: the group family."""
 
     @property
     def median_step_s(self) -> float:
@@ -63,6 +65,7 @@ class TrainResult:
             f"{median(r.plan_wait_s for r in self.records) * 1e3:.1f} ms",
             f"cost model vs measured: median |error| {100 * median(errors):.1f}%, max {100 * max(errors):.1f}%, "
             f"{self.steps_within()}/{len(errors)} steps within 15%",
+            f"groups: {self.groups_at_startup} created at start-up, {last.groups_created} created after start-up",
         ]
 
     def to_dict(self) -> dict:
@@ -102,4 +105,4 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
     else:
         records = trainer.train(on_step=keep_plan)
     return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size, trainer.static_cp,
-                       plans, trainer.cost)
+                       plans, trainer.cost, trainer.pool.at_startup)

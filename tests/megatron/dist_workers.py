@@ -38,7 +38,7 @@ def megatron_args(**overrides: object) -> argparse.Namespace:
     """The parsed Megatron-LM arguments `setup` reads, with DHP on and small sizes."""
     args = argparse.Namespace(
         dhp=True, dhp_config=None, dhp_planner=None, dhp_max_tokens_per_rank=8, dhp_comm=None, dhp_cost=None,
-        dhp_log_plans=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
+        dhp_log_plans=None, dhp_max_groups_per_rank=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
         tensor_model_parallel_size=1, sequence_parallel=False,
     )
     for key, value in overrides.items():
@@ -222,7 +222,7 @@ def hooks_checks() -> dict:
     train, valid, _ = setup(megatron_args(), h.train, h.valid, None)
     runtime = train.iterable.runtime
     out["wrapped"] = (type(train).__name__, type(train.iterable).__name__, train.iterable.source is h.train.iterable)
-    out["exact"], out["counts"] = [], []
+    out["exact"], out["counts"], out["at_startup"] = [], [], runtime.pool.at_startup
     for step in range(3):
         reports, loss = h.run(train)
         out["exact"].append(h.compare(step, loss))

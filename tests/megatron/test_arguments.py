@@ -74,6 +74,8 @@ def test_flags_override_the_yaml(tmp_path):
         "static", 2048, "ring", True, False)
     assert validate_dhp_args(parse(["--dhp", "--dhp-config", str(yaml)])).comm == "ulysses"
     assert dhp_config_from_args(parse(["--dhp"])).planner == "dhp"  # no YAML: the defaults
+    assert dhp_config_from_args(parse(["--dhp"])).max_groups_per_rank is None  # the planner's own
+    assert dhp_config_from_args(parse(["--dhp", "--dhp-max-groups-per-rank", "0"])).max_groups_per_rank == 0
 
 
 @pytest.mark.parametrize(

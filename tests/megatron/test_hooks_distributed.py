@@ -43,6 +43,12 @@ def test_each_rank_runs_the_plans_microbatch_count(ranks):
     assert any(rank != [K] * 3 for rank in counts)
 
 
+def test_the_group_family_is_created_at_setup_and_no_step_creates_a_group(ranks):
+    for r in ranks:
+        assert r["at_startup"] == 5  # dhp's family of 4 ranks: (0,1) (2,3) (0,1,2) (1,2,3) (0,1,2,3)
+        assert [created for _, created in r["counts"]] == [0, 0, 0]
+
+
 def test_planning_reads_one_step_ahead_and_a_replay_reads_nothing(ranks):
     for r in ranks:
         assert r["pulled_after_3"] == 4 * K  # 3 steps + the one planned ahead

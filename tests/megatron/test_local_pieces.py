@@ -15,7 +15,7 @@ from megatron_dhp.workload.sample import Batch
 
 def dhp_args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**{"dhp": True, "dhp_config": None, "dhp_planner": None, "dhp_max_tokens_per_rank": None,
-                                 "dhp_comm": None, "dhp_cost": None, "dhp_log_plans": None, **kw})
+                                 "dhp_comm": None, "dhp_cost": None, "dhp_log_plans": None, "dhp_max_groups_per_rank": None, **kw})
 
 
 def test_layer_spec_swaps_attention_in_megatron_specs():

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
@@ -101,6 +102,13 @@ def domain_of_four_checks() -> dict:
     out["lru"] = (small.created, small.released, len(small))
     out["lru_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ulysses")
     out["lru_after"] = (small.created, small.released, len(small))
+
+    family = GroupPool(check.domain, family=group_family(4, 4).groups)  # (0,1) (2,3) (0,1,2) (1,2,3) (0,1,2,3)
+    check.pool = family
+    out["family_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ring")  # both groups in the family
+    out["family_in"] = (family.at_startup, family.created, family.hits, len(family))
+    family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
+    out["family_out"] = (family.created, len(family))
 
     two_heads = SelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
     out["two_heads"] = [two_heads.check(p, samples, "ulysses") for p in plans.values()]

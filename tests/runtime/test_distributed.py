@@ -71,6 +71,13 @@ def test_p2p_steps_create_no_group(four):
         assert rank["p2p_pool"] == (0, 0, 0)
 
 
+def test_a_family_pool_creates_its_groups_at_start_up_and_none_for_plans_inside_it(four):
+    for rank in four:
+        assert_exact(rank["family_exact"])
+        assert rank["family_in"] == (5, 0, 2, 5)  # a plan held to the family creates nothing after start-up
+        assert rank["family_out"] == (3, 8)  # (0,2) (1,3) (0,1,3) are not in it: created, and counted
+
+
 def test_lru_cap_releases_and_recreates(four):
     for rank in four:
         assert rank["lru"] == (5, 2, 3)  # 2 + 3 distinct groups over two plans, cap 3: the first two go

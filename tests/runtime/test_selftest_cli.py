@@ -77,6 +77,9 @@ def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts():
     assert "MoE 4 experts top-2 (alltoall), EP 2, domain of 4" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(lines) == 2 and all(line.endswith("| ok") for line in lines), proc.stdout
+    # The plans drew their groups from the family made at start-up: no communicator after it.
+    assert "group family: 5 groups, at most 4 per rank" in proc.stdout
+    assert "groups: 5 created at start-up, 0 created after start-up" in proc.stdout
 
 
 def test_selftest_moe_allgather_dispatcher_at_ep_one():

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.cost import CostConfig
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.training.job import rank_main
 from megatron_dhp.training.profile import fit_report
@@ -46,6 +47,18 @@ def test_the_planners_really_differ(runs):
     assert {r.groups for r in rank["static"]} == {"1x2"}  # static CP 2: one group of both ranks every step
     assert any("2x1" in r.groups for r in rank["dhp"])  # dhp runs short samples on single ranks
     assert all(r.groups == "1x1" for r in runs["one"]["single"])
+
+
+def test_no_communicator_is_created_after_start_up_with_the_group_family():
+    config = workers.tiny_config(nproc=4, max_tokens_per_rank=24).with_overrides(train={"steps": 6})
+    runs = launch(rank_main, 4, workers.family_runs, config, timeout_s=400)
+    family = group_family(4, 4, DEFAULT_MAX_GROUPS_PER_RANK)
+    for rank in runs:
+        fixed, free = rank["family"], rank["any"]
+        assert fixed["at_startup"] == len(family) == 5 and fixed["created"] == [0] * 6
+        assert len({size for line in fixed["groups"] for size in line.split()}) >= 3  # plans did change groups
+        assert free["at_startup"] == 0 and free["created"][-1] >= 2  # the same run without it creates groups
+        assert fixed["losses"] == pytest.approx(free["losses"], rel=RELATIVE)
 
 
 def test_resume_at_step_10_reproduces_steps_11_to_20_exactly(runs):
