@@ -21,6 +21,7 @@ import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,16 +34,40 @@ from megatron_dhp.runtime.fused import gather_rows, scatter_rows
 from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.workload.sample import Batch, Sample
 
+if TYPE_CHECKING:
+    from megatron_dhp.runtime.vision import VisionInputs
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image (or video) of a sample: the run of LLM positions its embeddings fill, and its pixels."""
+
+    start: int
+    """First position of the sample it occupies; it fills `llm_tokens` positions from there."""
+    llm_tokens: int
+    enc_tokens: int
+    """Vision-encoder tokens (patches) of all its tiles; each tile is one block of the encoder's attention."""
+    pixels: torch.Tensor
+    """[tiles, 3, height, width]."""
+
+    @property
+    def tiles(self) -> int:
+        """Tiles (or frames): the encoder's independent attention blocks."""
+        return int(self.pixels.shape[0])
+
 
 @dataclass(frozen=True)
 class TokenSample:
-    """One training sequence as the data loader gives it: inputs, next-token labels, loss mask, all [L]."""
+    """One training sequence as the data loader gives it: inputs, next-token labels, loss mask, all [L], and
+    for a multimodal sample its images (their positions hold placeholder ids; the model fills them)."""
 
     id: int
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     """1 where the token's loss counts, 0 where it does not (e.g. prompt tokens); must be 0/1."""
+    images: tuple[ImageInput, ...] = ()
+    """By start position, non-overlapping."""
 
     def __post_init__(self) -> None:
         n = self.input_ids.numel()
@@ -54,6 +79,15 @@ class TokenSample:
                 raise DhpError(f"sample {self.id}: {name} has shape {shape}, expected ({n},) like input_ids")
         if not bool(((self.loss_mask == 0) | (self.loss_mask == 1)).all()):
             raise DhpError(f"sample {self.id}: loss_mask must hold only 0 and 1 (token weights are not supported)")
+        end = 0
+        for k, image in enumerate(self.images):
+            if image.start < end or image.llm_tokens < 1 or image.start + image.llm_tokens > n:
+                raise DhpError(f"sample {self.id}: image {k} at positions {image.start}..{image.start + image.llm_tokens - 1} "
+                               f"must lie inside the sample's {n} tokens, after the previous image, in start order")
+            if image.pixels.dim() != 4 or image.tiles < 1 or image.enc_tokens % image.tiles:
+                raise DhpError(f"sample {self.id}: image {k} needs pixels [tiles >= 1, 3, h, w] and encoder tokens that "
+                               f"divide by its tiles, got {tuple(image.pixels.shape)} and {image.enc_tokens}")
+            end = image.start + image.llm_tokens
 
     @property
     def length(self) -> int:
@@ -67,6 +101,28 @@ def local_slice(samples: Sequence[TokenSample], position: int, size: int) -> lis
 
 
 @dataclass(frozen=True)
+class GatheredImage:
+    """An image of the global batch as every rank knows it after the gather (its pixels stay with `owner`)."""
+
+    sample_id: int
+    index: int
+    """Its place among the sample's images."""
+    start: int
+    llm_tokens: int
+    enc_tokens: int
+    tiles: int
+    tile_shape: tuple[int, int, int]
+    """[channels, height, width] of each tile."""
+    owner: int
+    """Domain position that holds its pixels (the sample's)."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(sample id, index): the canonical order of the batch's images."""
+        return self.sample_id, self.index
+
+
+@dataclass(frozen=True)
 class GatheredBatch:
     """What every rank knows after the length gather: the global batch and who holds which sample."""
 
@@ -75,6 +131,8 @@ class GatheredBatch:
     """Sample id -> domain position that holds its tokens."""
     num_loss_tokens: int
     """Tokens whose loss counts, over the whole global batch: the step's loss denominator."""
+    images: tuple[GatheredImage, ...] = ()
+    """Every image of the batch, by (sample id, index)."""
 
 
 SlotRows = tuple[tuple[int, ...], ...]
@@ -110,30 +168,50 @@ class StepInputs:
     """Every sample's shard is padded to a multiple of this (the TP size under sequence parallelism)."""
     slot_rows: SlotRows | None = None
     """Rows every rank holds in each aligned slot when the step equalises them (`slots.aligned_slot_rows`)."""
+    vision: VisionInputs | None = None
+    """The step's images on this rank (`vision.move_images`), when the batch has any."""
 
 
 def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
-    """All-gather (id, length, loss tokens) of every sample over the domain. Collective."""
-    rows = torch.tensor([[s.id, s.length, int(s.loss_mask.sum())] for s in local], dtype=torch.int64).view(-1, 3)
-    counts = _all_gather(torch.tensor([rows.shape[0]]), domain.group, domain.size, domain.device).view(-1).tolist()
-    padded = torch.zeros(max(max(counts), 1), 3, dtype=torch.int64)
-    padded[: rows.shape[0]] = rows
-    gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, 3)
+    """All-gather (id, length, loss tokens) of every sample over the domain, then, when the batch has images,
+    (sample id, index, start, LLM tokens, encoder tokens, pixel shape) of every image. Collective."""
+    rows = [[s.id, s.length, int(s.loss_mask.sum()), len(s.images)] for s in local]
     owners: dict[int, int] = {}
-    samples: list[Sample] = []
-    loss_tokens = 0
-    for position, count in enumerate(counts):
-        for sid, length, n_loss in gathered[position, :count].tolist():
+    lengths: dict[int, int] = {}
+    loss_tokens, num_images = 0, 0
+    for position, held in enumerate(_gather_rows(rows, 4, domain)):
+        for sid, length, n_loss, n_images in held:
             if sid in owners:
                 raise DhpError(f"sample id {sid} is held by domain positions {owners[sid]} and {position}; ids must be unique")
-            owners[sid] = position
-            samples.append(Sample(sid, length))
+            owners[sid], lengths[sid] = position, length
             loss_tokens += n_loss
-    if not samples:
+            num_images += n_images
+    if not owners:
         raise DhpError("no rank of the domain holds a sample; the global batch is empty")
     if loss_tokens == 0:
         raise DhpError("no token of the global batch has loss_mask 1; the step would divide by zero tokens")
-    return GatheredBatch(Batch(tuple(sorted(samples, key=lambda s: s.id))), owners, loss_tokens)
+    images: list[GatheredImage] = []
+    if num_images:  # every rank knows the count, so all of them take this second gather or none does
+        mine = [[s.id, k, im.start, im.llm_tokens, im.enc_tokens, *im.pixels.shape]
+                for s in local for k, im in enumerate(s.images)]
+        images = sorted((GatheredImage(*row[:6], tile_shape=tuple(row[6:]), owner=position)
+                         for position, held in enumerate(_gather_rows(mine, 9, domain)) for row in held),
+                        key=lambda im: im.key)
+        if len({im.tile_shape for im in images}) > 1:
+            raise DhpError(f"the batch's images have tiles of shapes {sorted({im.tile_shape for im in images})}; every "
+                           "tile must have the model's one shape [3, tile_px, tile_px]")
+    samples = [Sample(sid, lengths[sid]) for sid in sorted(lengths)]
+    return GatheredBatch(Batch(tuple(samples)), owners, loss_tokens, tuple(images))
+
+
+def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain) -> list[list[list[int]]]:
+    """Every domain position's rows of `width` integers (any count per position). Two all-gathers."""
+    mine = torch.tensor(rows, dtype=torch.int64).view(-1, width)
+    counts = _all_gather(torch.tensor([mine.shape[0]]), domain.group, domain.size, domain.device).view(-1).tolist()
+    padded = torch.zeros(max(max(counts), 1), width, dtype=torch.int64)
+    padded[: mine.shape[0]] = mine
+    gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, width)
+    return [gathered[position, :count].tolist() for position, count in enumerate(counts)]
 
 
 def check_world(plan: Plan, domain: DynamicDomain) -> None:
@@ -216,7 +294,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     picks, send_rows = [torch.empty(0, dtype=torch.int64)], []
     for dest in range(domain.size):
         count = 0
-        for layout, _, _ in _microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
+        for layout, _, _ in microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
             for i, (sid, n) in enumerate(zip(layout.sample_ids, layout.lengths)):
                 if gathered.owners[sid] == me:
                     held = layout.sample_positions(i)
@@ -225,7 +303,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
         send_rows.append(count)
     send = gather_rows(rows, torch.cat(picks))
 
-    mine = _microbatches_of(plan, me, lengths, seq_multiple, slot_rows)
+    mine = microbatches_of(plan, me, lengths, seq_multiple, slot_rows)
     owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
     slots_of_sample = [n for layout, _, _ in mine for n in layout.local_lengths]
     sources = torch.repeat_interleave(
@@ -265,7 +343,7 @@ def _local_problem(plan: Plan, gathered: GatheredBatch) -> str | None:
     return None
 
 
-def _microbatches_of(plan: Plan, position: int, lengths: dict[int, int], seq_multiple: int,
+def microbatches_of(plan: Plan, position: int, lengths: dict[int, int], seq_multiple: int,
                      slot_rows: SlotRows | None) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
     """(layout, sorted group ranks, phase) of every microbatch `position` runs, in execution order."""
     out = []

@@ -10,7 +10,8 @@
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective), unless the engine's variant runs on
    the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group);
-6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`);
+6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`), and a multimodal
+   batch's pixels to the ranks that encode them (`vision.move_images`, by the engine's encoder placement);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
    each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
 
@@ -31,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from megatron_dhp.runtime.dispatch import (
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, work_items
+from megatron_dhp.runtime.vision import move_images
 from megatron_dhp.workload.sample import Batch
 
 
@@ -136,6 +138,7 @@ class StepEngine:
         aligned_slots: bool = False,
         equal_rows: bool = False,
         comm: str | None = None,
+        encoder_placement: str = "split",
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
@@ -156,6 +159,8 @@ class StepEngine:
         self.equal_rows = equal_rows
         """Every position holds the same rows in each aligned slot (`slots.aligned_slot_rows`): needed by
         megatron-core's allgather MoE dispatcher with expert parallelism."""
+        self.encoder_placement = encoder_placement
+        """Which ranks encode a multimodal batch's images (`vision.PLACEMENTS`)."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -233,8 +238,13 @@ class StepEngine:
         if self.pool is not None and self.comm not in DOMAIN_COMMS:
             self.pool.prepare(plan)
         rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
-        return move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
-                           slot_rows=rows)
+        inputs = move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
+                             slot_rows=rows)
+        if not current.gathered.images:
+            return inputs
+        vision = move_images(current.local, plan, current.gathered, self.domain, placement=self.encoder_placement,
+                             seq_multiple=self.seq_multiple, slot_rows=rows)
+        return replace(inputs, vision=vision)
 
     def _plan(self, batch: Batch) -> Plan:
         """The plan of `batch`, solved on rank `PLANNING_RANK` and broadcast to every rank. Collective."""

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.dispatch import TokenSample, local_slice
@@ -27,6 +28,7 @@ from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
+from megatron_dhp.runtime.vlm import TinyVLM, TinyVLMConfig
 from megatron_dhp.workload.sample import Batch
 
 TOLERANCE = 1e-5
@@ -102,11 +104,12 @@ class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
-                 tied_embeddings: bool = False) -> None:
+                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None) -> None:
+        """`vlm`: check the vision-language model of that config (its language model is `vlm.language`)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        config = config or TinyGPTConfig()
+        config = vlm.language if vlm is not None else config or TinyGPTConfig()
         self.config = config
         self.backend = backend
         self.domain = DynamicDomain.from_parallel_state()
@@ -115,7 +118,7 @@ class SelfCheck:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         if self.pp_group.size() > 1:
             check_pipeline(self.domain)
-        inner = build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings)
+        inner = TinyVLM(vlm, seed=seed) if vlm is not None else build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings)
         if torch.cuda.is_available():
             inner.cuda()
         self.model = DistributedDataParallel(
@@ -123,16 +126,21 @@ class SelfCheck:
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
             module=inner,
         )
-        self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
+        if vlm is not None:
+            self.reference = TinyVLM(vlm, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups(),
+                                     seed=seed)
+        else:
+            self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
 
-    def check(self, plan: Plan, samples: list[TokenSample], comm: str) -> CheckResult:
-        """Run one step under `plan` and compare it with the oracle on the same samples. Collective."""
+    def check(self, plan: Plan, samples: list[TokenSample], comm: str, *, placement: str = "split") -> CheckResult:
+        """Run one step under `plan` and compare it with the oracle on the same samples (images encoded where
+        `placement` says). Collective."""
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, comm=comm)
+                            equal_rows=equal_rows, comm=comm, encoder_placement=placement)
         inputs = engine.prepare(local, plan)
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step

@@ -9,6 +9,7 @@ DDP with `calculate_per_token_loss`, static CP 1, over the whole domain). `train
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from megatron.core.distributed import finalize_model_grads
@@ -18,6 +19,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.engine import Slot, StepEngine
+from megatron_dhp.runtime.vision import exchange
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,18 @@ class StepResult:
     global_loss_tokens: int
 
 
-def forward_thd(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext, *, labels: bool = True) -> torch.Tensor:
+def forward_thd(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext, *, labels: bool = True,
+                decoder_input: torch.Tensor | None = None) -> torch.Tensor:
     """Run one microbatch through a megatron GPT (or one pipeline stage of it) as THD over its group: the
-    per-token losses, [1, t], unmasked, when given the labels; else the stage's output activations."""
+    per-token losses, [1, t], unmasked, when given the labels; else the stage's output activations.
+    `decoder_input` [t, 1, h] replaces the word embeddings (a vision-language model's merged input)."""
     device = next(model.parameters()).device
     params = DhpPackedSeqParams.for_microbatch(ctx, device=device)
     return model(
         mb.input_ids[None].to(device),
         mb.position_ids[None].to(device),
         None,
+        decoder_input=decoder_input,
         labels=mb.labels[None].to(device) if labels else None,
         packed_seq_params=params,
     )
@@ -62,13 +67,50 @@ class _LossSum:
         self.loss_tokens = 0
 
     def forward(self, slot: Slot) -> torch.Tensor:
-        loss, count = masked_loss_sum(forward_thd(self.model, slot.inputs, slot.context), slot.inputs)
+        loss, count = masked_loss_sum(self.per_token(slot), slot.inputs)
         self.loss_sum += float(loss.detach())
         self.loss_tokens += count
         return loss
 
+    def per_token(self, slot: Slot) -> torch.Tensor:
+        return forward_thd(self.model, slot.inputs, slot.context)
+
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.global_loss_tokens).backward()
+
+
+class VisionLanguageModel(Protocol):
+    """What a step with images needs of the model (`runtime.vlm.TinyVLM` has it)."""
+
+    language: torch.nn.Module
+    """A megatron GPT with dynamic-CP attention, fed `embed`'s output as its decoder input."""
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Tiles [k, 3, h, w] -> their LLM-token embeddings [rows, hidden], image after image."""
+        ...
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, image_rows: torch.Tensor,
+              image_embeddings: torch.Tensor) -> torch.Tensor:
+        """Word embeddings [t, 1, h] with rows `image_rows` replaced by `image_embeddings`."""
+        ...
+
+
+class _ImageLossSum(_LossSum):
+    """`_LossSum` whose microbatches take their image rows from the embeddings the step received."""
+
+    def __init__(self, model: torch.nn.Module, global_loss_tokens: int, received: torch.Tensor,
+                 microbatches: tuple[MicrobatchInputs, ...], rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
+        super().__init__(model, global_loss_tokens)
+        self.vlm: VisionLanguageModel = model.module if hasattr(model, "finish_grad_sync") else model
+        self.received = received
+        self.rows = {id(mb): r for mb, r in zip(microbatches, rows)}
+
+    def per_token(self, slot: Slot) -> torch.Tensor:
+        mb = slot.inputs
+        empty = torch.empty(0, dtype=torch.int64)
+        slots, rows = self.rows.get(id(mb), (empty, empty))  # a padding slot of aligned slots has no image
+        merged = self.vlm.embed(mb.input_ids[None], mb.position_ids[None], slots, self.received[rows])
+        return forward_thd(self.vlm.language, mb, slot.context, decoder_input=merged)
 
 
 def run_step(
@@ -93,11 +135,14 @@ def run_step(
             "the model's DDP averages gradients over the domain (calculate_per_token_loss=False), which "
             "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
         )
-    work = _LossSum(model, inputs.num_loss_tokens)
     # A MoE router's load-balancing loss (a sum over a microbatch's tokens under per-token loss) is
     # divided by the same global loss-token count as the main loss.
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
-    engine.run(inputs, work, comm=comm, backend=backend)
+    if inputs.vision is None:
+        work = _LossSum(model, inputs.num_loss_tokens)
+        engine.run(inputs, work, comm=comm, backend=backend)
+    else:
+        work = _run_with_images(engine, model, inputs, comm=comm, backend=backend)
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)
     return StepResult(
@@ -106,6 +151,24 @@ def run_step(
         num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches),
         global_loss_tokens=inputs.num_loss_tokens,
     )
+
+
+def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs, *, comm: str,
+                     backend: str) -> _LossSum:
+    """The step of a multimodal batch (`runtime.vision`): encode this rank's images, send their rows, walk the
+    microbatches, return the rows' gradients and run the encoder's backward once."""
+    vision = inputs.vision
+    vlm: VisionLanguageModel = model.module if hasattr(model, "finish_grad_sync") else model
+    encoded = vlm.encode(vision.pixels)
+    received = exchange(encoded.detach()[vision.send_rows], vision.send_counts, vision.recv_counts, engine.domain)
+    received.requires_grad_(True)
+    work = _ImageLossSum(model, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows)
+    engine.run(inputs, work, comm=comm, backend=backend)
+    grad = received.grad if received.grad is not None else torch.zeros_like(received)
+    back = exchange(grad, vision.recv_counts, vision.send_counts, engine.domain)
+    if encoded.requires_grad:
+        encoded.backward(torch.zeros_like(encoded).index_add_(0, vision.send_rows, back))
+    return work
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:

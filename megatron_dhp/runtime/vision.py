@@ -1,0 +1,170 @@
+"""Images of a step: which ranks encode them, pixels to those ranks, embeddings to the ranks of the LLM tokens.
+
+The plan places every sample's LLM tokens (zigzag over its group); the encoder placement places its images:
+
+- `split`: the images of a group's samples spread over the group's ranks (longest first to the least
+  loaded), embeddings sent inside the group (LongVILA's MM-SP);
+- `replicate`: every rank of the group encodes all of the group's images and keeps the rows it holds
+  (upstream CP, the DHP authors' code): no embedding moves, pixels go to every member;
+- `global`: the images of the whole batch spread over the whole domain (OrchMLLM, MindSpeed-MM), then an
+  all-to-all of embeddings to the LLM owners.
+
+Execution is the same for all three (`run_vlm_step`): each rank encodes its images once, before the step's
+first microbatch; one all-to-all over the domain moves the embedding rows the LLM positions need; every
+microbatch fills its image rows from them; after the last microbatch the embeddings' gradients go back in
+one all-to-all and the encoder's backward runs once. No collective runs inside a microbatch's autograd, so
+ranks with different microbatch counts never wait for each other there. Loss and every gradient (encoder
+and projector included) equal one process's: a rank's encoder sees only the gradient of the rows it sent,
+and megatron DDP's sum over the domain adds up every image's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.dispatch import GatheredBatch, GatheredImage, SlotRows, TokenSample, microbatches_of
+from megatron_dhp.runtime.domain import DynamicDomain
+
+PLACEMENTS = ("split", "replicate", "global")
+"""Encoder placements the runtime executes (a plan's `auto` is resolved to one of them by its planner)."""
+
+ImageKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """This rank's part of a step's images: the tiles it encodes and where their embedding rows go."""
+
+    pixels: torch.Tensor
+    """[tiles, 3, h, w]: the tiles of the images this rank encodes, image after image in canonical order."""
+    send_rows: torch.Tensor
+    """Rows of this rank's encoder output to send, destination after destination."""
+    send_counts: list[int]
+    recv_counts: list[int]
+    microbatch_rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    """Per microbatch of this rank (execution order): its image slots, and the received rows that fill them."""
+
+
+def encoder_ranks(plan: Plan, images: Sequence[GatheredImage], placement: str) -> dict[ImageKey, tuple[int, ...]]:
+    """The domain positions that encode each image under `placement` (one, or the whole group for replicate).
+
+    Longest first (by encoder tokens) to the least loaded rank, ties to the lowest position: a pure function
+    of the plan and the gathered images, so every rank computes the same answer without a collective.
+    """
+    if placement not in PLACEMENTS:
+        raise DhpError(f"encoder placement {placement!r} is unknown; the runtime runs {', '.join(PLACEMENTS)}")
+    group_of = {sid: tuple(sorted(g.ranks)) for g in plan.groups for mb in g.microbatches for sid in mb}
+    if placement == "replicate":
+        return {im.key: group_of[im.sample_id] for im in images}
+    pools: dict[tuple[int, ...], list[GatheredImage]] = {}
+    for im in images:
+        pools.setdefault(group_of[im.sample_id] if placement == "split" else tuple(range(plan.world_size)), []).append(im)
+    out: dict[ImageKey, tuple[int, ...]] = {}
+    for ranks, pool in pools.items():
+        load = dict.fromkeys(ranks, 0)
+        for im in sorted(pool, key=lambda im: (-im.enc_tokens, im.key)):
+            rank = min(ranks, key=lambda r: (load[r], r))
+            load[rank] += im.enc_tokens
+            out[im.key] = (rank,)
+    return out
+
+
+def move_images(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain, *,
+                placement: str, seq_multiple: int = 1, slot_rows: SlotRows | None = None) -> VisionInputs:
+    """Send every image's pixels to the ranks that encode it and work out the embedding exchange. Collective."""
+    me, n = domain.position, domain.size
+    encoders = encoder_ranks(plan, gathered.images, placement)
+    mine = [im for im in gathered.images if me in encoders[im.key]]  # canonical order
+
+    # pixels: the owner sends each image to each of its encoders, image after image in canonical order
+    pixels_of = {(s.id, k): im.pixels for s in local for k, im in enumerate(s.images)}
+    send = [[pixels_of[im.key] for im in gathered.images if im.owner == me and dest in encoders[im.key]] for dest in range(n)]
+    tile_shape = gathered.images[0].tile_shape
+    recv_tiles = [sum(im.tiles for im in mine if im.owner == src) for src in range(n)]
+    flat = _all_to_all_rows([torch.cat(part) if part else torch.empty(0, *tile_shape) for part in send],
+                            recv_tiles, domain)
+    # received tiles come grouped by owner; put them back in canonical order
+    starts = _offsets([im.tiles for im in mine])
+    by_owner = sorted(range(len(mine)), key=lambda i: (mine[i].owner, i))
+    order = torch.cat([torch.arange(starts[i], starts[i] + mine[i].tiles) for i in by_owner] or [torch.empty(0, dtype=torch.int64)])
+    pixels = torch.empty_like(flat)
+    pixels[order] = flat
+
+    # embedding rows: each encoder's output holds its images' rows back to back, in canonical order
+    row_of: dict[ImageKey, dict[int, int]] = {}
+    for rank in range(n):
+        offsets = _offsets([im.llm_tokens for im in gathered.images if rank in encoders[im.key]])
+        keys = [im.key for im in gathered.images if rank in encoders[im.key]]
+        for key, first in zip(keys, offsets):
+            row_of.setdefault(key, {})[rank] = first
+    lengths = {s.id: s.tokens for s in gathered.batch.samples}
+    images_of: dict[int, list[GatheredImage]] = {}
+    for im in gathered.images:
+        images_of.setdefault(im.sample_id, []).append(im)
+
+    send_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    mine_requests: list[tuple[torch.Tensor, torch.Tensor]] = []  # per microbatch: its image slots, their sources
+    for dest in range(n):
+        for layout, _, _ in microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
+            slots, sources, rows = [], [], []
+            for i, sid in enumerate(layout.sample_ids):
+                positions = layout.sample_positions(i)
+                base = int(layout.local_cu_seqlens[i])
+                for im in images_of.get(sid, ()):
+                    held = torch.nonzero((positions >= im.start) & (positions < im.start + im.llm_tokens)).view(-1)
+                    source = dest if dest in encoders[im.key] else encoders[im.key][0]
+                    slots.append(base + held)
+                    sources.append(torch.full_like(held, source))
+                    rows.append(row_of[im.key][source] + positions[held] - im.start)
+            cat = [torch.cat(x) if x else torch.empty(0, dtype=torch.int64) for x in (slots, sources, rows)]
+            send_rows[dest].append(cat[2][cat[1] == me])
+            if dest == me:
+                mine_requests.append((cat[0], cat[1]))
+    send_counts = [sum(int(t.numel()) for t in part) for part in send_rows]
+    all_sources = torch.cat([s for _, s in mine_requests] or [torch.empty(0, dtype=torch.int64)])
+    recv_counts = torch.bincount(all_sources, minlength=n).tolist()
+    # the receive buffer is grouped by source, each source's rows in this rank's request order
+    position = torch.empty_like(all_sources)
+    position[torch.argsort(all_sources, stable=True)] = torch.arange(all_sources.numel())
+    microbatch_rows, start = [], 0
+    for slots, _ in mine_requests:
+        microbatch_rows.append((slots, position[start:start + slots.numel()]))
+        start += slots.numel()
+    return VisionInputs(
+        pixels=pixels,
+        send_rows=torch.cat([t for part in send_rows for t in part] or [torch.empty(0, dtype=torch.int64)]),
+        send_counts=send_counts,
+        recv_counts=recv_counts,
+        microbatch_rows=tuple(microbatch_rows),
+    )
+
+
+def exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], domain: DynamicDomain) -> torch.Tensor:
+    """One all-to-all over the domain of embedding rows [sum(send_counts), h] -> [sum(recv_counts), h]."""
+    return _all_to_all_rows(list(rows.split(send_counts)), recv_counts, domain)
+
+
+def _all_to_all_rows(parts: list[torch.Tensor], recv_counts: list[int], domain: DynamicDomain) -> torch.Tensor:
+    """Send parts[d] (rows of equal trailing shape) to position d; rows from each source, grouped by source."""
+    tail = parts[0].shape[1:]
+    width = int(torch.Size(tail).numel())
+    device = domain.device
+    send = torch.cat([p.reshape(-1) for p in parts]).to(device)
+    out = torch.empty(sum(recv_counts) * width, dtype=send.dtype, device=device)
+    dist.all_to_all_single(out, send, [c * width for c in recv_counts], [p.shape[0] * width for p in parts],
+                           group=domain.group)
+    return out.view(-1, *tail).cpu()
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out

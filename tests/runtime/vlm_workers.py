@@ -1,0 +1,57 @@
+"""What the vision-language runtime tests run on every spawned rank (importable, results picklable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed
+from megatron_dhp.runtime.vision import PLACEMENTS
+from megatron_dhp.runtime.vlm import TinyVLMConfig, random_vlm_samples
+from tests.runtime.dist_workers import batch, plans_of_four
+
+SEED = 11
+
+
+def vlm_checks() -> dict:
+    """Every plan of four ranks (groups of 1-4, non-contiguous, idle rank, barrier) under every encoder
+    placement and comm variant, against one process; and the vision tower's gradient, to show it trained."""
+    apply_cpu_compat()
+    init_distributed(tensor_parallel=1)
+    config = TinyVLMConfig()
+    check = SelfCheck(vlm=config, seed=SEED)
+    samples = random_vlm_samples(batch(), config, seed=SEED)
+    out: dict = {"images": sum(len(s.images) for s in samples), "exact": {}}
+    for name, plan in plans_of_four().items():
+        for placement in PLACEMENTS:
+            for comm in COMM_VARIANTS:
+                out["exact"][name, placement, comm] = check.check(plan, samples, comm, placement=placement)
+    vision = dict(check.model.module.vision.named_parameters())
+    out["vision_grad"] = float(vision["conv1.weight"].main_grad.abs().max())
+    dist.destroy_process_group()
+    return out
+
+
+def tile_independence() -> tuple[float, float]:
+    """One rank: how much a tile's embedding changes when (a) another tile is encoded with it, (b) the last
+    patch of its own tile changes (0 and > 0 for a per-tile bidirectional encoder)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dhp.runtime.reference import single_rank_groups
+    from megatron_dhp.runtime.vlm import TinyVLM
+
+    apply_cpu_compat()
+    init_distributed(tensor_parallel=1)
+    config = TinyVLMConfig()
+    model = TinyVLM(config, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups())
+    pixels = torch.randn(2, 3, config.tile_px, config.tile_px, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        both, alone = model.encode(pixels), model.encode(pixels[:1])
+        changed = pixels.clone()
+        changed[0, :, -config.patch_px:, -config.patch_px:] += 1.0
+        first = model.encode(changed)
+    per_tile = config.tokens_per_tile
+    dist.destroy_process_group()
+    return float((both[:per_tile] - alone).abs().max()), float((first[0] - both[0]).abs().max())
