@@ -5,7 +5,9 @@ phases, each communication variant in turn), or one given plan (`--plan FILE`, a
 under each variant), and compares the loss and every parameter gradient with a single-process run of
 megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
 run by megatron-core's 1F1B (`runtime.pipeline`); with `--model moe` every MLP is megatron-core's MoE layer
-(4 experts, top-2), its experts split over `--ep` ranks carved from the domain. Exits 1 on any mismatch.
+(4 experts, top-2), its experts split over `--ep` ranks carved from the domain; with `--model vlm` the model
+is an InternVL-shaped vision-language model (`runtime.vlm`) whose samples carry images, encoded under each
+`--placement` in turn (vision tower and projector gradients compared too). Exits 1 on any mismatch.
 
 Without a torchrun environment it spawns `--nproc` local ranks itself; under torchrun (any backend,
 e.g. NCCL on a cluster) it runs as one of the ranks and rank 0 prints.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
 from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
+from megatron_dhp.runtime.vision import PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class SelftestOptions:
     moe_dispatcher: str = "alltoall"
     plan_file: str | None = None
     """A plan JSON to replay instead of random plans (its domain size must be nproc / (tp x pp))."""
+    placements: tuple[str, ...] = PLACEMENTS
+    """Encoder placements used in turn (--model vlm)."""
     family: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Create the group family of this bound at start-up and draw the random plans' groups from it; 0: any
     groups, non-contiguous ones included, created as plans need them."""
@@ -64,8 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="megatron's sequence parallelism over the --tp ranks (needs --tp > 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages, run by megatron-core's non-interleaved 1F1B (default 1)")
-    p.add_argument("--model", choices=("gpt", "moe"), default="gpt",
-                   help="tiny dense GPT, or with megatron-core's MoE layer: 4 experts, top-2 (default gpt)")
+    p.add_argument("--model", choices=("gpt", "moe", "vlm"), default="gpt",
+                   help="tiny dense GPT; with megatron-core's MoE layer (4 experts, top-2); or an InternVL-shaped "
+                        "vision-language model whose samples carry images (default gpt)")
+    p.add_argument("--placement", default=",".join(PLACEMENTS),
+                   help=f"with --model vlm: comma-separated encoder placements, used in turn (default {','.join(PLACEMENTS)})")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size, carved from the domain's ranks (with --model moe; default 1)")
     p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
@@ -106,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
             raise DhpError(f"{flag} {value} must be at least 1")
     if args.sp and args.tp < 2:
         raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
+    placements = tuple(c.strip() for c in args.placement.split(",") if c.strip())
+    if not placements or any(p not in PLACEMENTS for p in placements):
+        raise DhpError(f"--placement {args.placement!r}: use a comma-separated subset of {','.join(PLACEMENTS)}")
+    if args.model == "vlm" and (args.tp > 1 or args.pp > 1):
+        raise DhpError(f"--model vlm runs with --tp 1 and --pp 1 (got --tp {args.tp} --pp {args.pp}): its vision tower "
+                       "is replicated over the domain")
     if args.ep > 1 and (args.model != "moe" or args.pp > 1):
         raise DhpError(f"--ep {args.ep} splits the experts of --model moe; it needs --model moe and --pp 1")
     plan_file = None
@@ -116,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file, args.family)
+                              plan_file, placements, args.family)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
     if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):
@@ -151,6 +165,7 @@ def worker(options: SelftestOptions) -> int:
     from megatron_dhp.runtime.group_pool import GroupPool
     from megatron_dhp.runtime.model import TinyGPTConfig
     from megatron_dhp.runtime.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
+    from megatron_dhp.runtime.vlm import TinyVLMConfig, random_vlm_samples
     from megatron_dhp.solver.random_plan import random_plan
     from megatron_dhp.workload.sample import Batch
 
@@ -168,7 +183,8 @@ def worker(options: SelftestOptions) -> int:
                                sequence_parallel=options.sequence_parallel,
                                num_experts=4 if options.model == "moe" else 0,
                                moe_token_dispatcher=options.moe_dispatcher)
-        check = SelfCheck(config=config, seed=options.seed, backend=options.attention)
+        vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
+        check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm)
         n = check.domain.size
         family = group_family(n, n, options.family) if options.family else None
         check.pool = GroupPool(check.domain, family=family.groups if family is not None else ())
@@ -177,6 +193,9 @@ def worker(options: SelftestOptions) -> int:
             sp = " + SP" if options.sequence_parallel else ""
             moe = (f", MoE 4 experts top-2 ({options.moe_dispatcher}), EP {options.expert_parallel}"
                    if options.model == "moe" else "")
+            if vlm is not None:
+                moe = (f", VLM: ViT {vlm.vision_layers}x{vlm.vision_hidden_size} over tiles of {vlm.patches_per_tile} "
+                       f"patches -> {vlm.tokens_per_tile} tokens, placements {','.join(options.placements)}")
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
                   f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
@@ -191,11 +210,15 @@ def worker(options: SelftestOptions) -> int:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
                 plan = random_plan(batch, domain, rng, family=family)
             comm = options.comms[k % len(options.comms)]
-            result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k), comm)
+            placement = options.placements[k % len(options.placements)]
+            samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
+                       else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))
+            result = check.check(plan, samples, comm, placement=placement)
             failures += not result.ok
             if lead:
                 sizes = "+".join(str(len(g.ranks)) for g in plan.groups)
-                print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {comm:9s} | loss {result.loss:.6f} | "
+                images = f" | {sum(len(s.images) for s in samples)} images, {placement:9s}" if vlm is not None else ""
+                print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {comm:9s}{images} | loss {result.loss:.6f} | "
                       f"max abs dloss {result.max_loss_diff:.1e} | max abs dgrad {result.max_grad_diff:.1e} | "
                       f"tokens {result.tokens_computed}/{result.batch_tokens} | {'ok' if result.ok else 'MISMATCH'}",
                       flush=True)

@@ -86,3 +86,13 @@ def test_selftest_moe_allgather_dispatcher_at_ep_one():
     proc = selftest("--model", "moe", "--moe-dispatcher", "allgather", "--nproc", "2", "--plans", "2", "--seed", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(allgather), EP 1" in proc.stdout and "all plans exact" in proc.stdout
+
+
+def test_selftest_vlm_checks_each_encoder_placement():
+    proc = selftest("--model", "vlm", "--nproc", "2", "--plans", "3", "--seed", "5", "--max-len", "48")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert [line.split("|")[-6].split(",")[-1].strip() for line in lines] == ["split", "replicate", "global"], proc.stdout
+    assert all(line.endswith("| ok") for line in lines) and "all plans exact" in proc.stdout
+    bad = selftest("--model", "vlm", "--tp", "2", "--nproc", "2")
+    assert bad.returncode == 2 and "--model vlm runs with --tp 1 and --pp 1" in bad.stderr
