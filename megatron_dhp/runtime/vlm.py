@@ -132,6 +132,10 @@ class TinyVLM(torch.nn.Module):
         init_weights_(self.vision, seed=seed + 1)
         init_weights_(self.projector, seed=seed + 2)
 
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """A batch without images is the language model's alone (GPTModel's arguments)."""
+        return self.language(*args, **kwargs)
+
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """Tiles [k, 3, tile_px, tile_px] -> their LLM-token embeddings [k x tokens_per_tile, hidden], tile by tile
         (each tile attends only within itself, so tiles of many images encode together)."""

@@ -16,6 +16,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.presets import resolve_preset
 from megatron_dhp.runtime.model import TinyGPTConfig
+from megatron_dhp.runtime.vlm import TinyVLMConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,41 @@ class ModelConfig(TinyGPTConfig):
         if self.num_attention_heads % self.num_query_groups:
             raise DhpError(f"model.num_attention_heads {self.num_attention_heads} must be a multiple of "
                            f"num_query_groups {self.num_query_groups}")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """An InternVL-shaped vision tower in front of the GPT (`runtime.vlm`); 0 layers: a text-only GPT.
+
+    With it the data's images (a multimodal source, e.g. `multimodal`) become tiles of random pixels: each
+    tile is `(tile_px / patch_px)^2` encoder tokens, one block of the encoder's attention, and a quarter as
+    many LLM tokens after the pixel shuffle (merge 4); without it they are dropped."""
+
+    layers: int = 0
+    """Transformer layers of the vision encoder (bidirectional attention within a tile)."""
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    tile_px: int = 28
+    """Side of a tile in pixels."""
+    patch_px: int = 7
+    """Side of a patch: (tile_px / patch_px)^2 encoder tokens per tile."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.layers < 0:
+            raise DhpError(f"vision.layers = {self.layers} must be >= 0 (0: no vision tower)")
+        for name in ("hidden_size", "num_attention_heads", "tile_px", "patch_px"):
+            if getattr(self, name) < 1:
+                raise DhpError(f"vision.{name} = {getattr(self, name)} must be >= 1")
+        self.model(TinyGPTConfig())  # the tower's own shape rules (tiles of whole 2 x 2 patch blocks, heads)
+
+    def model(self, language: TinyGPTConfig) -> TinyVLMConfig | None:
+        """The vision-language model of this tower and `language`; None without a tower."""
+        if not self.layers:
+            return None
+        return TinyVLMConfig(language=language, tile_px=self.tile_px, patch_px=self.patch_px,
+                             vision_layers=self.layers, vision_hidden_size=self.hidden_size,
+                             vision_heads=self.num_attention_heads)
 
 
 @dataclass(frozen=True)
@@ -134,6 +170,7 @@ class TrainConfig:
     """A whole training job: the model, the data, the run, and dynamic hybrid parallelism."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: RunConfig = field(default_factory=RunConfig)
     dhp: DhpConfig = field(default_factory=DhpConfig)

@@ -111,7 +111,8 @@ class Trainer:
             check_pipeline(self.domain)
         self.loss_ranks = _last_stage_domain()
         """The global ranks whose losses and token counts make the batch's: this TP coordinate's last stage."""
-        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
+        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
+                                 vision=config.vision)
         self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
         self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
         self.completed = 0

@@ -15,12 +15,17 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.model import build_tiny_gpt, dhp_layer_spec
-from megatron_dhp.training.config import ModelConfig, RunConfig
+from megatron_dhp.runtime.vlm import TinyVLM
+from megatron_dhp.training.config import ModelConfig, RunConfig, VisionConfig
 
 
-def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local") -> DistributedDataParallel:
-    """The GPT with dynamic-CP attention, weights a function of `seed` only (any rank or TP count)."""
-    inner = build_tiny_gpt(config, spec=dhp_layer_spec(backend=layer_spec), seed=seed)
+def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local",
+                vision: VisionConfig | None = None) -> DistributedDataParallel:
+    """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`runtime.vlm`);
+    weights a function of `seed` only (any rank or TP count)."""
+    spec = dhp_layer_spec(backend=layer_spec)
+    vlm = vision.model(config) if vision is not None else None
+    inner = TinyVLM(vlm, language_spec=spec, seed=seed) if vlm is not None else build_tiny_gpt(config, spec=spec, seed=seed)
     if torch.cuda.is_available():
         inner.cuda()
     return DistributedDataParallel(

@@ -97,7 +97,8 @@ class GridTimer:
 
         self.config = config
         self.domain = DynamicDomain.from_parallel_state()
-        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec)
+        self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
+                                 vision=config.vision)
         self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
                                  seq_multiple=seq_multiple(self.model.config), comm=config.dhp.comm)
         n, position = self.domain.size, self.domain.position
