@@ -15,7 +15,7 @@ from megatron_dhp.cost.bound import OVERHEAD_SHARES, best_lower_bound, coupled_l
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
-from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
 BASE = CostConfig.load("gpt7b-64")
 
@@ -38,7 +38,7 @@ def random_batch(rng: random.Random, capacity: int, size: int) -> Batch:
     samples = []
     for i in range(size):
         tokens = max(1, min(capacity, int(capacity * rng.random() ** 3)))
-        images = (rng.randint(1, tokens),) if rng.random() < 0.2 else ()
+        images = (VisualItem.short(rng.randint(1, tokens), 1),) if rng.random() < 0.2 else ()
         samples.append(Sample(i, tokens, images))
     return Batch(tuple(samples))
 
