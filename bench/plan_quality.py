@@ -22,6 +22,14 @@ flexsp-milp, minutes per batch, on the first few of the same batches) and prints
 
 `--variants` runs the planners on the workloads under variants of the gpt7b-64 cost model instead (see
 `VARIANTS`) and prices each plan against the best lower bound (`cost.bound.best_lower_bound`).
+
+`--multimodal` runs the planners on the multimodal workload with the encoder priced under each encoder
+placement (`--placements`, default split,replicate,global,auto; `cost.encoder`), every plan against the best
+lower bound of its placement (auto: the least over the placements), and prints per placement dhp's step / LB
+(mean, max) and dhp / each peer (mean, max) against issue 17's targets (<= 1.03 x LB on average, never more
+than 0.5 % behind a peer):
+
+    python bench/plan_quality.py --multimodal --planners dhp,megatron-hcp,fcp-ref --domains gpt7b-64 --batches 3
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from rich.table import Table
 from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -311,6 +320,73 @@ def print_variants(records: list[dict], args: argparse.Namespace, console: Conso
         print("\n".join("| " + " | ".join(cells(row)) + " |" for row in rows))
 
 
+MM_A2A_BYTES_PER_TOKEN = 4096 * 2 * 2
+"""`global`'s embedding all-to-all for GPT-7B: hidden 4096, bf16, forward and backward."""
+
+
+def run_placements(args: argparse.Namespace, console: Console) -> list[dict]:
+    """The multimodal workload under every encoder placement; one record per (domain, placement, batch,
+    planner), each with the best bound of the placement the plan was priced with."""
+    records = []
+    cases = [(d, p) for d in args.domains for p in args.placements]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning placements", total=len(cases) * args.batches * len(args.planners))
+        for domain, placement in cases:
+            config = CostConfig.load(domain).with_overrides(enc_a2a_bytes_per_token=MM_A2A_BYTES_PER_TOKEN)
+            model = build_cost_model(config.with_overrides(encoder_placement=placement))
+            batches, planners = batches_and_planners(model, "multimodal", args)
+            for k, batch in enumerate(batches):
+                bounds = {p: best_lower_bound(model.with_placement(p), batch.samples) for p in CONCRETE_PLACEMENTS}
+                for planner in planners:
+                    record = {"domain": domain, "placement": placement, "batch": k, "planner": planner.name}
+                    try:
+                        plan = run_planner(planner, batch, model)
+                    except PlannerUnsupported as e:
+                        record.update(step_s=None, unsupported=str(e))
+                    else:
+                        lb = min(bounds.values()) if placement == "auto" else bounds[plan.encoder_placement]
+                        record.update(step_s=plan.predicted_step_time_s, best_lb_s=lb, solve_ms=plan.solve_time_ms,
+                                      chosen=plan.encoder_placement)
+                    records.append(record)
+                    progress.advance(task)
+    return records
+
+
+def print_placements(records: list[dict], args: argparse.Namespace, console: Console) -> None:
+    """Per (domain, placement): dhp's step / best LB and dhp / each peer, with the issue-17 targets."""
+    peers = [p for p in args.planners if p != "dhp"]
+    cols = ["domain", "placement", "dhp step/LB mean (max)", *(f"{p} step/LB mean" for p in peers),
+            *(f"dhp / {p} mean (max)" for p in peers), "auto chose (dhp)", "targets met"]
+    table = Table(title=f"multimodal, encoder placements: {args.batches} batches of {args.global_batch}")
+    for col in cols:
+        table.add_column(col, justify="right")
+    lines = []
+    for domain, placement in dict.fromkeys((r["domain"], r["placement"]) for r in records):
+        done = {(r["batch"], r["planner"]): r for r in records
+                if (r["domain"], r["placement"]) == (domain, placement) and r["step_s"] is not None}
+        dhp = {b: r for (b, p), r in done.items() if p == "dhp"}
+        ratio = np.array([r["step_s"] / r["best_lb_s"] for r in dhp.values()])
+        cells = [domain, placement, f"{ratio.mean():.4f} ({ratio.max():.4f})" if len(ratio) else "n/a"]
+        worst_vs = 0.0
+        for p in peers:
+            mine = [r["step_s"] / r["best_lb_s"] for (b, q), r in done.items() if q == p]
+            cells.append(f"{np.mean(mine):.4f}" if mine else "n/a")
+        for p in peers:
+            vs = [d["step_s"] / done[(b, p)]["step_s"] for b, d in dhp.items() if (b, p) in done]
+            worst_vs = max([worst_vs, *vs])
+            cells.append(f"{np.mean(vs):.4f} ({np.max(vs):.4f})" if vs else "n/a")
+        chose = ", ".join(f"{k} {v}" for k, v in sorted(
+            {c: sum(1 for r in dhp.values() if r["chosen"] == c) for c in {r["chosen"] for r in dhp.values()}}.items()))
+        met = len(ratio) and ratio.mean() <= 1.03 and worst_vs <= 1.005
+        cells += [chose if placement == "auto" else "", "yes" if met else "no"]
+        table.add_row(*cells)
+        lines.append(cells)
+    console.print(table)
+    if args.markdown:
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        print("\n".join("| " + " | ".join(c) + " |" for c in lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=10)
@@ -327,14 +403,24 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="also print the README summary table")
     parser.add_argument("--from-json", nargs="+", metavar="FILE", help="report the records of earlier --json runs instead of planning")
     parser.add_argument("--variants", action="store_true", help=f"plan under the cost-model variants of {VARIANT_BASE} (VARIANTS)")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="plan the multimodal workload under each encoder placement (--placements)")
+    parser.add_argument("--placements", default="split,replicate,global,auto",
+                        help="encoder placements for --multimodal (default split,replicate,global,auto)")
     args = parser.parse_args()
-    for key in ("planners", "workloads", "domains"):
+    for key in ("planners", "workloads", "domains", "placements"):
         setattr(args, key, [x for x in getattr(args, key).split(",") if x])
     unknown = [p for p in args.planners if p not in PLANNERS]
     if unknown:
         parser.error(f"unknown planner {unknown[0]!r}; choose from {', '.join(PLANNERS)}")
 
     console = Console(width=150)
+    if args.multimodal:
+        records = run_placements(args, console)
+        print_placements(records, args, console)
+        if args.json:
+            save_json(args.json, records, [])
+        return
     if args.variants:
         records = run_variants(args, console)
         print_variants(records, args, console)

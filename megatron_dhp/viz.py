@@ -20,8 +20,13 @@ def _pyplot():
     return plt
 
 
+ENCODER_STYLE = dict(facecolor="none", edgecolor="black", hatch="////", linewidth=0.0)
+"""How the encoder's time is drawn over a block: hatched, apart from the LLM's plain colour."""
+
+
 def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
-    """One row per rank; each group a block over its ranks coloured by its size, microbatches as ticks."""
+    """One row per rank; each group a block over its ranks coloured by its size, microbatches as ticks, the
+    encoder's seconds hatched (at the start of each microbatch; `global`'s phase across every rank)."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -37,14 +42,28 @@ def draw_gantt(ax, plan: Plan, timeline: Timeline) -> None:
             ax.add_patch(plt.Rectangle((span.start_s, lo - 0.45), span.end_s - span.start_s, hi - lo + 0.9,
                                        facecolor=colour[g.size], edgecolor="white", linewidth=0.6))
             t = span.start_s
-            for mb in span.microbatch_s[:-1]:
+            for k, mb in enumerate(span.microbatch_s):
+                enc = span.encoder_s[k] if span.encoder_s else 0.0
+                if enc > 0:
+                    ax.add_patch(plt.Rectangle((t, lo - 0.45), enc, hi - lo + 0.9, **ENCODER_STYLE))
                 t += mb
-                ax.plot([t, t], [lo - 0.45, hi + 0.45], color="white", linewidth=0.3, alpha=0.8)
+                if k < len(span.microbatch_s) - 1:
+                    ax.plot([t, t], [lo - 0.45, hi + 0.45], color="white", linewidth=0.3, alpha=0.8)
+    spans = [s for s in timeline.spans if s.end_s > s.start_s]
+    if timeline.encoder_before_s and spans:
+        first = min(s.start_s for s in spans) - timeline.encoder_before_s
+        ax.add_patch(plt.Rectangle((first, -0.45), timeline.encoder_before_s, plan.world_size - 0.1, **ENCODER_STYLE))
+    if timeline.encoder_after_s:
+        ax.add_patch(plt.Rectangle((timeline.step_time_s - timeline.encoder_after_s, -0.45), timeline.encoder_after_s,
+                                   plan.world_size - 0.1, **ENCODER_STYLE))
     if plan.lower_bound_s:
         ax.axvline(plan.lower_bound_s, color="red", linestyle="--", linewidth=1)
     classes = sorted({int(np.ceil(np.log2(d))) for d in sizes})
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette(k % 10)) for k in classes]
     labels = ["1" if k == 0 else "2" if k == 1 else f"{2 ** (k - 1) + 1}-{2 ** k}" for k in classes]
+    if timeline.encoder_in_groups_s or timeline.encoder_before_s or timeline.encoder_after_s:
+        handles.append(plt.Rectangle((0, 0), 1, 1, **ENCODER_STYLE))
+        labels.append(f"encoder ({plan.encoder_placement})")
     ax.legend(handles, labels, title="group size", fontsize=7, title_fontsize=7, loc="center left",
               bbox_to_anchor=(1.0, 0.5))
     ax.set_ylim(plan.world_size - 0.5, -0.5)

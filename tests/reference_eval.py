@@ -15,9 +15,10 @@ import json
 import math
 
 
-def sample_time(cfg: dict, tokens: int, images: list[int], d: int, intra: bool) -> float:
+def sample_time(cfg: dict, tokens: int, images: list[dict], d: int, intra: bool) -> float:
     compute = (cfg["attn_s_per_token2"] * tokens * tokens + cfg["linear_s_per_token"] * tokens) / d
-    compute += sum(cfg["enc_attn_s_per_token2"] * p * p + cfg["enc_linear_s_per_token"] * p for p in images) / d
+    compute += sum(cfg["enc_attn_s_per_token2"] * sum(b * b for b in item.get("blocks", [item["enc"]]))
+                   + cfg["enc_linear_s_per_token"] * item["enc"] for item in images) / d
     compute += (cfg.get("moe_expert_s_per_token", 0.0) + cfg.get("moe_a2a_bytes_per_token", 0.0) / ep_bandwidth(cfg)) * tokens / d
     if d == 1:
         comm = 0.0

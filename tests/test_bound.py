@@ -15,7 +15,7 @@ from megatron_dhp.cost.bound import OVERHEAD_SHARES, best_lower_bound, coupled_l
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
-from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
 BASE = CostConfig.load("gpt7b-64")
 
@@ -30,6 +30,10 @@ variants = st.fixed_dictionaries({
     "sample_overhead_s": st.sampled_from([0.0, 0.01]),
     "cp_microbatch_overhead_s": st.sampled_from([0.0, 0.03]),
     "step_overhead_s": st.sampled_from([0.0, 0.5]),
+    "encoder_placement": st.sampled_from(["split", "replicate", "global"]),
+    "encoder_frozen": st.booleans(),
+    "enc_a2a_bytes_per_token": st.sampled_from([0.0, 16384.0]),
+    "enc_attn_s_per_token2": st.sampled_from([2.0e-9, 2.0e-7]),
 })
 
 
@@ -38,7 +42,9 @@ def random_batch(rng: random.Random, capacity: int, size: int) -> Batch:
     samples = []
     for i in range(size):
         tokens = max(1, min(capacity, int(capacity * rng.random() ** 3)))
-        images = (rng.randint(1, tokens),) if rng.random() < 0.2 else ()
+        llm = rng.randint(1, tokens)
+        blocks = [rng.randint(1, 4 * llm) for _ in range(rng.randint(1, 3))]
+        images = (VisualItem(sum(blocks), llm, blocks),) if rng.random() < 0.2 else ()
         samples.append(Sample(i, tokens, images))
     return Batch(tuple(samples))
 
@@ -51,7 +57,9 @@ def plans(batch: Batch, model, rng: random.Random) -> list:
             out.append(run_planner(build_planner(name, {"dataset_max_tokens": int(batch.lengths.max())}), batch, model))
         except PlannerUnsupported:
             pass
-    return out + [random_plan(batch, model.domain, rng, max_phases=3) for _ in range(5)]
+    placement = model.encoder_placement
+    return out + [replace(random_plan(batch, model.domain, rng, max_phases=3), encoder_placement=placement)
+                  for _ in range(5)]
 
 
 @settings(max_examples=40, deadline=None)
@@ -62,8 +70,10 @@ def test_bound_never_above_a_valid_plan(overrides, seed, size):
     batch = random_batch(rng, model.domain.capacity, size)
     bound = coupled_lower_bound(model, batch.samples)
     for plan in plans(batch, model, rng):
+        assert plan.encoder_placement == model.encoder_placement
         step = simulate(plan, model).step_time_s
         assert bound <= step * (1 + 1e-9), (plan.planner, bound, step)
+        assert model.lower_bound(batch.samples) <= step * (1 + 1e-9), (plan.planner, step)
     # The coupled bound with f(u) = u contains the reference bound (both take the best placement).
     assert bound >= model.lower_bound(batch.samples) * (1 - 1e-9)
 

@@ -11,7 +11,7 @@ import pytest
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.random_plan import random_plan
-from megatron_dhp.workload import Batch, Sample
+from megatron_dhp.workload import Batch, Sample, VisualItem
 from tests import reference_eval
 
 # The optional terms s, lambda and sigma, all nonzero, so the oracle checks see each of them.
@@ -40,7 +40,7 @@ def test_sample_time_by_hand(gpt7b):
 
 
 def test_images_add_encoder_terms(gpt7b):
-    work = gpt7b.sample_work([Sample(0, 2048, (1024, 256))])[0]
+    work = gpt7b.sample_work([Sample(0, 2048, (VisualItem.short(1024, 4), VisualItem.short(256, 4)))])[0]
     text = 5.128e-9 * 2048**2 + 1.84e-4 * 2048
     enc = 2e-9 * (1024**2 + 256**2) + 6e-5 * (1024 + 256)
     assert work == pytest.approx(text + enc)
@@ -57,7 +57,7 @@ def test_best_time_matches_exhaustive_search(gpt7b_config, overlap):
     cfg = dataclasses.replace(gpt7b_config, overlap_comm=overlap)
     model = build_cost_model(cfg)
     rng = np.random.default_rng(0)
-    samples = [Sample(i, int(n), tuple(int(p) for p in rng.integers(256, 4096, rng.integers(0, 3))))
+    samples = [Sample(i, int(n), tuple(VisualItem.short(int(p), 1) for p in rng.integers(256, 4096, rng.integers(0, 3))))
                for i, n in enumerate(rng.integers(5000, 500_000, 200))]
     tokens, work = np.array([s.tokens for s in samples]), model.sample_work(samples)
     lo = model.min_degree(tokens)
@@ -75,7 +75,7 @@ def test_lower_bound_matches_oracle(gpt7b_config, overlap, extras):
     cfg = dataclasses.replace(gpt7b_config, overlap_comm=overlap, world_size=24, **extras)
     model = build_cost_model(cfg)
     rng = np.random.default_rng(1)
-    samples = [Sample(i, int(n), (int(rng.integers(256, 16384)),) if i % 3 == 0 else ())
+    samples = [Sample(i, int(n), (VisualItem.short(int(rng.integers(256, 16384)), 1),) if i % 3 == 0 else ())
                for i, n in enumerate(rng.integers(17000, 150_000, 60))]
     oracle = reference_eval.lower_bound(cfg.to_dict(), [s.to_dict() for s in samples])
     assert model.lower_bound(samples) == pytest.approx(oracle, rel=1e-12)
@@ -89,7 +89,7 @@ def test_simulate_matches_oracle_on_random_plans(gpt7b_config, seed):
     cfg = dataclasses.replace(gpt7b_config, world_size=n, gpus_per_node=rng.choice([1, 2, 4, 8]), max_tokens_per_rank=2048,
                               overlap_comm=rng.random() < 0.5, **EXTRAS)
     model = build_cost_model(cfg)
-    samples = tuple(Sample(i, L, (L // 4,) if L >= 64 and i % 3 == 0 else ())
+    samples = tuple(Sample(i, L, (VisualItem.short(L // 4, 1),) if L >= 64 and i % 3 == 0 else ())
                     for i, L in enumerate(rng.randint(1, n * 2048) for _ in range(rng.randint(1, 25))))
     for _ in range(10):
         plan = dataclasses.replace(random_plan(Batch(samples), cfg.domain, rng), phase_barrier=rng.random() < 0.5)

@@ -8,10 +8,10 @@ import pytest
 
 from megatron_dhp.cost import simulate
 from megatron_dhp.plan import Plan, PlanError, PlanGroup
-from megatron_dhp.workload import Sample
+from megatron_dhp.workload import Sample, VisualItem
 from tests import reference_eval
 
-SAMPLES = (Sample(0, 6000), Sample(1, 3000), Sample(2, 20000, (1024,)), Sample(3, 500))
+SAMPLES = (Sample(0, 6000), Sample(1, 3000), Sample(2, 20000, (VisualItem.short(1024, 4),)), Sample(3, 500))
 
 
 def make_plan(groups, samples=SAMPLES, world_size=4, **kw) -> Plan:
@@ -73,7 +73,7 @@ def test_json_roundtrip_and_fingerprint(tmp_path):
     path = tmp_path / "p.json"
     plan.save(path)
     obj = json.loads(path.read_text())
-    assert obj["schema"] == "megatron-dhp/plan/v1" and obj["samples"][2] == {"id": 2, "tokens": 20000, "images": [1024]}
+    assert obj["schema"] == "megatron-dhp/plan/v1" and obj["samples"][2] == {"id": 2, "tokens": 20000, "images": [{"enc": 1024, "llm": 256}]}
     assert obj["groups"][0] == {"phase": 0, "ranks": [0], "microbatches": [[0], [3]]}
     again = Plan.load(path)
     assert again == plan

@@ -14,6 +14,7 @@ from megatron_dhp.workload import (
     Batch,
     LengthSource,
     Sample,
+    VisualItem,
     fit_to_domain,
     load_samples,
     truncate_sample,
@@ -30,13 +31,13 @@ def test_json_array(tmp_path):
 def test_json_objects_with_images(tmp_path):
     p = tmp_path / "l.json"
     p.write_text(json.dumps([{"tokens": 900, "images": [256, 256]}, 40]))
-    assert load_samples(p) == [Sample(0, 900, (256, 256)), Sample(1, 40)]
+    assert load_samples(p) == [Sample(0, 900, (VisualItem(256, 64), VisualItem(256, 64))), Sample(1, 40)]
 
 
 def test_jsonl(tmp_path):
     p = tmp_path / "l.jsonl"
     p.write_text('{"tokens": 10}\n\n{"tokens": 600, "images": [512]}\n7\n')
-    assert load_samples(p) == [Sample(0, 10), Sample(1, 600, (512,)), Sample(2, 7)]
+    assert load_samples(p) == [Sample(0, 10), Sample(1, 600, (VisualItem(512, 128),)), Sample(2, 7)]
 
 
 def test_megatron_indexed_dataset(tmp_path):
@@ -76,7 +77,7 @@ def test_indexed_dataset_without_bin(tmp_path):
         ("notokens.jsonl", '{"len": 3}\n', "has no 'tokens' key"),
         ("extra.jsonl", '{"tokens": 3, "x": 1}\n', "unknown key 'x'"),
         ("img.jsonl", '{"tokens": 300, "images": [0]}\n', "image token count 0"),
-        ("imgbig.jsonl", '{"tokens": 300, "images": [400]}\n', "images hold 400 tokens, more than the sample's 300"),
+        ("imgbig.jsonl", '{"tokens": 300, "images": [1600]}\n', "images take 400 LLM tokens, more than the sample's 300"),
     ],
 )
 def test_bad_length_files(tmp_path, name, text, match):
@@ -89,15 +90,15 @@ def test_bad_length_files(tmp_path, name, text, match):
 
 def test_a_bad_sample_gets_one_message_from_python_files_and_plans(tmp_path):
     with pytest.raises(DhpError) as direct:
-        Sample(0, 300, (400,))
-    (tmp_path / "s.jsonl").write_text('{"tokens": 300, "images": [400]}\n')
+        Sample(0, 300, (VisualItem.short(1600, 4),))
+    (tmp_path / "s.jsonl").write_text('{"tokens": 300, "images": [1600]}\n')
     with pytest.raises(DhpError) as from_file:
         load_samples(tmp_path / "s.jsonl")
     with pytest.raises(DhpError) as from_plan:
-        Sample.from_dict({"id": 0, "tokens": 300, "images": [400]})
-    assert str(direct.value).startswith("images hold 400 tokens, more than the sample's 300")
+        Sample.from_dict({"id": 0, "tokens": 300, "images": [1600]})
+    assert str(direct.value).startswith("sample 0: images take 400 LLM tokens, more than the sample's 300")
     assert str(from_file.value).endswith(f"s.jsonl', line 1: {direct.value}")
-    assert str(from_plan.value) == f"sample entry {{'id': 0, 'tokens': 300, 'images': [400]}}: {direct.value}"
+    assert str(from_plan.value) == f"sample entry {{'id': 0, 'tokens': 300, 'images': [1600]}}: {direct.value}"
 
 
 def test_sample_validation():
@@ -135,7 +136,7 @@ def test_distributions_are_deterministic_and_valid(name):
     a = src.draw(global_batch=300, seed=1, capacity=64 * 8192)
     assert a == src.draw(global_batch=300, seed=1, capacity=64 * 8192)
     assert len(a) == 300 and a.ids == list(range(300))
-    assert all(s.tokens >= sum(s.images) and s.tokens <= 64 * 8192 for s in a.samples)
+    assert all(s.tokens >= sum(i.llm for i in s.images) and s.tokens <= 64 * 8192 for s in a.samples)
 
 
 def test_distribution_shapes():
@@ -166,9 +167,9 @@ def test_source_needs_exactly_one_input_and_a_batch_size():
 
 
 def test_fit_to_domain_errors_or_truncates():
-    batch = Batch((Sample(0, 100), Sample(1, 5000, (1000, 3000, 900)), Sample(2, 4097)))
+    batch = Batch((Sample(0, 100), Sample(1, 5000, tuple(VisualItem.short(p, 1) for p in (1000, 3000, 900))), Sample(2, 4097)))
     with pytest.raises(DhpError, match=r"sample 1 has 5000 tokens but the whole domain holds at most 4096.*--truncate to cut 2"):
         fit_to_domain(batch, 4096)
     cut = fit_to_domain(batch, 4096, truncate=True)
-    assert list(cut.lengths) == [100, 4096, 4096] and cut[1].images == (1000, 3000)
+    assert list(cut.lengths) == [100, 4096, 4096] and [i.enc for i in cut[1].images] == [1000, 3000]
     assert truncate_sample(Sample(0, 10), 20) == Sample(0, 10)

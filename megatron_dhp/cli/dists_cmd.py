@@ -24,14 +24,16 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.workload.synthetic import DISTRIBUTIONS
 
     table = Table(title=f"length distributions ({args.samples} draws, seed 0, capacity {args.capacity})")
-    for col in ("name", "what", "p50", "p90", "p99", "max", "mean", "images/sample"):
+    for col in ("name", "what", "p50", "p90", "p99", "max", "mean", "images/sample", "enc tokens/sample"):
         table.add_column(col, justify="left" if col in ("name", "what") else "right")
     for d in DISTRIBUTIONS.values():
         samples = d.draw(np.random.default_rng(0), args.samples, capacity=args.capacity)
         lengths = np.array([s.tokens for s in samples])
         q = np.percentile(lengths, [50, 90, 99]).astype(int)
         images = np.mean([len(s.images) for s in samples])
-        table.add_row(d.name, d.description, *map(str, q), str(lengths.max()), f"{lengths.mean():.0f}", f"{images:.1f}")
+        enc = np.mean([sum(item.enc for item in s.images) for s in samples])
+        table.add_row(d.name, d.description, *map(str, q), str(lengths.max()), f"{lengths.mean():.0f}", f"{images:.1f}",
+                      f"{enc:.0f}")
     Console(width=200).print(table)
     for d in DISTRIBUTIONS.values():
         if d.params:

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--planners", default=",".join(fast),
                    help=f"comma-separated planners out of {', '.join(PLANNERS)} (default {','.join(fast)}; "
                         "flexsp-milp solves MILPs for up to --time-limit seconds each)")
+    p.add_argument("--placements", metavar="LIST",
+                   help="comma-separated encoder placements out of split, replicate, global, auto: every planner "
+                        "runs under each, one row per pair (default: the cost config's encoder_placement)")
     p.add_argument("--plot", metavar="PNG", help="write a per-rank Gantt of batch 0 and a bar chart of the planners")
     p.add_argument("--json", metavar="FILE", help="write the per-batch results as JSON")
     p.set_defaults(run=run)
@@ -51,28 +54,34 @@ def run(args: argparse.Namespace) -> int:
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
     planners = [build_planner(n, inputs.context, **planner_options(args, n)) for n in names]
+    # One row per planner, or per (planner, encoder placement) with --placements.
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements else [None]
+    rows = [(p.name if pl is None else f"{p.name} @{pl}", p, model if pl is None else model.with_placement(pl))
+            for pl in placements for p in planners]
+    names = [label for label, _, _ in rows]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
     used = {p.name: (getattr(p, "max_groups_per_rank", 0), set()) for p in planners}
     console = Console()
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("planning", total=len(batches) * len(planners))
+        task = progress.add_task("planning", total=len(batches) * len(rows))
         for k, batch in enumerate(batches):
-            for planner in planners:
+            for label, planner, row_model in rows:
                 try:
-                    plan = run_planner(planner, batch, model, pipeline_stages=inputs.pipeline_stages)
+                    plan = run_planner(planner, batch, row_model, pipeline_stages=inputs.pipeline_stages)
                 except PlannerUnsupported as e:  # the planner's source cannot plan this batch: "n/a"
-                    results[planner.name].append({"batch": k, "unsupported": str(e)})
+                    results[label].append({"batch": k, "unsupported": str(e)})
                 else:
-                    results[planner.name].append({
+                    results[label].append({
                         "batch": k, "step_time_s": plan.predicted_step_time_s, "lower_bound_s": plan.lower_bound_s,
                         "ratio": plan.predicted_step_time_s / plan.lower_bound_s,
                         "solve_time_ms": plan.solve_time_ms, "summary": plan.summary(),
+                        "encoder_placement": plan.encoder_placement,
                     })
                     used[planner.name][1].update(multi_rank_groups(plan))
                     if k == 0:
-                        first_plans[planner.name] = plan
+                        first_plans[label] = plan
                 progress.advance(task)
 
     d = config.domain

@@ -93,7 +93,7 @@ def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
     if np.any(lo > n):
         raise ValueError("the bound needs every sample to fit the domain; check with fit_to_domain first")
     d = np.arange(1, n + 1, dtype=np.float64)
-    times = best_times(model, tokens, np.asarray(work, dtype=np.float64))
+    times = best_times(model, tokens, np.asanyarray(work))
     area = d[None, :] * (times + m * share(tokens[:, None] / (d[None, :] * cap)))
     feasible = d[None, :] >= lo[:, None]
     times = np.where(feasible, times, np.inf)
@@ -120,11 +120,12 @@ def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
 
 
 def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
-    """The largest T* over `OVERHEAD_SHARES`, plus sigma: a step time no plan of these samples can beat."""
+    """The largest T* over `OVERHEAD_SHARES`, plus sigma and the bound on the encoder's step-level phase: a
+    step time no plan of these samples can beat."""
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)
     best = max(coupled_bound_arrays(model, tokens, work, share) for share in OVERHEAD_SHARES.values())
-    return model.step_overhead_s + best
+    return model.step_overhead_s + model.encoder_phase(samples, bound=True).total_s + best
 
 
 def best_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:

@@ -12,12 +12,14 @@ from pathlib import Path
 import yaml
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
+from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
-                 "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size")
+                 "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
+                 "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -79,6 +81,18 @@ class CostConfig:
     """e: vision-encoder attention seconds per image token^2."""
     enc_linear_s_per_token: float = 0.0
     """f: vision-encoder seconds per image token."""
+    merge: int = 4
+    """Encoder tokens per LLM token of an image (2x2 merge, pixel shuffle: 4; 1 feeds every patch to the LLM):
+    a short-form image of P encoder tokens takes ceil(P / merge) of its sample's LLM tokens."""
+    encoder_placement: str = "split"
+    """Where the vision encoder runs: split (the sample's group shares it, BENCHMARK.md section 2), replicate
+    (every rank of the group runs all of it), global (balanced over the domain) or auto (the planner tries
+    each and keeps the fastest); see docs/cost-model.md."""
+    encoder_frozen: bool = False
+    """A frozen encoder runs no backward: its items cost the forward's third of e and f."""
+    enc_a2a_bytes_per_token: float = 0.0
+    """Bytes of one LLM token's image embedding moved by `global`'s all-to-all, forward+backward (hidden x
+    bytes x 2)."""
     sample_overhead_s: float = 0.0
     """s: fixed seconds per sample on every rank of its group, not divided by d (per-sample work that each
     rank repeats: megatron's THD RoPE and varlen attention loop over samples). Added to t(L, d); 0 in the
@@ -113,6 +127,11 @@ class CostConfig:
             if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
                 raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
         self.domain  # noqa: B018 - validates the domain fields
+        if self.merge < 1:
+            raise DhpError(f"cost key 'merge' = {self.merge!r} must be an integer >= 1 (encoder tokens per LLM token)")
+        if self.encoder_placement not in ENCODER_PLACEMENTS:
+            raise DhpError(f"cost key 'encoder_placement' = {self.encoder_placement!r} is unknown; use one of "
+                           f"{', '.join(ENCODER_PLACEMENTS)}")
         ep = self.expert_parallel_size
         if ep < 1 or self.world_size % ep:
             raise DhpError(f"cost key 'expert_parallel_size' = {ep!r} must be >= 1 and divide world_size = "

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_dhp.cost.config import Domain
+from megatron_dhp.cost.encoder import EncoderPhase
 from megatron_dhp.workload.sample import Sample
 
 
@@ -23,6 +24,21 @@ class CostModel(Protocol):
     """The ranks, their nodes and the per-rank token cap M the model prices."""
     step_overhead_s: float
     """sigma: fixed seconds every step pays before its first microbatch, on every rank."""
+    encoder_placement: str
+    """Where the vision encoder runs (`cost.encoder.ENCODER_PLACEMENTS`); `auto` is resolved by the planner."""
+
+    def with_placement(self, placement: str) -> CostModel:
+        """The same model with the encoder run as `placement`."""
+        ...
+
+    def encoder_time(self, samples: Sequence[Sample], degree: int) -> np.ndarray:
+        """Seconds of each sample's encoder work inside its group of `degree` ranks (part of `sample_time`)."""
+        ...
+
+    def encoder_phase(self, samples: Sequence[Sample], *, bound: bool = False) -> EncoderPhase:
+        """The step's encoder time outside every group (before the first, after the last microbatch);
+        `bound`: a lower bound on it."""
+        ...
 
     def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
         """Per-sample figure the time methods take back (in the reference model, compute seconds on one rank)."""

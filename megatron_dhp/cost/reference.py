@@ -1,7 +1,7 @@
 """The reference cost model of BENCHMARK.md section 2, vectorised over samples.
 
 For a sample of length L on a group of d ranks:
-    compute(L, d) = (a L^2 + b L + sum_images (e P^2 + f P)) / d
+    compute(L, d) = (a L^2 + b L + sum_images (e sum_blocks B^2 + f P)) / d
     comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw
     t(L, d)       = max(compute, comm) if overlap_comm else compute + comm
 where bw is the intra-node bandwidth when all the group's ranks sit on one node. A microbatch costs
@@ -17,17 +17,22 @@ The all-to-all counts as compute, outside the max with the context-parallel comm
 dispatcher runs between the router and the experts, on the compute stream's critical path, and is not
 overlapped with expert compute by default; and it runs on the EP group, whatever the sample's CP group is, so
 it does not depend on that group's placement. d t(L, d) stays non-decreasing in d, so the lower bound holds.
+
+The encoder term above is the `split` placement; `replicate` keeps it whole in every rank's compute,
+    compute(L, d) = (a L^2 + b L) / d + W_enc,
+and `global` takes it out of the groups into a step-level phase before the first and after the last
+microbatch (`cost.encoder`). Under both d t(L, d) is still non-decreasing in d, so the bounds hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import chain
 
 import numpy as np
 
 from megatron_dhp.cost.config import CostConfig, Domain
+from megatron_dhp.cost.encoder import EncoderPhase, SampleWork, fixed_work, global_phase, sample_encoder_work
 from megatron_dhp.workload.sample import Sample
 
 
@@ -45,26 +50,45 @@ class ReferenceCostModel:
         # b + x + alpha / bw_EP: the seconds per token that split over a sample's group (exactly b when dense).
         self.per_token_s = (config.linear_s_per_token + config.moe_expert_s_per_token
                             + config.moe_a2a_bytes_per_token / ep_bytes_per_s)
+        # `auto` is resolved by the planner (solver.encoder_auto); until then the model prices as split.
+        self.encoder_placement = config.encoder_placement
+        self._pricing = "split" if config.encoder_placement == "auto" else config.encoder_placement
+
+    def with_placement(self, placement: str) -> ReferenceCostModel:
+        """This model with the encoder run as `placement`."""
+        return self if placement == self.encoder_placement else type(self)(replace(self.config, encoder_placement=placement))
 
     # ------------------------------------------------------------------ per-sample terms
     def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
-        """Compute seconds of each sample on one rank: a L^2 + (b + x + alpha / bw_EP) L + encoder terms."""
+        """Compute seconds of each sample on one rank: a L^2 + (b + x + alpha / bw_EP) L, plus the encoder's
+        seconds unless the encoder runs `global`; under `replicate` a `SampleWork` whose encoder part is fixed."""
         c = self.config
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
         work = c.attn_s_per_token2 * tokens**2 + self.per_token_s * tokens
-        counts = np.fromiter((len(s.images) for s in samples), dtype=np.int64, count=len(samples))
-        if counts.any() and (c.enc_attn_s_per_token2 or c.enc_linear_s_per_token):
-            images = np.fromiter(chain.from_iterable(s.images for s in samples), dtype=np.float64, count=int(counts.sum()))
-            per_image = c.enc_attn_s_per_token2 * images**2 + c.enc_linear_s_per_token * images
-            work += np.bincount(np.repeat(np.arange(len(samples)), counts), weights=per_image, minlength=len(samples))
-        return work
+        if self._pricing == "global":
+            return work
+        encoder = sample_encoder_work(c, samples)
+        return SampleWork(work + encoder, encoder) if self._pricing == "replicate" else work + encoder
+
+    def encoder_time(self, samples: Sequence[Sample], degree: int) -> np.ndarray:
+        """Seconds of each sample's encoder work inside its group of `degree` ranks (0 under `global`)."""
+        if self._pricing == "global":
+            return np.zeros(len(samples))
+        encoder = sample_encoder_work(self.config, samples)
+        return encoder if self._pricing == "replicate" else encoder / degree
+
+    def encoder_phase(self, samples: Sequence[Sample], *, bound: bool = False) -> EncoderPhase:
+        """The step-level encoder time outside the groups (`global`; zero otherwise); `bound`: a lower bound."""
+        return global_phase(self.config, samples, bound=bound) if self._pricing == "global" else EncoderPhase()
 
     def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
         """t(L, d): seconds each sample takes on a group of `degree` ranks (broadcasts over arrays)."""
         c = self.config
         d = np.asarray(degree, dtype=np.float64)
         bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
-        compute = np.asarray(work, dtype=np.float64) / d
+        fixed = fixed_work(work)
+        work = np.asarray(work, dtype=np.float64)
+        compute = work / d if fixed is None else (work - fixed) / d + fixed
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
         t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
         return t + c.sample_overhead_s if c.sample_overhead_s else t
@@ -81,7 +105,7 @@ class ReferenceCostModel:
     def time_table(self, tokens: np.ndarray, work: np.ndarray, degrees: np.ndarray) -> np.ndarray:
         """(samples, degrees): t(L_i, d) of every sample on every group size, each group at its best placement."""
         degrees = np.asarray(degrees)
-        return self.sample_time(np.asarray(tokens)[:, None], np.asarray(work)[:, None], degrees[None, :],
+        return self.sample_time(np.asarray(tokens)[:, None], np.asanyarray(work)[:, None], degrees[None, :],
                                 self.best_placement_intra(degrees)[None, :])
 
     def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
@@ -106,20 +130,23 @@ class ReferenceCostModel:
     def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """min over d in [lo, hi] of t(L, d) with the best placement, and the d that attains it.
 
-        Within one bandwidth regime t(d) = max(W/d, c(d-1)/d) is minimised where the two terms cross,
-        at d* = 1 + W/c, and t(d) = W/d + c(d-1)/d is monotone in d; so the optimum is one of a few
-        candidates per sample (range ends, node boundary, the crossing), evaluated vectorised.
+        Within one bandwidth regime t(d) = max((W - F)/d + F, c(d-1)/d) (F: the undivided part, 0 but under
+        `replicate`) is minimised where the two terms cross, at d* = 1 + W/(c - F), and t(d) = (W - F)/d + F +
+        c(d-1)/d is monotone in d; so the optimum is one of a few candidates per sample (range ends, node
+        boundary, the crossing), evaluated vectorised.
         """
         tokens = np.asarray(tokens, dtype=np.float64)
-        work = np.asarray(work, dtype=np.float64)
+        fixed = fixed_work(work)
+        fixed = np.zeros_like(tokens) if fixed is None else np.broadcast_to(fixed, tokens.shape)
+        plain = np.asarray(work, dtype=np.float64)
         c = self.config
         g = self.domain.gpus_per_node
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), tokens.shape)
         comm_intra = c.comm_bytes_per_token * tokens / c.intra_node_bytes_per_s
         comm_inter = c.comm_bytes_per_token * tokens / c.inter_node_bytes_per_s
         with np.errstate(divide="ignore", invalid="ignore"):
-            cross_intra = 1.0 + work / np.where(comm_intra > 0, comm_intra, np.inf)
-            cross_inter = 1.0 + work / np.where(comm_inter > 0, comm_inter, np.inf)
+            cross_intra = 1.0 + plain / np.where(comm_intra - fixed > 0, comm_intra - fixed, np.inf)
+            cross_inter = 1.0 + plain / np.where(comm_inter - fixed > 0, comm_inter - fixed, np.inf)
         cands = [lo, np.full_like(lo, hi), np.full_like(lo, g), np.full_like(lo, g + 1)]
         for cross in (cross_intra, cross_inter):
             f = np.floor(np.minimum(cross, hi)).astype(np.int64)
@@ -136,14 +163,16 @@ class ReferenceCostModel:
 
     # ------------------------------------------------------------------ lower bound
     def lower_bound(self, samples: Sequence[Sample]) -> float:
-        """LB = sigma + max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))).
+        """LB = sigma + max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))), plus the
+        bound on `global`'s encoder phase.
 
         d ranges over feasible degrees (ceil(L / d) <= M, d <= N) with the best placement. d t(L, d) is
         non-decreasing in d for both overlap modes (compute total is fixed, communication grows), so the
         first term takes d = ceil(L / M).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
-        return self.step_overhead_s + self.lower_bound_arrays(tokens, self.sample_work(samples))
+        return (self.step_overhead_s + self.encoder_phase(samples, bound=True).total_s
+                + self.lower_bound_arrays(tokens, self.sample_work(samples)))
 
     def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
         """The groups' part of `lower_bound` (without sigma) from the samples' token counts and `sample_work`,

@@ -5,6 +5,10 @@ start + group time, where a group's time is the sum of its microbatches (BENCHMA
 with `phase_barrier` also makes every rank wait for all ranks at each phase change. Every rank starts at the
 cost model's step overhead sigma (0 unless profiled). A plan with P > 1 pipeline stages is priced per stage
 in 1F1B order instead (`cost.pipeline`).
+
+The encoder is priced with the placement the plan was made for (`Plan.encoder_placement`). Its time stays
+apart: each microbatch's encoder seconds inside the groups (`split`, `replicate`), and the step-level phase
+of `global` before the first and after the last microbatch.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_ops
+from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
 
 
@@ -31,6 +37,8 @@ class GroupSpan:
     """`start_s` plus the sum of its microbatches; under pipeline parallelism, when its last op ends."""
     microbatch_s: tuple[float, ...]
     """Each microbatch's seconds: the overhead of the group's size plus its samples' times."""
+    encoder_s: tuple[float, ...] = ()
+    """The encoder's seconds inside each microbatch (part of `microbatch_s`; 0 under `global`)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,15 @@ class Timeline:
     """When each domain position ends its step (its last stage, under pipeline parallelism)."""
     rank_busy_s: np.ndarray
     """Seconds each position computes (per stage, under pipeline parallelism: every stage is busy alike)."""
+    encoder_before_s: float = 0.0
+    """`global`'s encoder forward and embedding all-to-all, on every rank before its first group."""
+    encoder_after_s: float = 0.0
+    """`global`'s gradient all-to-all and encoder backward, on every rank after the last group ends."""
+
+    @property
+    def encoder_in_groups_s(self) -> float:
+        """The encoder seconds inside the groups' microbatches, summed over groups."""
+        return float(sum(sum(s.encoder_s) for s in self.spans))
 
     @property
     def idle_fraction(self) -> float:
@@ -53,21 +70,35 @@ class Timeline:
 
 def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tuple[float, ...]:
     """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d)."""
+    return _group_times(plan, group_index, model)[0]
+
+
+def _group_times(plan: Plan, group_index: int, model: CostModel) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each microbatch's seconds, and the encoder's seconds inside each."""
     g = plan.groups[group_index]
     ids = g.sample_ids
     samples = [plan.sample(i) for i in ids]
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
     t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks))
+    enc = model.encoder_time(samples, g.size)
     bounds = np.cumsum([0] + [len(mb) for mb in g.microbatches])
     overhead = model.microbatch_overhead(g.size)
-    return tuple(overhead + float(t[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:]))
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    return (tuple(overhead + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans))
 
 
 def simulate(plan: Plan, model: CostModel) -> Timeline:
-    """Replay the plan's groups phase by phase under the cost model (per stage in 1F1B when P > 1)."""
+    """Replay the plan's groups phase by phase under the cost model (per stage in 1F1B when P > 1), with the
+    encoder placed as the plan says."""
+    if plan.encoder_placement not in CONCRETE_PLACEMENTS:
+        raise DhpError(f"plan encoder_placement {plan.encoder_placement!r} must be one of {', '.join(CONCRETE_PLACEMENTS)}")
+    model = model.with_placement(plan.encoder_placement)
+    phase_s = model.encoder_phase(plan.samples)
     if plan.pipeline_stages > 1:
+        if phase_s.total_s:
+            raise DhpError("encoder_placement 'global' is not priced under pipeline parallelism; use split or replicate")
         return simulate_pipeline(plan, model)
-    finish = np.full(plan.world_size, model.step_overhead_s)
+    finish = np.full(plan.world_size, model.step_overhead_s + phase_s.before_s)
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
     order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)
@@ -77,14 +108,17 @@ def simulate(plan: Plan, model: CostModel) -> Timeline:
             phase = plan.groups[gi].phase
             finish[:] = finish.max()
         ranks = list(plan.groups[gi].ranks)
-        mbs = group_microbatch_times(plan, gi, model)
+        mbs, enc = _group_times(plan, gi, model)
         start = float(finish[ranks].max())
         end = start + sum(mbs)
         finish[ranks] = end
         busy[ranks] += end - start
-        spans.append(GroupSpan(gi, start, end, mbs))
+        spans.append(GroupSpan(gi, start, end, mbs, enc))
     spans.sort(key=lambda s: s.group_index)
-    return Timeline(float(finish.max()), tuple(spans), finish, busy)
+    if phase_s.total_s:  # every rank encodes before its groups and after the last one ends
+        busy += phase_s.total_s
+        finish[:] = finish.max() + phase_s.after_s
+    return Timeline(float(finish.max()), tuple(spans), finish, busy, phase_s.before_s, phase_s.after_s)
 
 
 def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:

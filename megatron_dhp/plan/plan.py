@@ -72,6 +72,9 @@ class Plan:
     parallelism the slot layout already orders the phases and no barrier runs)."""
     pipeline_stages: int = 1
     """P: pipeline-parallel stages; P > 1 runs each position's microbatches as 1F1B slots (`pipeline_slots`)."""
+    encoder_placement: str = "split"
+    """Where the vision encoder runs this step (split, replicate or global: `cost.encoder`), the placement
+    the plan was priced with; the runtime runs it so."""
     predicted_step_time_s: float | None = None
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
@@ -109,6 +112,8 @@ class Plan:
             parts.append(f"pp {self.pipeline_stages}")
         if self.num_phases > 1:
             parts.append(f"{self.num_phases} phases")
+        if self.encoder_placement != "split":
+            parts.append(f"encoder {self.encoder_placement}")
         parts.append(f"{self.num_microbatches} mb")
         if self.predicted_step_time_s is not None:
             pred = f"pred {self.predicted_step_time_s:.3f}s"
@@ -215,6 +220,8 @@ class Plan:
             out["phase_barrier"] = True
         if self.pipeline_stages != 1:
             out["pipeline_stages"] = self.pipeline_stages
+        if self.encoder_placement != "split":
+            out["encoder_placement"] = self.encoder_placement
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
@@ -258,6 +265,7 @@ class Plan:
                 max_tokens_per_rank=obj.get("max_tokens_per_rank"),
                 phase_barrier=bool(obj.get("phase_barrier", False)),
                 pipeline_stages=obj.get("pipeline_stages", 1),
+                encoder_placement=str(obj.get("encoder_placement", "split")),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),
                 solve_time_ms=obj.get("solve_time_ms"),

@@ -16,6 +16,7 @@ from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.solver.encoder_auto import plan_best_placement
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
 
@@ -51,6 +52,9 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     per-rank cap is M // P, so that the P microbatches stage 0 keeps in flight hold at most M tokens per rank
     (a sample too long for that is `PlannerUnsupported`).
     """
+    if model.encoder_placement == "auto":  # plan under each placement, keep the fastest
+        return plan_best_placement(lambda m: run_planner(planner, batch, m, pipeline_stages=pipeline_stages),
+                                   batch, model, pipeline_stages)
     domain = model.domain
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
     pipelined = getattr(planner, "plans_pipeline", False)
@@ -69,6 +73,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
         max_tokens_per_rank=domain.max_tokens_per_rank,
         phase_barrier=getattr(planner, "phase_barrier", False),
         pipeline_stages=pipeline_stages,
+        encoder_placement=model.encoder_placement,
     )
     plan.validate()
     return replace(

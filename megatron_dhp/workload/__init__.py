@@ -1,7 +1,7 @@
 """Samples, batches and the sources their lengths come from."""
 
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain, truncate_sample
-from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 from megatron_dhp.workload.sources import load_samples
 from megatron_dhp.workload.synthetic import DISTRIBUTIONS, Distribution, get_distribution
 
@@ -11,6 +11,7 @@ __all__ = [
     "Distribution",
     "LengthSource",
     "Sample",
+    "VisualItem",
     "fit_to_domain",
     "get_distribution",
     "load_samples",

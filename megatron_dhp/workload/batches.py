@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 from megatron_dhp.workload.sources import load_samples
 from megatron_dhp.workload.synthetic import Distribution, get_distribution
 
@@ -22,12 +22,13 @@ class LengthSource:
     distribution: Distribution | None = None
 
     @classmethod
-    def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None) -> LengthSource:
-        """The source named by `--lengths FILE` or `--dist NAME` (exactly one)."""
+    def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None, merge: int = 4) -> LengthSource:
+        """The source named by `--lengths FILE` or `--dist NAME` (exactly one); `merge` (the cost config's)
+        gives a file's short-form images their LLM tokens."""
         if (lengths is None) == (dist is None):
             raise DhpError("give exactly one of --lengths FILE and --dist NAME")
         if lengths is not None:
-            return cls(name=Path(lengths).name, samples=tuple(load_samples(lengths)))
+            return cls(name=Path(lengths).name, samples=tuple(load_samples(lengths, merge=merge)))
         return cls(name=dist, distribution=get_distribution(dist))
 
     def draw(self, *, global_batch: int | None, seed: int, index: int = 0, capacity: int) -> Batch:
@@ -72,12 +73,12 @@ def fit_to_domain(batch: Batch, capacity: int, *, truncate: bool = False) -> Bat
 
 
 def truncate_sample(sample: Sample, max_tokens: int) -> Sample:
-    """Cut a sample to `max_tokens`, dropping trailing images that no longer fit."""
+    """Cut a sample to `max_tokens`, keeping the leading visual items whose LLM tokens still fit whole."""
     if sample.tokens <= max_tokens:
         return sample
-    images: list[int] = []
-    for p in sample.images:
-        if sum(images) + p > max_tokens:
+    kept: list[VisualItem] = []
+    for item in sample.images:
+        if sum(k.llm for k in kept) + item.llm > max_tokens:
             break
-        images.append(p)
-    return Sample(sample.id, max_tokens, tuple(images))
+        kept.append(item)
+    return Sample(sample.id, max_tokens, tuple(kept))

@@ -11,16 +11,80 @@ from megatron_dhp.errors import DhpError
 
 
 @dataclass(frozen=True)
+class VisualItem:
+    """One image or video a sample carries, as the encoder and the LLM each see it.
+
+    A vision encoder turns `enc` patches into `llm` tokens of the sample (2x2 merge, pixel shuffle: about
+    enc / 4), and attends only inside each of its `blocks` (a tile, a frame, a temporal slice), so its cost is
+    priced per block and an item's encoder tokens may well exceed its sample's LLM length.
+    """
+
+    enc: int
+    """Vision-encoder tokens (patches) of the item."""
+    llm: int
+    """LLM tokens the item occupies inside its sample's `tokens`."""
+    blocks: tuple[int, ...] = ()
+    """Lengths of the encoder's independent attention blocks, summing to `enc`; () means one block (enc,)."""
+
+    def __post_init__(self) -> None:
+        for name in ("enc", "llm"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise DhpError(f"visual item {name} = {value!r} must be a positive integer number of tokens")
+        if isinstance(self.blocks, (str, bytes)) or not isinstance(self.blocks, Iterable):
+            raise DhpError(f"visual item blocks {self.blocks!r} must be a list of encoder token counts")
+        blocks = tuple(self.blocks) or (self.enc,)
+        for b in blocks:
+            if not _is_int(b) or b < 1:
+                raise DhpError(f"visual item block {b!r} must be a positive integer number of encoder tokens")
+        if sum(blocks) != self.enc:
+            raise DhpError(f"visual item blocks {list(blocks)} sum to {sum(blocks)}, not to its {self.enc} encoder tokens")
+        object.__setattr__(self, "enc", int(self.enc))
+        object.__setattr__(self, "llm", int(self.llm))
+        object.__setattr__(self, "blocks", tuple(int(b) for b in blocks))
+
+    @classmethod
+    def short(cls, enc: int, merge: int) -> VisualItem:
+        """The short form: `enc` encoder tokens in one block, ceil(enc / merge) LLM tokens."""
+        if not _is_int(enc) or enc < 1:
+            raise DhpError(f"image token count {enc!r} must be a positive integer")
+        return cls(enc, -(-int(enc) // merge))
+
+    def to_dict(self) -> dict:
+        """The long form; `blocks` only when there is more than one."""
+        out: dict = {"enc": self.enc, "llm": self.llm}
+        if len(self.blocks) > 1:
+            out["blocks"] = list(self.blocks)
+        return out
+
+    @classmethod
+    def from_obj(cls, obj: object, merge: int) -> VisualItem:
+        """An item from either file form: a bare encoder token count, or {"enc", "llm", "blocks"}."""
+        if isinstance(obj, dict):
+            unknown = set(obj) - {"enc", "llm", "blocks"}
+            if unknown:
+                raise DhpError(f"visual item {obj!r} has unknown key {sorted(unknown)[0]!r} (allowed: enc, llm, blocks)")
+            if "enc" not in obj or "llm" not in obj:
+                raise DhpError(f"visual item {obj!r} needs 'enc' and 'llm'")
+            return cls(obj["enc"], obj["llm"], obj.get("blocks", ()))
+        if not _is_int(obj):
+            raise DhpError(f"visual item {obj!r} must be an encoder token count or an object "
+                           '{"enc": P, "llm": Q, "blocks": [...]}')
+        return cls.short(obj, merge)
+
+
+@dataclass(frozen=True)
 class Sample:
     """One training sequence.
 
-    `tokens` is the total LLM sequence length (text plus image tokens); `images` lists the vision-encoder
-    token count of each image or video clip the sample carries, which only the encoder cost terms use.
+    `tokens` is the total LLM sequence length (text plus the visual items' LLM tokens); `images` lists the
+    visual items (images, tiles, videos) the sample carries, which only the encoder cost terms and the
+    runtime's encoder use.
     """
 
     id: int
     tokens: int
-    images: tuple[int, ...] = ()
+    images: tuple[VisualItem, ...] = ()
 
     def __post_init__(self) -> None:
         """Every rule a sample obeys, whoever builds it; readers of files and plans add where it came from."""
@@ -29,32 +93,37 @@ class Sample:
         if not _is_int(self.tokens) or self.tokens < 1:
             raise DhpError(f"length {self.tokens!r} must be a positive integer number of tokens")
         images = tuple(self.images)
-        for p in images:
-            if not _is_int(p) or p < 1:
-                raise DhpError(f"image token count {p!r} must be a positive integer")
-        if sum(images) > self.tokens:
+        for item in images:
+            if not isinstance(item, VisualItem):
+                raise DhpError(f"sample {self.id}: image {item!r} must be a VisualItem (VisualItem.short(P, merge) "
+                               "for P encoder tokens)")
+        llm = sum(item.llm for item in images)
+        if llm > self.tokens:
             raise DhpError(
-                f"images hold {sum(images)} tokens, more than the sample's {self.tokens}; "
+                f"sample {self.id}: images take {llm} LLM tokens, more than the sample's {self.tokens}; "
                 "'tokens' is the total LLM length including image tokens"
             )
         object.__setattr__(self, "id", int(self.id))
         object.__setattr__(self, "tokens", int(self.tokens))
-        object.__setattr__(self, "images", tuple(int(p) for p in images))
+        object.__setattr__(self, "images", images)
 
     def to_dict(self) -> dict:
-        """The plan-JSON form: `images` only when present."""
+        """The plan-JSON form: `images` (long form) only when present."""
         out: dict = {"id": self.id, "tokens": self.tokens}
         if self.images:
-            out["images"] = list(self.images)
+            out["images"] = [item.to_dict() for item in self.images]
         return out
 
     @classmethod
-    def from_dict(cls, obj: dict) -> Sample:
-        """Parse the plan-JSON form."""
+    def from_dict(cls, obj: dict, merge: int = 4) -> Sample:
+        """Parse the plan-JSON form; an image is a long-form object or a short-form encoder token count."""
         if not isinstance(obj, dict) or "id" not in obj or "tokens" not in obj:
             raise DhpError(f"sample entry {obj!r} needs 'id' and 'tokens'")
         try:
-            return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(obj.get("images", ())))
+            images = obj.get("images", ())
+            if not isinstance(images, (list, tuple)):
+                raise DhpError(f"'images' must be a list, got {images!r}")
+            return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(VisualItem.from_obj(p, merge) for p in images))
         except DhpError as e:
             raise DhpError(f"sample entry {obj!r}: {e}") from None
 

@@ -3,6 +3,8 @@
 Supported inputs, chosen by file name:
 - `*.json`: a JSON array of positive integers (or of `{"tokens": N, "images": [...]}` objects);
 - `*.jsonl`: one `{"tokens": N, "images": [...]}` object (or a bare integer) per line;
+`tokens` is the sample's LLM length (text and visual items); each image is either its encoder token count P
+(the short form: one attention block, ceil(P / merge) LLM tokens) or `{"enc": P, "llm": Q, "blocks": [...]}`.
 - a Megatron indexed-dataset prefix (`PREFIX.bin` + `PREFIX.idx`, or either file's path), read with
   megatron-core's own `IndexedDataset` reader.
 Every malformed value raises `DhpError` naming the file, the position and the value.
@@ -16,13 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.workload.sample import Sample
+from megatron_dhp.workload.sample import Sample, VisualItem
 
 _FORMATS = "a JSON array of positive integers (.json), JSONL with {\"tokens\": N} per line (.jsonl), or a Megatron .bin/.idx prefix"
 
 
-def load_samples(path: str | Path) -> list[Sample]:
-    """Read every sample of a length source, ids in file order."""
+def load_samples(path: str | Path, *, merge: int = 4) -> list[Sample]:
+    """Read every sample of a length source, ids in file order; a short-form image of P encoder tokens takes
+    ceil(P / merge) LLM tokens (`merge`, the cost config's key)."""
     p = Path(path)
     prefix = _indexed_prefix(p)
     if prefix is not None:
@@ -33,11 +36,11 @@ def load_samples(path: str | Path) -> list[Sample]:
     if not text.strip():
         raise DhpError(f"length file {str(p)!r} is empty; it must hold at least one length")
     if p.suffix == ".jsonl":
-        return _load_jsonl(p, text)
-    return _load_json(p, text)
+        return _load_jsonl(p, text, merge)
+    return _load_json(p, text, merge)
 
 
-def _load_json(p: Path, text: str) -> list[Sample]:
+def _load_json(p: Path, text: str, merge: int) -> list[Sample]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -46,10 +49,10 @@ def _load_json(p: Path, text: str) -> list[Sample]:
         raise DhpError(f"length file {str(p)!r} must hold a JSON array of lengths, not a {type(obj).__name__}")
     if not obj:
         raise DhpError(f"length file {str(p)!r} holds an empty array; it must hold at least one length")
-    return [_sample(p, f"entry {i}", i, item) for i, item in enumerate(obj)]
+    return [_sample(p, f"entry {i}", i, item, merge) for i, item in enumerate(obj)]
 
 
-def _load_jsonl(p: Path, text: str) -> list[Sample]:
+def _load_jsonl(p: Path, text: str, merge: int) -> list[Sample]:
     samples: list[Sample] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -58,12 +61,13 @@ def _load_jsonl(p: Path, text: str) -> list[Sample]:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise DhpError(f"length file {str(p)!r}, line {lineno}: not valid JSON ({e.msg})") from None
-        samples.append(_sample(p, f"line {lineno}", len(samples), item))
+        samples.append(_sample(p, f"line {lineno}", len(samples), item, merge))
     return samples
 
 
-def _sample(p: Path, where: str, sample_id: int, item: object) -> Sample:
-    """One sample from its file form (a length, or an object with tokens and images); `Sample` checks the values."""
+def _sample(p: Path, where: str, sample_id: int, item: object, merge: int) -> Sample:
+    """One sample from its file form (a length, or an object with tokens and images); `Sample` and
+    `VisualItem` check the values."""
     images: object = ()
     if isinstance(item, dict):
         if "tokens" not in item:
@@ -77,7 +81,7 @@ def _sample(p: Path, where: str, sample_id: int, item: object) -> Sample:
     if not isinstance(images, (list, tuple)):
         raise DhpError(f"length file {str(p)!r}, {where}: 'images' must be a list of token counts, got {images!r}")
     try:
-        return Sample(sample_id, tokens, tuple(images))
+        return Sample(sample_id, tokens, tuple(VisualItem.from_obj(x, merge) for x in images))
     except DhpError as e:
         raise DhpError(f"length file {str(p)!r}, {where}: {e}") from None
 

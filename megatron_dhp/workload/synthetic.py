@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.workload.sample import Sample
+from megatron_dhp.workload.sample import Sample, VisualItem
 
 WLBLLM_PATH = Path(__file__).parent / "data" / "dist_wlbllm.json.gz"
 
@@ -81,22 +81,31 @@ def _draw_giant(
 
 def _draw_multimodal(
     rng: np.random.Generator, n: int, *, capacity: int, text_median: int, image_prob: float, max_images: int,
-    image_tokens: tuple[int, int], video_prob: float, video_frames: tuple[int, int], tokens_per_frame: int,
+    tiled_prob: float, max_tiles: int, video_prob: float, video_frames: tuple[int, int], tile: tuple[int, int],
+    frame: tuple[int, int],
 ) -> list[Sample]:
+    """Text plus the visual items of real VLMs: single 448^2 images, InternVL multi-tile images (tiles plus a
+    thumbnail, one attention block each) and videos (one block per frame), encoder tokens ~4x LLM tokens."""
     text = _lognormal(rng, n, text_median, 0.8, 16, 16 * text_median)
-    has_images = rng.random(n) < image_prob
+    kind = rng.random(n)
     n_images = rng.integers(1, max_images + 1, n)
-    has_video = rng.random(n) < video_prob
+    tiles = rng.integers(1, max_tiles + 1, n)
     frames = rng.integers(video_frames[0], video_frames[1] + 1, n)
-    log_lo, log_hi = np.log(image_tokens[0]), np.log(image_tokens[1])
+    single = VisualItem(tile[0], tile[1])
     samples = []
     for i in range(n):
-        images: list[int] = []
-        if has_images[i]:
-            images += [int(np.rint(np.exp(x))) for x in rng.uniform(log_lo, log_hi, n_images[i])]
-        if has_video[i]:
-            images += [tokens_per_frame] * int(frames[i])  # a video is encoded frame by frame
-        samples.append(Sample(i, int(text[i]) + sum(images), tuple(images)))
+        if kind[i] < image_prob:
+            items = [single] * int(n_images[i])
+        elif kind[i] < image_prob + tiled_prob:  # tiles + thumbnail
+            blocks = (tile[0],) * (int(tiles[i]) + 1)
+            items = [VisualItem(sum(blocks), tile[1] * len(blocks), blocks)]
+        elif kind[i] < image_prob + tiled_prob + video_prob:
+            blocks = (frame[0],) * int(frames[i])
+            items = [VisualItem(sum(blocks), frame[1] * len(blocks), blocks)]
+        else:
+            items = []
+        llm = sum(item.llm for item in items)
+        samples.append(Sample(i, int(text[i]) + llm, tuple(items)))
     return samples
 
 
@@ -129,9 +138,10 @@ DISTRIBUTIONS: dict[str, Distribution] = {
         ),
         Distribution(
             "multimodal",
-            "text (median 384) + 1-4 images of 256-16K tokens (45%) + a video of 8-256 frames x 196 tokens (15%)",
-            dict(text_median=384, image_prob=0.45, max_images=4, image_tokens=(256, 16384), video_prob=0.15,
-                 video_frames=(8, 256), tokens_per_frame=196),
+            "text (median 384) + 1-4 single 448^2 images (1,024 enc / 256 LLM tokens; 30%), or one image of 1-12 "
+            "tiles + thumbnail (25%), or a video of 8-256 frames (784 enc / 196 LLM tokens each; 15%)",
+            dict(text_median=384, image_prob=0.30, max_images=4, tiled_prob=0.25, max_tiles=12, video_prob=0.15,
+                 video_frames=(8, 256), tile=(1024, 256), frame=(784, 196)),
             _draw_multimodal,
         ),
     )

@@ -14,7 +14,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.planner import cell_sizes, wide_degrees
-from megatron_dhp.workload import Batch, LengthSource, Sample
+from megatron_dhp.workload import Batch, LengthSource, Sample, VisualItem
 from tests import reference_eval
 
 
@@ -31,7 +31,7 @@ def problems(draw):
     samples = []
     for i, (long_len, short_len, is_long, k) in enumerate(zip(lengths, short, mix, images)):
         tokens = long_len if is_long else short_len
-        imgs = tuple([max(1, tokens // 8)] * k) if tokens >= 8 * k else ()
+        imgs = tuple([VisualItem.short(max(1, tokens // 8), 1)] * k) if tokens >= 8 * k else ()
         samples.append(Sample(i, tokens, imgs))
     overlap = draw(st.booleans())
     extras = draw(st.sampled_from([{}, {"sample_overhead_s": 0.003, "cp_microbatch_overhead_s": 0.02},
@@ -50,7 +50,7 @@ def wide_samples_on_uneven_domains(draw):
     samples = []
     for ranks in (n, draw(st.integers(2, n)), draw(st.integers(2, min(gpn, n)))):
         tokens = (ranks - 1) * cap + draw(st.integers(1, cap))
-        samples.append(Sample(len(samples), tokens, tuple([tokens // 8] * draw(st.integers(0, 3)))))
+        samples.append(Sample(len(samples), tokens, tuple([VisualItem.short(tokens // 8, 1)] * draw(st.integers(0, 3)))))
     samples += [Sample(len(samples) + i, 1) for i in range(draw(st.integers(0, 60)))]
     return n, gpn, cap, False, {}, Batch(tuple(samples))
 
@@ -87,7 +87,7 @@ def test_sample_that_no_cell_run_holds_gets_its_memory_minimum(gpt7b_config):
     # Found by hypothesis: on 6 ranks with 4 per node, the 12284- and 8503-token samples take ranks 0-5 and
     # 1-5, so no run of a 4-rank cell is left for the 6145-token sample (ceil(6145 / 2048) = 4 ranks). It
     # becomes wide, and once went on 1 rank: 6145 tokens above the cap of 2048.
-    special = {10: (6145, ()), 24: (8503, ()), 36: (12284, (1535, 1535, 1535))}
+    special = {10: (6145, ()), 24: (8503, ()), 36: (12284, (VisualItem.short(1535, 1),) * 3)}
     batch = Batch(tuple(Sample(i, *special.get(i, (1, ()))) for i in range(60)))
     plan = check_plan(gpt7b_config, (6, 4, 2048, False, {}, batch))
     assert next(g for g in plan.groups if 10 in g.sample_ids).size == 4

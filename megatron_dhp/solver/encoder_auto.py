@@ -1,0 +1,33 @@
+"""`encoder_placement: auto`: plan under each concrete encoder placement and keep the fastest plan.
+
+The encoder's placement changes which groups pay for it (`cost.encoder`), so the best grouping depends on
+it; a planner plans once per placement and the predicted step decides. A batch without encoder work
+gives the same plan under every placement and is planned once, as `split`. `global` is not priced under
+pipeline parallelism, so at P > 1 stages auto tries split and replicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
+from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.workload.sample import Batch
+
+
+def auto_placements(batch: Batch, model: CostModel, pipeline_stages: int) -> tuple[str, ...]:
+    """The placements worth planning this batch under."""
+    if not model.with_placement("split").encoder_time(batch.samples, 1).any():
+        return ("split",)
+    return tuple(p for p in CONCRETE_PLACEMENTS if pipeline_stages == 1 or p != "global")
+
+
+def plan_best_placement(solve: Callable[[CostModel], Plan], batch: Batch, model: CostModel,
+                        pipeline_stages: int = 1) -> Plan:
+    """The plan with the lowest predicted step over `auto_placements` (ties: the earlier placement), with the
+    solve time of all of them."""
+    plans = [solve(model.with_placement(p)) for p in auto_placements(batch, model, pipeline_stages)]
+    best = min(plans, key=lambda plan: plan.predicted_step_time_s)
+    return replace(best, solve_time_ms=sum(plan.solve_time_ms for plan in plans))
