@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
+from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS, LAYER_SPECS
 
@@ -34,6 +35,10 @@ class DhpConfig:
     cost: str = "gpt7b-64"
     """Cost model: a preset name from configs/ or a YAML path (e.g. from `megatron-dhp profile`). Its
     world_size, gpus_per_node and max_tokens_per_rank are replaced by the live job's."""
+    encoder_placement: str | None = None
+    """Where a multimodal batch's images are encoded: split (over the sample's group), replicate (on every
+    rank of the group), global (over the whole domain) or auto (the planner picks the faster per step);
+    None: the cost model's key (split in the presets). docs/cost-model.md prices each."""
     gpus_per_node: int | None = None
     """GPUs per node, which decides the groups that stay on one node's fast links (default:
     LOCAL_WORLD_SIZE, as torchrun sets it)."""
@@ -64,6 +69,9 @@ class DhpConfig:
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:
                 raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")
+        if self.encoder_placement is not None and self.encoder_placement not in ENCODER_PLACEMENTS:
+            raise DhpError(f"encoder_placement {self.encoder_placement!r} is unknown; choose one of "
+                           f"{', '.join(ENCODER_PLACEMENTS)}")
         if self.layer_spec == "te" and self.comm in DOMAIN_COMMS:
             raise DhpError(f"comm {self.comm!r} gives a group no process group, which TransformerEngine's attention "
                            "needs; use layer_spec local with it, or another comm")

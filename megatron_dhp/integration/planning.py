@@ -23,9 +23,11 @@ from megatron_dhp.workload.sample import Batch
 
 
 def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int) -> CostConfig:
-    """The configured cost model with the live job's domain: its size, node size and token cap."""
+    """The configured cost model with the live job's domain (its size, node size and token cap) and the
+    configured encoder placement."""
     return CostConfig.load(config.cost).with_overrides(
-        world_size=world_size, gpus_per_node=gpus_per_node, max_tokens_per_rank=config.max_tokens_per_rank
+        world_size=world_size, gpus_per_node=gpus_per_node, max_tokens_per_rank=config.max_tokens_per_rank,
+        encoder_placement=config.encoder_placement,
     )
 
 

@@ -32,7 +32,7 @@ from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.fused import gather_rows, scatter_rows
 from megatron_dhp.runtime.layout import MicrobatchLayout
-from megatron_dhp.workload.sample import Batch, Sample
+from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
 if TYPE_CHECKING:
     from megatron_dhp.runtime.vision import VisionInputs
@@ -200,7 +200,11 @@ def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> Gathere
         if len({im.tile_shape for im in images}) > 1:
             raise DhpError(f"the batch's images have tiles of shapes {sorted({im.tile_shape for im in images})}; every "
                            "tile must have the model's one shape [3, tile_px, tile_px]")
-    samples = [Sample(sid, lengths[sid]) for sid in sorted(lengths)]
+    # The planner sees each image as the encoder will run it: its encoder and LLM tokens, one block per tile.
+    items: dict[int, list[VisualItem]] = {}
+    for im in images:
+        items.setdefault(im.sample_id, []).append(VisualItem(im.enc_tokens, im.llm_tokens, (im.enc_tokens // im.tiles,) * im.tiles))
+    samples = [Sample(sid, lengths[sid], tuple(items.get(sid, ()))) for sid in sorted(lengths)]
     return GatheredBatch(Batch(tuple(samples)), owners, loss_tokens, tuple(images))
 
 

@@ -11,7 +11,7 @@
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective), unless the engine's variant runs on
    the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`), and a multimodal
-   batch's pixels to the ranks that encode them (`vision.move_images`, by the engine's encoder placement);
+   batch's pixels to the ranks that encode them (`vision.move_images`, by the plan's encoder placement);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
    each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
 
@@ -138,7 +138,6 @@ class StepEngine:
         aligned_slots: bool = False,
         equal_rows: bool = False,
         comm: str | None = None,
-        encoder_placement: str = "split",
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
@@ -159,8 +158,6 @@ class StepEngine:
         self.equal_rows = equal_rows
         """Every position holds the same rows in each aligned slot (`slots.aligned_slot_rows`): needed by
         megatron-core's allgather MoE dispatcher with expert parallelism."""
-        self.encoder_placement = encoder_placement
-        """Which ranks encode a multimodal batch's images (`vision.PLACEMENTS`)."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -242,7 +239,7 @@ class StepEngine:
                              slot_rows=rows)
         if not current.gathered.images:
             return inputs
-        vision = move_images(current.local, plan, current.gathered, self.domain, placement=self.encoder_placement,
+        vision = move_images(current.local, plan, current.gathered, self.domain, placement=plan.encoder_placement,
                              seq_multiple=self.seq_multiple, slot_rows=rows)
         return replace(inputs, vision=vision)
 

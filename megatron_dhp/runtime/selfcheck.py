@@ -11,7 +11,7 @@ through megatron-core's 1F1B (`pipeline.run_pipeline_step`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -140,8 +140,8 @@ class SelfCheck:
         config = self.model.config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, comm=comm, encoder_placement=placement)
-        inputs = engine.prepare(local, plan)
+                            equal_rows=equal_rows, comm=comm)
+        inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step
         step = run(engine, self.model, inputs, comm=comm, backend=self.backend)

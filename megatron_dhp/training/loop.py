@@ -96,7 +96,8 @@ class Trainer:
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
         self.cost = self._cost_config(config)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
-                                      capacity=self.cost.domain.capacity, truncate=config.dhp.truncate)
+                                      capacity=self.cost.domain.capacity, truncate=config.dhp.truncate,
+                                      vision=config.vision.model(config.model))
         longest = self.pipeline.longest(config.train.steps)
         if longest > config.model.max_sequence_length:
             raise DhpError(f"the data holds a {longest}-token sample but model.max_sequence_length is "
@@ -123,7 +124,8 @@ class Trainer:
         """One line on what runs: model, ranks, planner, memory cap, cost model, data."""
         c, n = self.config, sum(p.numel() for p in self.model.parameters())
         pp = f", PP {c.train.pp}" if c.train.pp > 1 else ""
-        return (f"GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
+        tower = f"ViT {c.vision.layers}x{c.vision.hidden_size} + " if c.vision.layers else ""
+        return (f"{tower}GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
                 f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "

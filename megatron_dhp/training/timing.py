@@ -23,6 +23,9 @@ REPEATS = 3
 step's microbatches do not (allocator, caches). All at exactly its shape: on a CPU a 1024-token sample on 2
 ranks costs more than a L^2 curve through 768 and 896 tokens says, and mixing those in predicted it short."""
 
+ENCODER_TILES = 16
+"""Tiles each rank encodes (forward and backward) per round to time a vision tower, when the model has one."""
+
 CALIBRATION_WARMUP = 2
 """Calibration steps per planner left out of the step overhead: the first steps create groups, warm caches."""
 
@@ -107,6 +110,8 @@ class GridTimer:
             plan, samples = point_plan(point, n, config)
             self.steps.append((plan, local_slice(samples, position, n)))
         self.times: list[list[float]] = [[] for _ in grid]
+        self.encoder_times: list[float] = []
+        """Seconds per encoder token of each round's tiles (a vision-language model only)."""
 
     def round(self) -> None:
         """Time every point once: a barrier, its microbatches, the slowest rank's seconds per microbatch."""
@@ -125,6 +130,16 @@ class GridTimer:
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             seen.append(float(elapsed) / REPEATS)
+        vlm = self.model.module
+        if hasattr(vlm, "encode"):  # the encoder's forward and backward, every rank at once, as a step runs it
+            config = vlm.vlm_config
+            pixels = torch.randn(ENCODER_TILES, 3, config.tile_px, config.tile_px, generator=torch.Generator().manual_seed(0))
+            dist.barrier(group=self.domain.group)
+            start = time.perf_counter()
+            vlm.encode(pixels).sum().backward()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            self.encoder_times.append(float(elapsed) / (ENCODER_TILES * config.patches_per_tile))
 
     def medians(self, *, skip: int = 0) -> list[float]:
         """Each point's median over its rounds, leaving out the first `skip` (warm-up)."""
@@ -132,10 +147,11 @@ class GridTimer:
 
 
 def measure(config: TrainConfig, grid: list[GridPoint], reps: int,
-            steps: int = 0) -> tuple[list[float], list[tuple[str, int, dict, float]]]:
-    """One rank: every grid point's median seconds per microbatch over `reps` rounds (after a warm-up round),
-    and, with `steps`, that many training steps under `static` and under the configured planner in turn:
-    (planner, step, plan JSON, measured forward+backward seconds) of each step after warm-up.
+            steps: int = 0) -> tuple[list[float], list[tuple[str, int, dict, float]], float]:
+    """One rank: every grid point's median seconds per microbatch over `reps` rounds (after a warm-up round);
+    with `steps`, that many training steps under `static` and under the configured planner in turn:
+    (planner, step, plan JSON, measured forward+backward seconds) of each step after warm-up; and the vision
+    tower's median seconds per encoder token (0 without one).
 
     The rounds are spread between the steps, so that the grid and the steps see the same machine: on a shared
     one, load from other jobs changes speed by 10-20 % from one minute to the next. The steps plan with the
@@ -157,4 +173,5 @@ def measure(config: TrainConfig, grid: list[GridPoint], reps: int,
                 rounds += 1
     for _ in range(rounds, reps):
         timer.round()
-    return timer.medians(skip=1), checked
+    encoder = statistics.median(timer.encoder_times[1:]) if timer.encoder_times else 0.0
+    return timer.medians(skip=1), checked, encoder

@@ -32,6 +32,10 @@ def test_every_placement_and_comm_matches_one_process(four):
     assert four["vision_grad"] > 1e-4  # the comparison covered a vision tower that really learned
 
 
+def test_the_gathered_batch_the_planner_sees_carries_every_image(four):
+    assert four["planned"] == four["given"] and sum(map(len, four["planned"].values())) == four["images"]
+
+
 def test_the_encoder_attends_within_a_tile_in_both_directions():
     (cross, backward), = launch(vlm_workers.tile_independence, 1, timeout_s=200)
     assert cross <= 1e-6  # another tile in the batch changes nothing

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+from megatron_dhp.runtime.dispatch import gather_batch, local_slice
 from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed
 from megatron_dhp.runtime.vision import PLACEMENTS
 from megatron_dhp.runtime.vlm import TinyVLMConfig, random_vlm_samples
@@ -24,6 +25,10 @@ def vlm_checks() -> dict:
     check = SelfCheck(vlm=config, seed=SEED)
     samples = random_vlm_samples(batch(), config, seed=SEED)
     out: dict = {"images": sum(len(s.images) for s in samples), "exact": {}}
+    gathered = gather_batch(local_slice(samples, check.domain.position, check.domain.size), check.domain)
+    out["planned"] = {s.id: [(i.enc, i.llm, i.blocks) for i in s.images] for s in gathered.batch.samples}
+    out["given"] = {s.id: [(im.enc_tokens, im.llm_tokens, (config.patches_per_tile,) * im.tiles) for im in s.images]
+                    for s in samples}
     for name, plan in plans_of_four().items():
         for placement in PLACEMENTS:
             for comm in COMM_VARIANTS:

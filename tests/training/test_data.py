@@ -71,3 +71,31 @@ def test_length_file_source(tmp_path):
     assert set(p.batch(0).lengths.tolist()) <= {5, 9, 30}
     with pytest.raises(DhpError, match="does not exist"):
         TokenPipeline(DataConfig(source=str(tmp_path / "missing.json")), vocab_size=16, capacity=64)
+
+
+def test_a_vision_tower_turns_the_images_into_whole_tiles_with_pixels_and_no_loss():
+    from megatron_dhp.runtime.vlm import IMAGE_PLACEHOLDER, TinyVLMConfig
+
+    vision = TinyVLMConfig()
+    p = TokenPipeline(DataConfig(source="multimodal", length_scale=1 / 32, global_batch=16, seed=2), vocab_size=97,
+                      capacity=4096, truncate=True, vision=vision)
+    batch = p.batch(0)
+    items = [item for s in batch.samples for item in s.images]
+    assert len(items) >= 8
+    for item in items:  # each image is k tiles: k blocks of 16 encoder tokens and 4 k LLM tokens
+        k = len(item.blocks)
+        assert item.blocks == (vision.patches_per_tile,) * k and item.llm == k * vision.tokens_per_tile
+    for s, t in zip(batch.samples, p.local_samples(0, 0, 1)):
+        assert [(im.llm_tokens, im.enc_tokens, im.tiles) for im in t.images] == \
+            [(i.llm, i.enc, len(i.blocks)) for i in s.images]
+        for im in t.images:
+            rows = slice(im.start, im.start + im.llm_tokens)
+            assert bool((t.input_ids[rows] == IMAGE_PLACEHOLDER).all()) and not t.loss_mask[rows].any()
+            assert im.start == 0 or t.loss_mask[im.start - 1] == 0  # its label would be the image
+            assert im.pixels.shape == (im.tiles, 3, vision.tile_px, vision.tile_px)
+        expected = torch.ones(t.length)
+        for im in t.images:
+            expected[max(im.start - 1, 0):im.start + im.llm_tokens] = 0
+        assert torch.equal(t.loss_mask, expected)  # every other token keeps its loss
+    text_only = pipeline(source="multimodal").batch(0)  # without a tower the images are dropped
+    assert all(not s.images for s in text_only.samples)

@@ -61,6 +61,18 @@ def test_no_communicator_is_created_after_start_up_with_the_group_family():
         assert fixed["losses"] == pytest.approx(free["losses"], rel=RELATIVE)
 
 
+def test_a_vision_language_model_trains_alike_under_every_placement_and_in_one_process():
+    two = launch(rank_main, 2, workers.vlm_runs, workers.vlm_config(2), timeout_s=400)
+    one = launch(rank_main, 1, workers.vlm_runs, workers.vlm_config(1), timeout_s=300)[0]
+    assert one["images"] >= 8
+    single = one["dhp", "split"]
+    for rank in two:
+        for key, curve in rank.items():
+            if key != "images":
+                assert curve == pytest.approx(single, rel=RELATIVE), key
+    assert single[-1] < single[0]
+
+
 def test_resume_at_step_10_reproduces_steps_11_to_20_exactly(runs):
     for rank in runs["two"]:
         assert rank["resumed_from"] == workers.RESUME_AT
@@ -138,7 +150,8 @@ def test_train_command_logs_every_step_and_writes_json(tmp_path, capfd):
 
 
 def test_profile_of_a_tiny_grid_fits_into_a_yaml_cost_config_accepts(runs, tmp_path):
-    measured, steps = runs["two"][0]["profile"]
+    measured, steps, encoder = runs["two"][0]["profile"]
+    assert encoder == 0.0  # a text-only GPT has no vision tower to time
     assert len(measured) == len(workers.PROFILE_GRID) and all(t > 0 for t in measured)
     assert [(name, step) for name, step, _, _ in steps] == [  # both planners in turn, after warm-up
         (name, step) for step in range(CALIBRATION_WARMUP + 1, workers.PROFILE_STEPS + 1) for name in ("static", "dhp")]

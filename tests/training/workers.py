@@ -213,3 +213,20 @@ def family_runs(config: TrainConfig) -> dict:
         out[name] = {"at_startup": trainer.pool.at_startup, "created": [r.groups_created for r in records],
                      "groups": {r.groups for r in records}, "losses": losses(records)}
     return out
+
+
+def vlm_config(nproc: int) -> TrainConfig:
+    """The tiny GPT behind a vision tower on the multimodal mix: images of 1+ tiles in most batches."""
+    return tiny_config(nproc=nproc, max_tokens_per_rank=96 if nproc == 1 else 48).with_overrides(
+        vision={"layers": 1, "hidden_size": 16, "num_attention_heads": 2},
+        data={"source": "multimodal", "length_scale": 1 / 64}, train={"steps": 4})
+
+
+def vlm_runs(config: TrainConfig) -> dict:
+    """static and dhp under each encoder placement, from the same weights on the same batches."""
+    out: dict = {}
+    for planner, placement in (("static", "split"), ("dhp", "split"), ("dhp", "replicate"), ("dhp", "global")):
+        trainer = Trainer(config.with_overrides(dhp={"planner": planner, "encoder_placement": placement}))
+        out[planner, placement] = losses(trainer.train())
+        out["images"] = sum(len(s.images) for k in range(config.train.steps) for s in trainer.pipeline.batch(k).samples)
+    return out
