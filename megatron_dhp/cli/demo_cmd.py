@@ -3,6 +3,7 @@
 The README's main job. Spawns as many gloo ranks as the machine has cores (at least 2, one compute thread
 each), trains `configs/demo_cpu.yaml` under each planner, and ends with a table: median step time, the
 speed-up, the loss at the last step of each run, and where the plot of one step's plans was written.
+`--config mllm_demo_cpu` runs the same comparison on a vision-language model and multimodal batches.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the tiny GPT with static CP, then DHP, and compare (a few minutes on CPU)",
                        description="Train the tiny GPT of configs/demo_cpu.yaml first with Megatron's static CP "
                                    "planner, then with DHP, on the same batches and weights, and print step "
-                                   "time, speed-up and final loss side by side.")
+                                   "time, speed-up and final loss side by side. --config mllm_demo_cpu does the "
+                                   "same for an InternVL-shaped vision-language model on multimodal batches.")
     add_train_args(p)
     add_pp_arg(p)
     p.add_argument("--planners", default="static,dhp", metavar="A,B",

@@ -23,7 +23,7 @@ REPEATS = 3
 step's microbatches do not (allocator, caches). All at exactly its shape: on a CPU a 1024-token sample on 2
 ranks costs more than a L^2 curve through 768 and 896 tokens says, and mixing those in predicted it short."""
 
-ENCODER_TILES = 16
+ENCODER_TILES = 64
 """Tiles each rank encodes (forward and backward) per round to time a vision tower, when the model has one."""
 
 CALIBRATION_WARMUP = 2
