@@ -111,8 +111,9 @@ class Candidate:
         return cls(cell, wide, degrees, max(area_bound, longest))
 
 
-def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int) -> Draft:
-    """One candidate: wide groups first, then the cells' bins filled and rebalanced.
+def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1) -> Draft:
+    """One candidate: wide groups first (up to `grow` times their degree: `place_wide`), then the cells'
+    bins filled and rebalanced.
 
     Wide groups can split cells into runs smaller than some samples need; those samples become wide too
     and the layout is redone (at most a few rounds: the wide set only grows).
@@ -121,7 +122,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     wide = cand.wide
     while True:
         skyline = Skyline.empty(n)
-        place_wide(inst, skyline, wide, degrees_of[wide], cell)
+        place_wide(inst, skyline, wide, degrees_of[wide], cell, grow)
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
@@ -145,6 +146,9 @@ class DhpPlanner:
     """Local-search moves per candidate."""
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
+    grow: int = 2
+    """A candidate whose draft ends more than `gap` above its bound is built again with wide samples free
+    to take up to this many times their degree (`place_wide`); the faster draft counts. 1: never."""
     max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
@@ -178,6 +182,9 @@ class DhpPlanner:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
                 break
             draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
+            if p == 1 and self.grow > 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
+                wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow)
+                draft = wider if wider.makespan_s < draft.makespan_s else draft
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
         if p > 1:
