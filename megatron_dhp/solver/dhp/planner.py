@@ -10,8 +10,8 @@ Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B 
 fastest: its own (microbatches of at most M // P tokens per rank, so any P consecutive slots hold at most
 M; the first candidate's draft, the bins all in one last phase after every wide group, each group's
 microbatches in 1F1B order: second shortest, the rest longest first, shortest last), rounds of at most
-M // P per rank (`rounds.py`: every phase a partition of the domain with one microbatch per group, so no
-idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
+M // P per rank (`rounds.py`, or with a group family `family_rounds.py`: every phase a partition of the
+domain with one microbatch per group, so no idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
 spaced by P - 1 filler slots (the whole in-flight budget on one round) in the 1F1B order, and static CP's
 layout sized by the batch (one group size in one phase: no idle slot; it wins on some small batches).
 """
@@ -28,6 +28,7 @@ from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
+from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
@@ -190,11 +191,13 @@ class DhpPlanner:
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
-            peers = [*round_layouts(inst, batch), *([spaced] if spaced else []), static]
-            if family is not None:  # fcp-ref's rounds and static's replicas, moved onto the family where they fit
+            peers = [*([spaced] if spaced else []), static]
+            if family is not None:  # the spaced rounds and static's replicas moved onto the family where they fit
                 tokens_of = {s.id: s.tokens for s in batch.samples}
                 peers = [fit_to_family(family, groups, tokens_of, inst.cap) for groups in peers]
                 peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
+            # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
+            peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
             return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *peers])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
