@@ -190,3 +190,18 @@ def test_wide_samples_may_take_a_wider_window_that_frees_up_first(index):
     assert dhp.predicted_step_time_s <= fcp.predicted_step_time_s * 1.005
     fixed = run_planner(dataclasses.replace(build_planner("dhp"), grow=1), batch, model)
     assert dhp.predicted_step_time_s <= fixed.predicted_step_time_s
+
+
+def test_one_rank_samples_run_while_a_rank_waits_for_its_next_wide_group():
+    # M = 4096: WLB-LLM's long samples need 2-16 ranks; placed skyline-style, a wide group waits for the
+    # last of its ranks, and the others sat idle (dhp with any groups 1.068 x LB). Short samples now run
+    # in those waits (`fill_holes`), and the step is at the bound.
+    from tests.solver.conftest import model_for
+
+    model = model_for(64, max_tokens_per_rank=4096)
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, index=0, capacity=model.domain.capacity)
+    plan = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
+    assert plan.predicted_step_time_s <= 1.01 * plan.lower_bound_s
+    waits = [g for g in plan.groups if g.size == 1 and any(h.phase > g.phase and set(h.ranks) & set(g.ranks) and h.size > 1
+                                                            for h in plan.groups)]
+    assert waits  # one-rank groups before a wide group on the same rank

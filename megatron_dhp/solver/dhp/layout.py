@@ -9,6 +9,7 @@ ranks finish their wide groups, splits into runs of ranks that are free at the s
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,8 @@ class Skyline:
     ready: np.ndarray
     phase: np.ndarray
     wide: list[DraftGroup] = field(default_factory=list)
+    holes: list[tuple[int, float, float]] = field(default_factory=list)
+    """(rank, free from, busy again at): where a rank waits for the other ranks of its next wide group."""
 
     @classmethod
     def empty(cls, num_ranks: int) -> Skyline:
@@ -107,6 +110,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
             add_to_group(last, i, int(inst.tokens[i]), t)  # the same ranks again: extend their group
         else:
             phase = int(skyline.phase[s : s + d].max())
+            skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
             group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
             add_to_group(group, i, int(inst.tokens[i]), t)
             skyline.wide.append(group)
@@ -127,6 +131,39 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> No
         group.rooms.append(group.size * group.cap - tokens)
         time_s += group.overhead_s
     group.finish_s += time_s
+
+
+def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[list[DraftGroup], np.ndarray]:
+    """Run one-rank samples in the waits of the wide groups' ranks (`Skyline.holes`), longest first, each in
+    the hole with the least time left that still ends it in time (a one-rank group is in every family).
+    Returns the holes' groups (start and finish inside their hole) and the items left for the bins."""
+    holes = sorted(((end - start, rank, start) for rank, start, end in skyline.holes), reverse=True)
+    if not holes:
+        return [], items
+    times, m = inst.times(1, True), inst.overhead(1)
+    groups = [DraftGroup(rank, 1, 0, start, inst.cap, m) for _, rank, start in holes]
+    left = sorted((length, k) for k, (length, _, _) in enumerate(holes))
+    rest = []
+    for i in items[np.lexsort((inst.ids[items], -times[items]))].tolist():
+        t = float(times[i]) + m
+        k = bisect.bisect_left(left, (t, -1))
+        if inst.min_degree[i] > 1 or k == len(left):
+            rest.append(i)
+            continue
+        room, h = left.pop(k)
+        group = groups[h]
+        before = group.finish_s
+        add_to_group(group, i, int(inst.tokens[i]), float(times[i]))
+        bisect.insort(left, (room - (group.finish_s - before), h))
+    return [g for g in groups if g.microbatches], np.array(sorted(rest), dtype=np.int64)
+
+
+def renumber_phases(groups: list[DraftGroup]) -> None:
+    """Phases from the groups' start times: each group one after the latest group before it on its ranks."""
+    last: dict[int, int] = {}
+    for g in sorted(groups, key=lambda g: (g.start_s, g.finish_s, g.first)):
+        g.phase = 1 + max((last.get(r, -1) for r in g.ranks), default=-1)
+        last.update(dict.fromkeys(g.ranks, g.phase))
 
 
 def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:

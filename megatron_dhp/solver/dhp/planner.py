@@ -31,7 +31,14 @@ from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
+from megatron_dhp.solver.dhp.layout import (
+    DraftGroup,
+    Skyline,
+    fill_holes,
+    open_bins,
+    place_wide,
+    renumber_phases,
+)
 from megatron_dhp.solver.dhp.rounds import (
     fit_to_family,
     pipeline_order_of,
@@ -112,7 +119,8 @@ class Candidate:
         return cls(cell, wide, degrees, max(area_bound, longest))
 
 
-def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1) -> Draft:
+def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1,
+          backfill: bool = False) -> Draft:
     """One candidate: wide groups first (up to `grow` times their degree: `place_wide`), then the cells'
     bins filled and rebalanced.
 
@@ -131,8 +139,12 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
+    holes, rest = fill_holes(inst, skyline, rest) if backfill else ([], rest)
     binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
     groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+    if holes:
+        groups += holes
+        renumber_phases(groups)
     return Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
 
 
@@ -182,9 +194,9 @@ class DhpPlanner:
         for cand in candidates[: 1 if p > 1 else None]:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
                 break
-            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
+            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1)
             if p == 1 and self.grow > 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
-                wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow)
+                wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
                 draft = wider if wider.makespan_s < draft.makespan_s else draft
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
