@@ -159,9 +159,10 @@ class DhpPlanner:
     """Local-search moves per candidate."""
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
-    grow: int = 2
+    grow: ClassVar[int] = 2
     """A candidate whose draft ends more than `gap` above its bound is built again with wide samples free
-    to take up to this many times their degree (`place_wide`); the faster draft counts. 1: never."""
+    to take up to this many times their degree (`place_wide`); the faster draft counts. Not an option:
+    the rebuild only ever keeps the faster draft."""
     max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
@@ -195,7 +196,7 @@ class DhpPlanner:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
                 break
             draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1)
-            if p == 1 and self.grow > 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
+            if p == 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
                 wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
                 draft = wider if wider.makespan_s < draft.makespan_s else draft
             if best is None or draft.makespan_s < best.makespan_s:
