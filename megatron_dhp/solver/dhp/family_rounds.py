@@ -21,27 +21,10 @@ from megatron_dhp.solver.dhp.rounds import round_order
 from megatron_dhp.solver.fcp_ref import Bin, bfd_pack
 from megatron_dhp.workload.sample import Batch
 
-Windows = dict[int, list[tuple[int, int]]]
-"""Per family size, (start, rank bit mask) of every window, by start (masks as Python ints: a window is
-free when mask & free == mask, far cheaper than an array pass per test)."""
-
-
-def window_masks(family: GroupFamily) -> Windows:
-    """Every family window as a bit mask, by size."""
-    return {size: [(a, ((1 << size) - 1) << a) for a in family.starts(size).tolist()] for size in family.sizes}
-
-
-def first_window(windows: Windows, size: int, free: int) -> int | None:
-    """The first window of `size` ranks whose ranks are all in `free`; None if none."""
-    if free.bit_count() < size:
-        return None
-    if size == 1:  # every rank is a window of one: the lowest free one
-        return (free & -free).bit_length() - 1
-    return next((a for a, mask in windows[size] if mask & free == mask), None)
-
 
 class Round:
-    """One round under construction: its free ranks (a bit mask), and each group's bin and window."""
+    """One round under construction: its free ranks (a bit mask for `GroupFamily.first_free`), and each
+    group's bin and window."""
 
     def __init__(self, num_ranks: int) -> None:
         self.free = (1 << num_ranks) - 1
@@ -71,7 +54,7 @@ def group_time(inst: Instance, members: list[int], start: int, size: int) -> flo
     return inst.overhead(size) + float(inst.times(size, inst.model.is_intra((start, start + size - 1)))[members].sum())
 
 
-def widen(inst: Instance, windows: Windows, rnd: Round) -> None:
+def widen(inst: Instance, family: GroupFamily, rnd: Round) -> None:
     """Move the round's slowest group to the family window of free ranks and its own that shortens it most,
     while one does (each step strictly shortens the slowest group, so this ends)."""
     times = [group_time(inst, b.members, *w) for b, w in zip(rnd.bins, rnd.windows)]
@@ -79,8 +62,8 @@ def widen(inst: Instance, windows: Windows, rnd: Round) -> None:
         k = int(np.argmax(times))
         best: tuple[float, int, int] | None = None
         free = rnd.free | rnd.mask(k)
-        for size in (s for s in windows if s > rnd.windows[k][1]):
-            start = first_window(windows, size, free)
+        for size in (s for s in family.sizes if s > rnd.windows[k][1]):
+            start = family.first_free(size, free)
             if start is not None:
                 t = group_time(inst, rnd.bins[k].members, start, size)
                 if t < (best[0] if best else times[k]):
@@ -93,21 +76,20 @@ def widen(inst: Instance, windows: Windows, rnd: Round) -> None:
 
 def family_rounds(inst: Instance, family: GroupFamily) -> list[Round]:
     """fcp-ref's atomic groups in rounds of family windows, first-fit decreasing, then widened."""
-    windows = window_masks(family)
     bins = bfd_pack(inst.tokens, inst.min_degree, inst.cap)  # non-increasing min_cp
     rounds: list[Round] = []
     for b in bins:
         size = family.ceil_size(int(b.min_cp))
         for rnd in rounds:
-            if (start := first_window(windows, size, rnd.free)) is not None:
+            if (start := family.first_free(size, rnd.free)) is not None:
                 break
         else:
             rnd = Round(inst.num_ranks)
             rounds.append(rnd)
-            start = first_window(windows, size, rnd.free)
+            start = family.first_free(size, rnd.free)
         rnd.add(b, start, size)
     for rnd in rounds:
-        widen(inst, windows, rnd)
+        widen(inst, family, rnd)
     return rounds
 
 
