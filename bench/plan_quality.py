@@ -15,7 +15,7 @@ A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is repo
     python bench/plan_quality.py --pp 4 --planners dhp,static,megatron-hcp,fcp-ref   # 1F1B over 4 stages
     python bench/plan_quality.py --planners dhp,static,megatron-hcp,fcp-ref --domains mixtral-8x7b-64   # MoE
     python bench/plan_quality.py --from-json fast.json flexsp.json   # tables and targets of stored runs
-    python bench/plan_quality.py --variants --planners dhp,static,megatron-hcp,fcp-ref --batches 3
+    python bench/plan_quality.py --variants --planners dhp,static,megatron-hcp,fcp-ref --batches 3 [--any-groups]
 
 `--from-json` joins the records of earlier `--json` runs (e.g. the fast planners on 10 batches and
 flexsp-milp, minutes per batch, on the first few of the same batches) and prints them as one run.
@@ -35,6 +35,7 @@ than 0.5 % behind a peer):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -249,6 +250,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "m 0.2 s": {"microbatch_overhead_s": 0.2},
 }
 """Cost-model variants of `VARIANT_BASE`: the fields each one overrides."""
+ANY_GROUPS = "dhp-any"
+"""dhp with any groups (max_groups_per_rank 0), planned with `--any-groups`: dhp / dhp-any is the family's cost."""
 
 
 def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
@@ -258,10 +261,12 @@ def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
     base = CostConfig.load(VARIANT_BASE)
     cases = [(v, w) for v in VARIANTS for w in args.workloads]
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("planning variants", total=len(cases) * args.batches * len(args.planners))
+        task = progress.add_task("planning variants", total=len(cases) * args.batches * (len(args.planners) + args.any_groups))
         for variant, workload in cases:
             model = build_cost_model(base.with_overrides(**VARIANTS[variant]))
             batches, planners = batches_and_planners(model, workload, args)
+            if args.any_groups:  # the family's cost: dhp / dhp-any
+                planners.append(dataclasses.replace(build_planner("dhp", max_groups_per_rank=0), name=ANY_GROUPS))
             for k, batch in enumerate(batches):
                 best_s = best_lower_bound(model, batch.samples)
                 for planner in planners:
@@ -299,8 +304,9 @@ def variant_rows(records: list[dict], planners: list[str]) -> list[dict]:
 
 def print_variants(records: list[dict], args: argparse.Namespace, console: Console) -> None:
     """The variant table, and its markdown form with `--markdown`."""
-    rows = variant_rows(records, args.planners)
-    peers = [p for p in args.planners if p != "dhp"]
+    planners = [*args.planners, *([ANY_GROUPS] if args.any_groups else [])]
+    rows = variant_rows(records, planners)
+    peers = [p for p in planners if p != "dhp"]
     cols = ["variant", *(f"{p} step/best LB mean (max)" for p in args.planners), "dhp step/ref LB mean",
             *(f"dhp / {p} mean (max)" for p in peers)]
 
@@ -407,6 +413,8 @@ def main() -> None:
                         help="plan the multimodal workload under each encoder placement (--placements)")
     parser.add_argument("--placements", default="split,replicate,global,auto",
                         help="encoder placements for --multimodal (default split,replicate,global,auto)")
+    parser.add_argument("--any-groups", action="store_true",
+                        help=f"with --variants, also plan dhp with any groups as {ANY_GROUPS} (the group family's cost)")
     args = parser.parse_args()
     for key in ("planners", "workloads", "domains", "placements"):
         setattr(args, key, [x for x in getattr(args, key).split(",") if x])

@@ -145,3 +145,16 @@ def test_runs_that_are_not_family_groups_are_cut_into_family_groups():
     bins = open_bins(inst, skyline, 8)
     assert all(family.contains(b.ranks) for b in bins)
     assert sorted(r for b in bins for r in b.ranks) == list(range(8))
+
+
+@pytest.mark.parametrize("n,g", [(64, 8), (48, 8), (13, 4), (1024, 8)])
+def test_first_free_is_the_first_window_whose_positions_are_all_free(n, g):
+    family = group_family(n, g)
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        free_positions = rng.random(n) < rng.uniform(0.3, 1.0)
+        mask = sum(1 << r for r in np.flatnonzero(free_positions).tolist())
+        for size in family.sizes:
+            expected = next((a for a in family.starts(size).tolist() if free_positions[a:a + size].all()), None)
+            assert family.first_free(size, mask) == expected, (size, expected)
+    assert family.first_free(7 * n, (1 << n) - 1) is None  # no such size

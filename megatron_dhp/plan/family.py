@@ -38,7 +38,7 @@ API for the runtime (the group pool creates the family at start-up, collectively
     family.membership             # groups per domain position; family.max_membership <= K
 
 and for planners: `sizes` (every size with a window, 1 included), `starts(size)`, `placements(size)`,
-`ceil_size(d)` (the smallest size >= d) and `largest_at(start, limit)`.
+`ceil_size(d)` (the smallest size >= d), `largest_at(start, limit)` and `first_free(size, free)`.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ class GroupFamily:
     _starts: dict[int, np.ndarray] = field(init=False, repr=False, compare=False)
     _at: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _set: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
+    _start_bits: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         starts: dict[int, list[int]] = {1: list(range(self.world_size))}
@@ -147,6 +148,7 @@ class GroupFamily:
         object.__setattr__(self, "_starts", {s: np.array(v, dtype=np.int64) for s, v in sorted(starts.items())})
         object.__setattr__(self, "_at", {a: tuple(sorted(v, reverse=True)) for a, v in at.items()})
         object.__setattr__(self, "_set", frozenset(self.windows))
+        object.__setattr__(self, "_start_bits", {})
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -198,6 +200,21 @@ class GroupFamily:
         if k == len(sizes):
             raise DhpError(f"no group of {degree} ranks fits the domain of {self.world_size}")
         return sizes[k]
+
+    def first_free(self, size: int, free: int) -> int | None:
+        """The first start of a window of `size` ranks whose positions are all set in the bit mask `free`
+        (bit r: position r), or None. A few shifts of one integer, not a test per window: planners ask
+        this thousands of times per solve."""
+        if size not in self._starts:
+            return None
+        if size not in self._start_bits:
+            self._start_bits[size] = sum(1 << a for a in self._starts[size].tolist())
+        run, span = free, 1  # bit a of run: positions a .. a + span - 1 all free
+        while 2 * span <= size:
+            run &= run >> span
+            span *= 2
+        hits = run & (run >> (size - span)) & self._start_bits[size]
+        return (hits & -hits).bit_length() - 1 if hits else None
 
     def largest_at(self, start: int, limit: int) -> int:
         """The widest group that starts at `start` and has at most `limit` ranks (1 if none)."""

@@ -9,6 +9,7 @@ ranks finish their wide groups, splits into runs of ranks that are free at the s
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,8 @@ class Skyline:
     ready: np.ndarray
     phase: np.ndarray
     wide: list[DraftGroup] = field(default_factory=list)
+    holes: list[tuple[int, float, float]] = field(default_factory=list)
+    """(rank, free from, busy again at): where a rank waits for the other ranks of its next wide group."""
 
     @classmethod
     def empty(cls, num_ranks: int) -> Skyline:
@@ -74,26 +77,40 @@ def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
     return np.maximum(table[starts], table[starts + size - span])
 
 
-def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int) -> None:
+def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
+               grow: int = 1) -> None:
     """Place wide samples, widest first, each on the window where it can start (and so end) earliest.
 
-    With a family the windows are the family's groups of the sample's degree (a family size)."""
+    With a family the windows are the family's groups of the sample's degree (a family size). With
+    `grow` > 1 a sample may also take any allowed size up to `grow` times its degree, where that ends it
+    earlier (by more than 0.1 %): a wider window free now beats waiting for a narrow one, which evens out
+    a skyline of many wide groups."""
     n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap
+    sizes = inst.sizes
     prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
-        i, d = int(items[k]), int(degrees[k])
-        starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn)
-        begin = window_max(skyline.ready, d, starts)
-        waste = d * begin - (prefix[starts + d] - prefix[starts])
-        best = int(np.lexsort((starts, waste, begin))[0])
-        s, begin_s = int(starts[best]), float(begin[best])
-        t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
+        i, degree = int(items[k]), int(degrees[k])
+        best: tuple[float, int, int, float, float] | None = None  # (finish, size, start, begin, time)
+        for d in sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist():
+            starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn)
+            if not len(starts):
+                continue
+            begin = window_max(skyline.ready, d, starts)
+            waste = d * begin - (prefix[starts + d] - prefix[starts])
+            j = int(np.lexsort((starts, waste, begin))[0])
+            s, begin_s = int(starts[j]), float(begin[j])
+            t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
+            if best is None or begin_s + t + inst.overhead(d) < (best[0]) * (1 - 1e-3):
+                best = (begin_s + t + inst.overhead(d), d, s, begin_s, t)
+        assert best is not None, f"no window of {degree}+ ranks"  # every degree is an allowed size
+        _, d, s, begin_s, t = best
         last = skyline.wide[-1] if skyline.wide else None
         if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
             add_to_group(last, i, int(inst.tokens[i]), t)  # the same ranks again: extend their group
         else:
             phase = int(skyline.phase[s : s + d].max())
+            skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
             group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
             add_to_group(group, i, int(inst.tokens[i]), t)
             skyline.wide.append(group)
@@ -114,6 +131,39 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> No
         group.rooms.append(group.size * group.cap - tokens)
         time_s += group.overhead_s
     group.finish_s += time_s
+
+
+def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[list[DraftGroup], np.ndarray]:
+    """Run one-rank samples in the waits of the wide groups' ranks (`Skyline.holes`), longest first, each in
+    the hole with the least time left that still ends it in time (a one-rank group is in every family).
+    Returns the holes' groups (start and finish inside their hole) and the items left for the bins."""
+    holes = sorted(((end - start, rank, start) for rank, start, end in skyline.holes), reverse=True)
+    if not holes:
+        return [], items
+    times, m = inst.times(1, True), inst.overhead(1)
+    groups = [DraftGroup(rank, 1, 0, start, inst.cap, m) for _, rank, start in holes]
+    left = sorted((length, k) for k, (length, _, _) in enumerate(holes))
+    rest = []
+    for i in items[np.lexsort((inst.ids[items], -times[items]))].tolist():
+        t = float(times[i]) + m
+        k = bisect.bisect_left(left, (t, -1))
+        if inst.min_degree[i] > 1 or k == len(left):
+            rest.append(i)
+            continue
+        room, h = left.pop(k)
+        group = groups[h]
+        before = group.finish_s
+        add_to_group(group, i, int(inst.tokens[i]), float(times[i]))
+        bisect.insort(left, (room - (group.finish_s - before), h))
+    return [g for g in groups if g.microbatches], np.array(sorted(rest), dtype=np.int64)
+
+
+def renumber_phases(groups: list[DraftGroup]) -> None:
+    """Phases from the groups' start times: each group one after the latest group before it on its ranks."""
+    last: dict[int, int] = {}
+    for g in sorted(groups, key=lambda g: (g.start_s, g.finish_s, g.first)):
+        g.phase = 1 + max((last.get(r, -1) for r in g.ranks), default=-1)
+        last.update(dict.fromkeys(g.ranks, g.phase))
 
 
 def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:

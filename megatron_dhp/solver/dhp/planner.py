@@ -10,8 +10,8 @@ Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B 
 fastest: its own (microbatches of at most M // P tokens per rank, so any P consecutive slots hold at most
 M; the first candidate's draft, the bins all in one last phase after every wide group, each group's
 microbatches in 1F1B order: second shortest, the rest longest first, shortest last), rounds of at most
-M // P per rank (`rounds.py`: every phase a partition of the domain with one microbatch per group, so no
-idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
+M // P per rank (`rounds.py`, or with a group family `family_rounds.py`: every phase a partition of the
+domain with one microbatch per group, so no idle slot and equal slot counts) in that 1F1B order and in fcp-ref's own, and rounds of nearly M per rank
 spaced by P - 1 filler slots (the whole in-flight budget on one round) in the 1F1B order, and static CP's
 layout sized by the batch (one group size in one phase: no idle slot; it wins on some small batches).
 """
@@ -28,9 +28,17 @@ from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
+from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.layout import DraftGroup, Skyline, open_bins, place_wide
+from megatron_dhp.solver.dhp.layout import (
+    DraftGroup,
+    Skyline,
+    fill_holes,
+    open_bins,
+    place_wide,
+    renumber_phases,
+)
 from megatron_dhp.solver.dhp.rounds import (
     fit_to_family,
     pipeline_order_of,
@@ -111,8 +119,10 @@ class Candidate:
         return cls(cell, wide, degrees, max(area_bound, longest))
 
 
-def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int) -> Draft:
-    """One candidate: wide groups first, then the cells' bins filled and rebalanced.
+def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1,
+          backfill: bool = False) -> Draft:
+    """One candidate: wide groups first (up to `grow` times their degree: `place_wide`), then the cells'
+    bins filled and rebalanced.
 
     Wide groups can split cells into runs smaller than some samples need; those samples become wide too
     and the layout is redone (at most a few rounds: the wide set only grows).
@@ -121,7 +131,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     wide = cand.wide
     while True:
         skyline = Skyline.empty(n)
-        place_wide(inst, skyline, wide, degrees_of[wide], cell)
+        place_wide(inst, skyline, wide, degrees_of[wide], cell, grow)
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
@@ -129,8 +139,12 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
+    holes, rest = fill_holes(inst, skyline, rest) if backfill else ([], rest)
     binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
     groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+    if holes:
+        groups += holes
+        renumber_phases(groups)
     return Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
 
 
@@ -145,6 +159,10 @@ class DhpPlanner:
     """Local-search moves per candidate."""
     gap: float = 5e-3
     """Skip a candidate whose area bound is within this fraction of the best step found so far."""
+    grow: ClassVar[int] = 2
+    """A candidate whose draft ends more than `gap` above its bound is built again with wide samples free
+    to take up to this many times their degree (`place_wide`); the faster draft counts. Not an option:
+    the rebuild only ever keeps the faster draft."""
     max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
@@ -177,17 +195,22 @@ class DhpPlanner:
         for cand in candidates[: 1 if p > 1 else None]:
             if best is not None and best.makespan_s <= cand.bound_s * (1 + self.gap):
                 break
-            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves)
+            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1)
+            if p == 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
+                wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
+                draft = wider if wider.makespan_s < draft.makespan_s else draft
             if best is None or draft.makespan_s < best.makespan_s:
                 best = draft
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
-            peers = [*round_layouts(inst, batch), *([spaced] if spaced else []), static]
-            if family is not None:  # fcp-ref's rounds and static's replicas, moved onto the family where they fit
+            peers = [*([spaced] if spaced else []), static]
+            if family is not None:  # the spaced rounds and static's replicas moved onto the family where they fit
                 tokens_of = {s.id: s.tokens for s in batch.samples}
                 peers = [fit_to_family(family, groups, tokens_of, inst.cap) for groups in peers]
                 peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
+            # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
+            peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
             return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *peers])
         return [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),

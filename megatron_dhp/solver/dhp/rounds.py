@@ -19,8 +19,6 @@ Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost ab
 
 from __future__ import annotations
 
-import numpy as np
-
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.instance import Instance
@@ -96,15 +94,15 @@ def fit_to_family(family: GroupFamily, groups: list[PlanGroup], tokens_of: dict[
     for phase in sorted({g.phase for g in groups}):
         members = sorted((g for g in groups if g.phase == phase), key=lambda g: (-g.size, g.ranks[0]))
         covered = sorted({r for g in members for r in g.ranks})
-        free = np.ones(family.world_size, dtype=bool)
+        free = (1 << family.world_size) - 1  # bit r: position r is free
         for g in members:
             need = max((-(-sum(tokens_of[i] for i in mb) // cap) for mb in g.microbatches), default=1)
             sizes = [s for s in family.sizes if need <= s <= g.size] or [family.ceil_size(g.size)]
-            window = next(((a, s) for s in reversed(sizes) for a in family.starts(s).tolist() if free[a:a + s].all()), None)
+            window = next(((a, s) for s in reversed(sizes) if (a := family.first_free(s, free)) is not None), None)
             if window is None:
                 return None
             a, s = window
-            free[a:a + s] = False
+            free &= ~(((1 << s) - 1) << a)
             out.append(PlanGroup(ranks=tuple(range(a, a + s)), microbatches=g.microbatches, phase=phase))
-        out += [PlanGroup(ranks=(r,), microbatches=(), phase=phase) for r in covered if free[r]]
+        out += [PlanGroup(ranks=(r,), microbatches=(), phase=phase) for r in covered if free >> r & 1]
     return out
