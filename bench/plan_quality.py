@@ -423,15 +423,12 @@ def main() -> None:
         parser.error(f"unknown planner {unknown[0]!r}; choose from {', '.join(PLANNERS)}")
 
     console = Console(width=150)
-    if args.multimodal:
-        records = run_placements(args, console)
-        print_placements(records, args, console)
-        if args.json:
-            save_json(args.json, records, [])
-        return
-    if args.variants:
-        records = run_variants(args, console)
-        print_variants(records, args, console)
+    special = (run_placements, print_placements) if args.multimodal else \
+        (run_variants, print_variants) if args.variants else None
+    if special is not None:  # the multimodal placements or the cost-model variants instead of the main table
+        run, report = special
+        records = run(args, console)
+        report(records, args, console)
         if args.json:
             save_json(args.json, records, [])
         return
