@@ -78,11 +78,31 @@ def encoder_ranks(plan: Plan, images: Sequence[GatheredImage], placement: str) -
 def move_images(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatch, domain: DynamicDomain, *,
                 placement: str, seq_multiple: int = 1, slot_rows: SlotRows | None = None) -> VisionInputs:
     """Send every image's pixels to the ranks that encode it and work out the embedding exchange. Collective."""
-    me, n = domain.position, domain.size
     encoders = encoder_ranks(plan, gathered.images, placement)
-    mine = [im for im in gathered.images if me in encoders[im.key]]  # canonical order
+    send_rows, requests = _routes(plan, gathered, encoders, domain.position, domain.size, seq_multiple, slot_rows)
+    all_sources = torch.cat([s for _, s in requests] or [torch.empty(0, dtype=torch.int64)])
+    # the receive buffer is grouped by source, each source's rows in this rank's request order
+    position = torch.empty_like(all_sources)
+    position[torch.argsort(all_sources, stable=True)] = torch.arange(all_sources.numel())
+    microbatch_rows, start = [], 0
+    for slots, _ in requests:
+        microbatch_rows.append((slots, position[start:start + slots.numel()]))
+        start += slots.numel()
+    return VisionInputs(
+        pixels=_move_pixels(local, gathered, encoders, domain),
+        send_rows=torch.cat([t for part in send_rows for t in part] or [torch.empty(0, dtype=torch.int64)]),
+        send_counts=[sum(int(t.numel()) for t in part) for part in send_rows],
+        recv_counts=torch.bincount(all_sources, minlength=domain.size).tolist(),
+        microbatch_rows=tuple(microbatch_rows),
+    )
 
-    # pixels: the owner sends each image to each of its encoders, image after image in canonical order
+
+def _move_pixels(local: Sequence[TokenSample], gathered: GatheredBatch, encoders: dict[ImageKey, tuple[int, ...]],
+                 domain: DynamicDomain) -> torch.Tensor:
+    """The tiles of the images this rank encodes, in canonical order: each owner sends each image to each of
+    its encoders (one all-to-all)."""
+    me, n = domain.position, domain.size
+    mine = [im for im in gathered.images if me in encoders[im.key]]
     pixels_of = {(s.id, k): im.pixels for s in local for k, im in enumerate(s.images)}
     send = [[pixels_of[im.key] for im in gathered.images if im.owner == me and dest in encoders[im.key]] for dest in range(n)]
     tile_shape = gathered.images[0].tile_shape
@@ -95,21 +115,29 @@ def move_images(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     order = torch.cat([torch.arange(starts[i], starts[i] + mine[i].tiles) for i in by_owner] or [torch.empty(0, dtype=torch.int64)])
     pixels = torch.empty_like(flat)
     pixels[order] = flat
+    return pixels
 
-    # embedding rows: each encoder's output holds its images' rows back to back, in canonical order
+
+def _routes(plan: Plan, gathered: GatheredBatch, encoders: dict[ImageKey, tuple[int, ...]], me: int, n: int,
+            seq_multiple: int, slot_rows: SlotRows | None) -> tuple[list[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Where every image row goes: the rows of this rank's encoder output it sends to each destination, in
+    that destination's request order; and per microbatch of this rank, its image slots and each slot's source.
+
+    Every rank works this out for every destination from the plan alone, so sender and receiver agree on the
+    order without a message. An encoder's output holds its images' rows back to back, in canonical order; a
+    rank that encodes an image itself (replicate) takes its rows from its own output."""
     row_of: dict[ImageKey, dict[int, int]] = {}
     for rank in range(n):
-        offsets = _offsets([im.llm_tokens for im in gathered.images if rank in encoders[im.key]])
         keys = [im.key for im in gathered.images if rank in encoders[im.key]]
+        offsets = _offsets([im.llm_tokens for im in gathered.images if rank in encoders[im.key]])
         for key, first in zip(keys, offsets):
             row_of.setdefault(key, {})[rank] = first
     lengths = {s.id: s.tokens for s in gathered.batch.samples}
     images_of: dict[int, list[GatheredImage]] = {}
     for im in gathered.images:
         images_of.setdefault(im.sample_id, []).append(im)
-
     send_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    mine_requests: list[tuple[torch.Tensor, torch.Tensor]] = []  # per microbatch: its image slots, their sources
+    requests: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dest in range(n):
         for layout, _, _ in microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
             slots, sources, rows = [], [], []
@@ -125,24 +153,8 @@ def move_images(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
             cat = [torch.cat(x) if x else torch.empty(0, dtype=torch.int64) for x in (slots, sources, rows)]
             send_rows[dest].append(cat[2][cat[1] == me])
             if dest == me:
-                mine_requests.append((cat[0], cat[1]))
-    send_counts = [sum(int(t.numel()) for t in part) for part in send_rows]
-    all_sources = torch.cat([s for _, s in mine_requests] or [torch.empty(0, dtype=torch.int64)])
-    recv_counts = torch.bincount(all_sources, minlength=n).tolist()
-    # the receive buffer is grouped by source, each source's rows in this rank's request order
-    position = torch.empty_like(all_sources)
-    position[torch.argsort(all_sources, stable=True)] = torch.arange(all_sources.numel())
-    microbatch_rows, start = [], 0
-    for slots, _ in mine_requests:
-        microbatch_rows.append((slots, position[start:start + slots.numel()]))
-        start += slots.numel()
-    return VisionInputs(
-        pixels=pixels,
-        send_rows=torch.cat([t for part in send_rows for t in part] or [torch.empty(0, dtype=torch.int64)]),
-        send_counts=send_counts,
-        recv_counts=recv_counts,
-        microbatch_rows=tuple(microbatch_rows),
-    )
+                requests.append((cat[0], cat[1]))
+    return send_rows, requests
 
 
 def exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], domain: DynamicDomain) -> torch.Tensor:
