@@ -315,7 +315,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     )
     real = torch.cat([layout.real() for layout, _, _ in mine] or [torch.empty(0, dtype=torch.bool)])
     recv_counts = torch.bincount(sources[real], minlength=domain.size).tolist()
-    received = _all_to_all(send, send_rows, recv_counts, domain)
+    received = all_to_all_rows(send, send_rows, recv_counts, domain).cpu()
 
     # received rows come grouped by source rank, each group in this rank's slot order; padding slots stay 0
     real_slots = torch.nonzero(real).view(-1)
@@ -390,14 +390,17 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dev
     return out.cpu()
 
 
-def _all_to_all(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], domain: DynamicDomain) -> torch.Tensor:
-    width = send.shape[1]
+def all_to_all_rows(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], domain: DynamicDomain) -> torch.Tensor:
+    """One all-to-all over the domain: `send_rows[d]` rows of `send` (rows of any equal shape) to position d,
+    in order; `recv_rows[s]` rows from each source s, grouped by source, on the domain's device. Collective."""
+    tail = send.shape[1:]
+    width = int(tail.numel())
     device = domain.device
     out = torch.empty(sum(recv_rows) * width, dtype=send.dtype, device=device)
     dist.all_to_all_single(
         out, send.reshape(-1).to(device), [n * width for n in recv_rows], [n * width for n in send_rows], group=domain.group
     )
-    return out.view(-1, width).cpu()
+    return out.view(-1, *tail)
 
 
 def _broadcast_bytes(data: bytes | None, domain: DynamicDomain) -> bytes:

@@ -17,9 +17,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
+from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs, all_to_all_rows
 from megatron_dhp.runtime.engine import Slot, StepEngine
-from megatron_dhp.runtime.vision import exchange
 
 
 @dataclass(frozen=True)
@@ -98,18 +97,22 @@ class VisionLanguageModel(Protocol):
 class _ImageLossSum(_LossSum):
     """`_LossSum` whose microbatches take their image rows from the embeddings the step received."""
 
-    def __init__(self, model: torch.nn.Module, global_loss_tokens: int, received: torch.Tensor,
-                 microbatches: tuple[MicrobatchInputs, ...], rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
+    def __init__(self, model: torch.nn.Module, vlm: VisionLanguageModel, global_loss_tokens: int,
+                 received: torch.Tensor, microbatches: tuple[MicrobatchInputs, ...],
+                 rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
         super().__init__(model, global_loss_tokens)
-        self.vlm: VisionLanguageModel = model.module if hasattr(model, "finish_grad_sync") else model
+        self.vlm = vlm
         self.received = received
-        self.rows = {id(mb): r for mb, r in zip(microbatches, rows)}
+        device = received.device
+        self.rows = {id(mb): (slots.to(device), r.to(device)) for mb, (slots, r) in zip(microbatches, rows)}
+        self.no_rows = (torch.empty(0, dtype=torch.int64, device=device),) * 2
 
     def per_token(self, slot: Slot) -> torch.Tensor:
         mb = slot.inputs
-        empty = torch.empty(0, dtype=torch.int64)
-        slots, rows = self.rows.get(id(mb), (empty, empty))  # a padding slot of aligned slots has no image
-        merged = self.vlm.embed(mb.input_ids[None], mb.position_ids[None], slots, self.received[rows])
+        slots, rows = self.rows.get(id(mb), self.no_rows)  # a padding slot of aligned slots has no image
+        device = self.received.device
+        merged = self.vlm.embed(mb.input_ids[None].to(device), mb.position_ids[None].to(device), slots,
+                                self.received[rows])
         return forward_thd(self.vlm.language, mb, slot.context, decoder_input=merged)
 
 
@@ -159,15 +162,16 @@ def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInp
     microbatches, return the rows' gradients and run the encoder's backward once."""
     vision = inputs.vision
     vlm: VisionLanguageModel = model.module if hasattr(model, "finish_grad_sync") else model
-    encoded = vlm.encode(vision.pixels)
-    received = exchange(encoded.detach()[vision.send_rows], vision.send_counts, vision.recv_counts, engine.domain)
+    encoded = vlm.encode(vision.pixels.to(next(vlm.parameters()).device))
+    send_rows = vision.send_rows.to(encoded.device)
+    received = all_to_all_rows(encoded.detach()[send_rows], vision.send_counts, vision.recv_counts, engine.domain)
     received.requires_grad_(True)
-    work = _ImageLossSum(model, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows)
+    work = _ImageLossSum(model, vlm, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows)
     engine.run(inputs, work, comm=comm, backend=backend)
     grad = received.grad if received.grad is not None else torch.zeros_like(received)
-    back = exchange(grad, vision.recv_counts, vision.send_counts, engine.domain)
+    back = all_to_all_rows(grad, vision.recv_counts, vision.send_counts, engine.domain)
     if encoded.requires_grad:
-        encoded.backward(torch.zeros_like(encoded).index_add_(0, vision.send_rows, back))
+        encoded.backward(torch.zeros_like(encoded).index_add_(0, send_rows, back.to(encoded.device)))
     return work
 
 

@@ -24,11 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import GatheredBatch, GatheredImage, SlotRows, TokenSample, microbatches_of
+from megatron_dhp.runtime.dispatch import (
+    GatheredBatch,
+    GatheredImage,
+    SlotRows,
+    TokenSample,
+    all_to_all_rows,
+    microbatches_of,
+)
 from megatron_dhp.runtime.domain import DynamicDomain
 
 PLACEMENTS = ("split", "replicate", "global")
@@ -105,16 +111,15 @@ def _move_pixels(local: Sequence[TokenSample], gathered: GatheredBatch, encoders
     mine = [im for im in gathered.images if me in encoders[im.key]]
     pixels_of = {(s.id, k): im.pixels for s in local for k, im in enumerate(s.images)}
     send = [[pixels_of[im.key] for im in gathered.images if im.owner == me and dest in encoders[im.key]] for dest in range(n)]
-    tile_shape = gathered.images[0].tile_shape
+    tiles = torch.cat([torch.empty(0, *gathered.images[0].tile_shape), *(p for part in send for p in part)])
     recv_tiles = [sum(im.tiles for im in mine if im.owner == src) for src in range(n)]
-    flat = _all_to_all_rows([torch.cat(part) if part else torch.empty(0, *tile_shape) for part in send],
-                            recv_tiles, domain)
+    flat = all_to_all_rows(tiles, [sum(p.shape[0] for p in part) for part in send], recv_tiles, domain)
     # received tiles come grouped by owner; put them back in canonical order
     starts = _offsets([im.tiles for im in mine])
     by_owner = sorted(range(len(mine)), key=lambda i: (mine[i].owner, i))
     order = torch.cat([torch.arange(starts[i], starts[i] + mine[i].tiles) for i in by_owner] or [torch.empty(0, dtype=torch.int64)])
     pixels = torch.empty_like(flat)
-    pixels[order] = flat
+    pixels[order.to(flat.device)] = flat
     return pixels
 
 
@@ -155,23 +160,6 @@ def _routes(plan: Plan, gathered: GatheredBatch, encoders: dict[ImageKey, tuple[
             if dest == me:
                 requests.append((cat[0], cat[1]))
     return send_rows, requests
-
-
-def exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], domain: DynamicDomain) -> torch.Tensor:
-    """One all-to-all over the domain of embedding rows [sum(send_counts), h] -> [sum(recv_counts), h]."""
-    return _all_to_all_rows(list(rows.split(send_counts)), recv_counts, domain)
-
-
-def _all_to_all_rows(parts: list[torch.Tensor], recv_counts: list[int], domain: DynamicDomain) -> torch.Tensor:
-    """Send parts[d] (rows of equal trailing shape) to position d; rows from each source, grouped by source."""
-    tail = parts[0].shape[1:]
-    width = int(torch.Size(tail).numel())
-    device = domain.device
-    send = torch.cat([p.reshape(-1) for p in parts]).to(device)
-    out = torch.empty(sum(recv_counts) * width, dtype=send.dtype, device=device)
-    dist.all_to_all_single(out, send, [c * width for c in recv_counts], [p.shape[0] * width for p in parts],
-                           group=domain.group)
-    return out.view(-1, *tail).cpu()
 
 
 def _offsets(sizes: list[int]) -> list[int]:
