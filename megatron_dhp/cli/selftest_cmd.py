@@ -20,9 +20,9 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
 from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
-from megatron_dhp.runtime.vision import PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class SelftestOptions:
     moe_dispatcher: str = "alltoall"
     plan_file: str | None = None
     """A plan JSON to replay instead of random plans (its domain size must be nproc / (tp x pp))."""
-    placements: tuple[str, ...] = PLACEMENTS
+    placements: tuple[str, ...] = CONCRETE_PLACEMENTS
     """Encoder placements used in turn (--model vlm)."""
     family: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Create the group family of this bound at start-up and draw the random plans' groups from it; 0: any
@@ -72,8 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", choices=("gpt", "moe", "vlm"), default="gpt",
                    help="tiny dense GPT; with megatron-core's MoE layer (4 experts, top-2); or an InternVL-shaped "
                         "vision-language model whose samples carry images (default gpt)")
-    p.add_argument("--placement", default=",".join(PLACEMENTS),
-                   help=f"with --model vlm: comma-separated encoder placements, used in turn (default {','.join(PLACEMENTS)})")
+    p.add_argument("--placement", default=",".join(CONCRETE_PLACEMENTS),
+                   help=f"with --model vlm: comma-separated encoder placements, used in turn (default {','.join(CONCRETE_PLACEMENTS)})")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size, carved from the domain's ranks (with --model moe; default 1)")
     p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sp and args.tp < 2:
         raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
     placements = tuple(c.strip() for c in args.placement.split(",") if c.strip())
-    if not placements or any(p not in PLACEMENTS for p in placements):
-        raise DhpError(f"--placement {args.placement!r}: use a comma-separated subset of {','.join(PLACEMENTS)}")
+    if not placements or any(p not in CONCRETE_PLACEMENTS for p in placements):
+        raise DhpError(f"--placement {args.placement!r}: use a comma-separated subset of {','.join(CONCRETE_PLACEMENTS)}")
     if args.model == "vlm" and (args.tp > 1 or args.pp > 1):
         raise DhpError(f"--model vlm runs with --tp 1 and --pp 1 (got --tp {args.tp} --pp {args.pp}): its vision tower "
                        "is replicated over the domain")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.dispatch import (
@@ -36,9 +37,6 @@ from megatron_dhp.runtime.dispatch import (
     microbatches_of,
 )
 from megatron_dhp.runtime.domain import DynamicDomain
-
-PLACEMENTS = ("split", "replicate", "global")
-"""Encoder placements the runtime executes (a plan's `auto` is resolved to one of them by its planner)."""
 
 ImageKey = tuple[int, int]
 
@@ -63,8 +61,8 @@ def encoder_ranks(plan: Plan, images: Sequence[GatheredImage], placement: str) -
     Longest first (by encoder tokens) to the least loaded rank, ties to the lowest position: a pure function
     of the plan and the gathered images, so every rank computes the same answer without a collective.
     """
-    if placement not in PLACEMENTS:
-        raise DhpError(f"encoder placement {placement!r} is unknown; the runtime runs {', '.join(PLACEMENTS)}")
+    if placement not in CONCRETE_PLACEMENTS:  # a plan's `auto` was resolved to one of them by its planner
+        raise DhpError(f"encoder placement {placement!r} is unknown; the runtime runs {', '.join(CONCRETE_PLACEMENTS)}")
     group_of = {sid: tuple(sorted(g.ranks)) for g in plan.groups for mb in g.microbatches for sid in mb}
     if placement == "replicate":
         return {im.key: group_of[im.sample_id] for im in images}

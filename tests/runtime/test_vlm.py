@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.dispatch import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.runtime.selfcheck import TOLERANCE
-from megatron_dhp.runtime.vision import PLACEMENTS, encoder_ranks
+from megatron_dhp.runtime.vision import encoder_ranks
 from megatron_dhp.workload.sample import Batch
 from tests.runtime import vlm_workers
 
@@ -25,7 +26,7 @@ def four() -> dict:
 
 def test_every_placement_and_comm_matches_one_process(four):
     assert four["images"] >= 4
-    assert len(four["exact"]) == 2 * len(PLACEMENTS) * len(COMM_VARIANTS)
+    assert len(four["exact"]) == 2 * len(CONCRETE_PLACEMENTS) * len(COMM_VARIANTS)
     for key, result in four["exact"].items():
         assert result.max_loss_diff <= TOLERANCE and result.max_grad_diff <= TOLERANCE, (key, result)
         assert result.tokens_computed == result.batch_tokens and result.ok, (key, result)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import gather_batch, local_slice
 from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed
-from megatron_dhp.runtime.vision import PLACEMENTS
 from megatron_dhp.runtime.vlm import TinyVLMConfig, random_vlm_samples
 from tests.runtime.dist_workers import batch, plans_of_four
 
@@ -30,7 +30,7 @@ def vlm_checks() -> dict:
     out["given"] = {s.id: [(im.enc_tokens, im.llm_tokens, (config.patches_per_tile,) * im.tiles) for im in s.images]
                     for s in samples}
     for name, plan in plans_of_four().items():
-        for placement in PLACEMENTS:
+        for placement in CONCRETE_PLACEMENTS:
             for comm in COMM_VARIANTS:
                 out["exact"][name, placement, comm] = check.check(plan, samples, comm, placement=placement)
     vision = dict(check.model.module.vision.named_parameters())
