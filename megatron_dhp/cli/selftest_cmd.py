@@ -194,8 +194,9 @@ def worker(options: SelftestOptions) -> int:
             moe = (f", MoE 4 experts top-2 ({options.moe_dispatcher}), EP {options.expert_parallel}"
                    if options.model == "moe" else "")
             if vlm is not None:
-                moe = (f", VLM: ViT {vlm.vision_layers}x{vlm.vision_hidden_size} over tiles of {vlm.patches_per_tile} "
-                       f"patches -> {vlm.tokens_per_tile} tokens, placements {','.join(options.placements)}")
+                tower = vlm.tower
+                moe = (f", VLM: ViT {tower.layers}x{tower.hidden_size} over tiles of {tower.patches_per_tile} "
+                       f"patches -> {tower.tokens_per_tile} tokens, placements {','.join(options.placements)}")
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
                   f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)

@@ -36,25 +36,28 @@ IMAGE_PLACEHOLDER = 0
 
 
 @dataclass(frozen=True)
-class TinyVLMConfig:
-    """The vision tower and projector; the language model is `language` (a `TinyGPTConfig`)."""
+class VisionTowerConfig:
+    """The vision tower: a ViT over square tiles, each tile one block of its attention."""
 
-    language: TinyGPTConfig = field(default_factory=TinyGPTConfig)
+    layers: int = 2
+    """Transformer layers of the vision encoder (bidirectional attention within a tile)."""
+    hidden_size: int = 32
+    """Width of the vision encoder; a multiple of num_attention_heads."""
+    num_attention_heads: int = 4
+    """Attention heads of the vision encoder."""
     tile_px: int = 28
     """Side of a square tile in pixels; an image is 1 or more tiles (InternVL's dynamic tiling)."""
     patch_px: int = 7
     """Side of a patch: a tile has (tile_px / patch_px)^2 encoder tokens (16 by default)."""
-    vision_layers: int = 2
-    vision_hidden_size: int = 32
-    vision_heads: int = 4
 
     def __post_init__(self) -> None:
         side = self.tile_px // self.patch_px
         if self.tile_px % self.patch_px or side % 2:
             raise DhpError(f"tile_px {self.tile_px} must be an even multiple of patch_px {self.patch_px} "
                            "(pixel shuffle merges 2 x 2 patches)")
-        if self.vision_hidden_size % self.vision_heads:
-            raise DhpError(f"vision_hidden_size {self.vision_hidden_size} must divide by vision_heads {self.vision_heads}")
+        if self.hidden_size % self.num_attention_heads:
+            raise DhpError(f"the vision tower's hidden_size {self.hidden_size} must divide by its "
+                           f"num_attention_heads {self.num_attention_heads}")
 
     @property
     def patches_per_tile(self) -> int:
@@ -71,14 +74,22 @@ class TinyVLMConfig:
         """Encoder tokens per LLM token (BENCHMARK.md section 1's merge factor)."""
         return self.patches_per_tile // self.tokens_per_tile
 
+
+@dataclass(frozen=True)
+class TinyVLMConfig:
+    """The language model (a `TinyGPTConfig`), the vision tower in front of it, and the projector between."""
+
+    language: TinyGPTConfig = field(default_factory=TinyGPTConfig)
+    tower: VisionTowerConfig = field(default_factory=VisionTowerConfig)
+
     def vision_config(self) -> TransformerConfig:
         """fp32, no fusions, no dropout, like the language model's."""
         lm = self.language.transformer_config()
         return TransformerConfig(
-            num_layers=self.vision_layers,
-            hidden_size=self.vision_hidden_size,
-            num_attention_heads=self.vision_heads,
-            ffn_hidden_size=4 * self.vision_hidden_size,
+            num_layers=self.tower.layers,
+            hidden_size=self.tower.hidden_size,
+            num_attention_heads=self.tower.num_attention_heads,
+            ffn_hidden_size=4 * self.tower.hidden_size,
             **{k: getattr(lm, k) for k in _SHARED_SETTINGS},
         )
 
@@ -120,11 +131,11 @@ class TinyVLM(torch.nn.Module):
         self.vlm_config = config
         vision = config.vision_config()
         self.vision = CLIPViTModel(vision, vision_layer_spec(), add_class_token=False, class_token_len=0,
-                                   patch_dim=config.patch_px, img_h=config.tile_px, img_w=config.tile_px,
+                                   patch_dim=config.tower.patch_px, img_h=config.tower.tile_px, img_w=config.tower.tile_px,
                                    model_subtype="internvit", pg_collection=pgs)
         mlp = get_vit_layer_with_local_spec().submodules.mlp.submodules
         self.projector = MultimodalProjector(config.projector_config(), mlp, "mlp",
-                                             input_size=round(config.vision_hidden_size / PIXEL_SHUFFLE**2),
+                                             input_size=round(config.tower.hidden_size / PIXEL_SHUFFLE**2),
                                              tp_group=pgs.tp)
         self.language = build_tiny_gpt(config.language, spec=language_spec, pg_collection=pgs, seed=seed)
         self.config = self.language.config
@@ -164,7 +175,8 @@ def random_vlm_samples(batch: Batch, config: TinyVLMConfig, *, seed: int, max_im
     positions hold a placeholder id and have no loss, and neither has the token before it (its label would be
     the image)."""
     gen = torch.Generator().manual_seed(seed)
-    per_tile = config.tokens_per_tile
+    tower = config.tower
+    per_tile = tower.tokens_per_tile
 
     def draw(high: int) -> int:
         return int(torch.randint(0, high, (1,), generator=gen))
@@ -180,8 +192,8 @@ def random_vlm_samples(batch: Batch, config: TinyVLMConfig, *, seed: int, max_im
             if room < 0:
                 break
             start = cursor + draw(room + 1)
-            pixels = torch.randn(tiles, 3, config.tile_px, config.tile_px, generator=gen)
-            images.append(ImageInput(start, tiles * per_tile, tiles * config.patches_per_tile, pixels))
+            pixels = torch.randn(tiles, 3, tower.tile_px, tower.tile_px, generator=gen)
+            images.append(ImageInput(start, tiles * per_tile, tiles * tower.patches_per_tile, pixels))
             tokens[start:start + tiles * per_tile] = IMAGE_PLACEHOLDER
             mask[max(start - 1, 0):start + tiles * per_tile] = 0
             cursor = start + tiles * per_tile

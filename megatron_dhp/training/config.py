@@ -16,7 +16,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.presets import resolve_preset
 from megatron_dhp.runtime.model import TinyGPTConfig
-from megatron_dhp.runtime.vlm import TinyVLMConfig
+from megatron_dhp.runtime.vlm import TinyVLMConfig, VisionTowerConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ModelConfig(TinyGPTConfig):
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(VisionTowerConfig):
     """An InternVL-shaped vision tower in front of the GPT (`runtime.vlm`); 0 layers: a text-only GPT.
 
     With it the data's images (a multimodal source, e.g. `multimodal`) become tiles of random pixels: each
@@ -46,13 +46,7 @@ class VisionConfig:
     many LLM tokens after the pixel shuffle (merge 4); without it they are dropped."""
 
     layers: int = 0
-    """Transformer layers of the vision encoder (bidirectional attention within a tile)."""
-    hidden_size: int = 32
-    num_attention_heads: int = 4
-    tile_px: int = 28
-    """Side of a tile in pixels."""
-    patch_px: int = 7
-    """Side of a patch: (tile_px / patch_px)^2 encoder tokens per tile."""
+    """Transformer layers of the vision encoder (bidirectional attention within a tile); 0: no vision tower."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -61,15 +55,12 @@ class VisionConfig:
         for name in ("hidden_size", "num_attention_heads", "tile_px", "patch_px"):
             if getattr(self, name) < 1:
                 raise DhpError(f"vision.{name} = {getattr(self, name)} must be >= 1")
-        self.model(TinyGPTConfig())  # the tower's own shape rules (tiles of whole 2 x 2 patch blocks, heads)
+        if self.layers:
+            super().__post_init__()  # the tower's own shape rules (tiles of whole 2 x 2 patch blocks, heads)
 
     def model(self, language: TinyGPTConfig) -> TinyVLMConfig | None:
         """The vision-language model of this tower and `language`; None without a tower."""
-        if not self.layers:
-            return None
-        return TinyVLMConfig(language=language, tile_px=self.tile_px, patch_px=self.patch_px,
-                             vision_layers=self.layers, vision_hidden_size=self.hidden_size,
-                             vision_heads=self.num_attention_heads)
+        return TinyVLMConfig(language=language, tower=self) if self.layers else None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from megatron_dhp.runtime.dispatch import ImageInput, TokenSample
-from megatron_dhp.runtime.vlm import IMAGE_PLACEHOLDER, TinyVLMConfig
+from megatron_dhp.runtime.vlm import IMAGE_PLACEHOLDER, VisionTowerConfig
 from megatron_dhp.training.config import DataConfig
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
@@ -35,7 +35,7 @@ class TokenPipeline:
     """Deterministic global batches (lengths) and the token content of any of their samples."""
 
     def __init__(self, config: DataConfig, *, vocab_size: int, capacity: int, truncate: bool = False,
-                 vision: TinyVLMConfig | None = None) -> None:
+                 vision: VisionTowerConfig | None = None) -> None:
         self.config = config
         self.vision = vision
         self.vocab_size = vocab_size

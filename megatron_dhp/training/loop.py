@@ -97,7 +97,7 @@ class Trainer:
         self.cost = self._cost_config(config)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=self.cost.domain.capacity, truncate=config.dhp.truncate,
-                                      vision=config.vision.model(config.model))
+                                      vision=config.vision if config.vision.layers else None)
         longest = self.pipeline.longest(config.train.steps)
         if longest > config.model.max_sequence_length:
             raise DhpError(f"the data holds a {longest}-token sample but model.max_sequence_length is "

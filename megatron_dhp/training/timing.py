@@ -132,14 +132,14 @@ class GridTimer:
             seen.append(float(elapsed) / REPEATS)
         vlm = self.model.module
         if hasattr(vlm, "encode"):  # the encoder's forward and backward, every rank at once, as a step runs it
-            config = vlm.vlm_config
-            pixels = torch.randn(ENCODER_TILES, 3, config.tile_px, config.tile_px, generator=torch.Generator().manual_seed(0))
+            tower = vlm.vlm_config.tower
+            pixels = torch.randn(ENCODER_TILES, 3, tower.tile_px, tower.tile_px, generator=torch.Generator().manual_seed(0))
             dist.barrier(group=self.domain.group)
             start = time.perf_counter()
             vlm.encode(pixels).sum().backward()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            self.encoder_times.append(float(elapsed) / (ENCODER_TILES * config.patches_per_tile))
+            self.encoder_times.append(float(elapsed) / (ENCODER_TILES * tower.patches_per_tile))
 
     def medians(self, *, skip: int = 0) -> list[float]:
         """Each point's median over its rounds, leaving out the first `skip` (warm-up)."""

@@ -27,7 +27,7 @@ def vlm_checks() -> dict:
     out: dict = {"images": sum(len(s.images) for s in samples), "exact": {}}
     gathered = gather_batch(local_slice(samples, check.domain.position, check.domain.size), check.domain)
     out["planned"] = {s.id: [(i.enc, i.llm, i.blocks) for i in s.images] for s in gathered.batch.samples}
-    out["given"] = {s.id: [(im.enc_tokens, im.llm_tokens, (config.patches_per_tile,) * im.tiles) for im in s.images]
+    out["given"] = {s.id: [(im.enc_tokens, im.llm_tokens, (config.tower.patches_per_tile,) * im.tiles) for im in s.images]
                     for s in samples}
     for name, plan in plans_of_four().items():
         for placement in CONCRETE_PLACEMENTS:
@@ -51,12 +51,12 @@ def tile_independence() -> tuple[float, float]:
     init_distributed(tensor_parallel=1)
     config = TinyVLMConfig()
     model = TinyVLM(config, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups())
-    pixels = torch.randn(2, 3, config.tile_px, config.tile_px, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(2, 3, config.tower.tile_px, config.tower.tile_px, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         both, alone = model.encode(pixels), model.encode(pixels[:1])
         changed = pixels.clone()
-        changed[0, :, -config.patch_px:, -config.patch_px:] += 1.0
+        changed[0, :, -config.tower.patch_px:, -config.tower.patch_px:] += 1.0
         first = model.encode(changed)
-    per_tile = config.tokens_per_tile
+    per_tile = config.tower.tokens_per_tile
     dist.destroy_process_group()
     return float((both[:per_tile] - alone).abs().max()), float((first[0] - both[0]).abs().max())
