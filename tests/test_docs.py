@@ -13,7 +13,7 @@ from megatron_dhp.config_io import field_docs
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.arguments import add_dhp_args
-from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig
+from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, VisionConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted((REPO / "docs").glob("*.md"))
@@ -36,7 +36,7 @@ def test_megatron_page_lists_the_refusals_the_validator_uses():
     assert with_refusals(page) == page, "regenerate it: python scripts/config_docs.py --megatron-lm"
 
 
-@pytest.mark.parametrize("cls", [CostConfig, DhpConfig, ModelConfig, DataConfig, RunConfig])
+@pytest.mark.parametrize("cls", [CostConfig, DhpConfig, ModelConfig, VisionConfig, DataConfig, RunConfig])
 def test_every_config_field_has_a_docstring(cls):
     assert set(field_docs(cls)) == set(cls.__dataclass_fields__)
 
