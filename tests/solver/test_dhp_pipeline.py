@@ -13,7 +13,7 @@ from megatron_dhp.plan.family import group_family
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.planner import fastest_pipeline
+from megatron_dhp.solver.dhp.planner import fastest
 from megatron_dhp.solver.dhp.rounds import pipeline_order_of, round_layouts, spaced_round_groups
 from megatron_dhp.workload import Batch, LengthSource, Sample
 
@@ -86,14 +86,14 @@ def test_dhp_keeps_the_fastest_layout_and_is_never_behind_the_peers(gpt7b, seed)
         assert dhp.predicted_step_time_s <= peer.predicted_step_time_s * 1.005, name
 
 
-def test_fastest_pipeline_prices_like_simulate(gpt7b):
+def test_fastest_under_pipelining_prices_like_simulate(gpt7b):
     # Two layouts of the same samples: one round of packed microbatches, and each sample a microbatch of its own.
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=128, seed=0, index=0, capacity=gpt7b.domain.capacity)
     cap = gpt7b.domain.max_tokens_per_rank // 4
     packed = [g for g in round_layouts(Instance.from_batch(batch, gpt7b, cap), batch)[0] if g.phase == 0]
     part = Batch([batch.samples[k] for k, s in enumerate(batch.samples) if any(s.id in g.microbatches[0] for g in packed)])
     split = [dataclasses.replace(g, microbatches=tuple((i,) for i in g.microbatches[0])) for g in packed]
-    chosen = fastest_pipeline(Instance.from_batch(part, gpt7b, cap), part, 4, [split, packed])
+    chosen = fastest(Instance.from_batch(part, gpt7b, cap), part, [split, packed], stages=4)
     times = [simulate(pp_plan(gpt7b, part, c), gpt7b).step_time_s for c in (split, packed)]
     assert times[0] != times[1] and chosen is (split, packed)[times.index(min(times))]
 

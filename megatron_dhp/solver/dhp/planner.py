@@ -212,7 +212,7 @@ class DhpPlanner:
                 peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
-            return fastest_pipeline(inst, batch, p, [pipeline_groups(inst, best), *peers])
+            return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p)
         groups = [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -253,26 +253,17 @@ def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup]) ->
     return True
 
 
-def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:
-    """The candidate layout whose simulated step is the shortest (the first of equals).
+def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], stages: int = 1) -> list[PlanGroup]:
+    """The candidate layout whose step is the shortest (the first of equals): simulated, or at P = `stages` > 1
+    run by the 1F1B simulator with its microbatches priced from the instance's tables.
 
-    A batch with little work and one sample that dominates it (a video of a CPU-sized multimodal batch) made
-    dhp give that sample a wide group whose collectives cost more than they saved, up to 1.4x static CP's
-    step; static's layout is the fallback that keeps dhp from planning worse than Megatron's own."""
+    Without PP the candidates are dhp's plan and static CP's layout: a batch with little work and one sample
+    that dominates it (a video of a CPU-sized multimodal batch) made dhp give that sample a wide group whose
+    collectives cost more than they saved, up to 1.4x static CP's step."""
     domain = inst.model.domain
-    times = [simulate(Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-                           max_tokens_per_rank=domain.max_tokens_per_rank,
-                           encoder_placement=inst.model.encoder_placement), inst.model).step_time_s
-             for groups in candidates]
-    return candidates[times.index(min(times))]
-
-
-def fastest_pipeline(inst: Instance, batch: Batch, stages: int, candidates: list[list[PlanGroup]]) -> list[PlanGroup]:
-    """The candidate layout the 1F1B simulator runs fastest (the first of equals), its microbatches priced
-    from the instance's tables."""
-    domain = inst.model.domain
-    times = [pipeline_step_time(Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-                                     max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages),
-                                inst.model, dict(enumerate(inst.layout_times(groups))))
-             for groups in candidates]
+    plans = [Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+                  max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages,
+                  encoder_placement=inst.model.encoder_placement) for groups in candidates]
+    times = [pipeline_step_time(plan, inst.model, dict(enumerate(inst.layout_times(plan.groups)))) if stages > 1
+             else simulate(plan, inst.model).step_time_s for plan in plans]
     return candidates[times.index(min(times))]
