@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
@@ -34,6 +34,7 @@ variants = st.fixed_dictionaries({
     "encoder_frozen": st.booleans(),
     "enc_a2a_bytes_per_token": st.sampled_from([0.0, 16384.0]),
     "enc_attn_s_per_token2": st.sampled_from([2.0e-9, 2.0e-7]),
+    "enc_memory_per_token": st.sampled_from([0.0, 0.05, 0.25]),
 })
 
 
@@ -57,9 +58,7 @@ def plans(batch: Batch, model, rng: random.Random) -> list:
             out.append(run_planner(build_planner(name, {"dataset_max_tokens": int(batch.lengths.max())}), batch, model))
         except PlannerUnsupported:
             pass
-    placement = model.encoder_placement
-    return out + [replace(random_plan(batch, model.domain, rng, max_phases=3), encoder_placement=placement)
-                  for _ in range(5)]
+    return out + [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
 
 
 @settings(max_examples=40, deadline=None)
@@ -68,6 +67,7 @@ def test_bound_never_above_a_valid_plan(overrides, seed, size):
     model = build_cost_model(replace(BASE, **overrides))
     rng = random.Random(seed)
     batch = random_batch(rng, model.domain.capacity, size)
+    assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)  # encoder memory fits
     bound = coupled_lower_bound(model, batch.samples)
     for plan in plans(batch, model, rng):
         assert plan.encoder_placement == model.encoder_placement

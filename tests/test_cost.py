@@ -60,7 +60,7 @@ def test_best_time_matches_exhaustive_search(gpt7b_config, overlap):
     samples = [Sample(i, int(n), tuple(VisualItem.short(int(p), 1) for p in rng.integers(256, 4096, rng.integers(0, 3))))
                for i, n in enumerate(rng.integers(5000, 500_000, 200))]
     tokens, work = np.array([s.tokens for s in samples]), model.sample_work(samples)
-    lo = model.min_degree(tokens)
+    lo = model.footprint(samples).min_degree()
     best_t, best_d = model.best_time(tokens, work, lo=lo, hi=64)
     for i in range(len(samples)):
         ds = np.arange(lo[i], 65)
@@ -107,7 +107,8 @@ def test_lower_bound_longest_sample_term(gpt7b):
 
 
 def test_min_degree(gpt7b):
-    assert list(gpt7b.min_degree(np.array([1, 8192, 8193, 124_913]))) == [1, 1, 2, 16]
+    samples = [Sample(i, n) for i, n in enumerate([1, 8192, 8193, 124_913])]
+    assert list(gpt7b.footprint(samples).min_degree()) == [1, 1, 2, 16]
 
 
 def test_is_intra(gpt7b):

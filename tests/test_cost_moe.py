@@ -151,8 +151,9 @@ def test_best_time_matches_exhaustive_search_with_moe(mixtral_config, overlap):
     model = build_cost_model(dataclasses.replace(mixtral_config, overlap_comm=overlap))
     rng = np.random.default_rng(0)
     tokens = rng.integers(3000, 250_000, 100)
-    work = model.sample_work([Sample(i, int(n)) for i, n in enumerate(tokens)])
-    lo = model.min_degree(tokens)
+    samples = [Sample(i, int(n)) for i, n in enumerate(tokens)]
+    work = model.sample_work(samples)
+    lo = model.footprint(samples).min_degree()
     best_t, _ = model.best_time(tokens, work, lo=lo, hi=64)
     for i in range(len(tokens)):
         ds = np.arange(lo[i], 65)

@@ -225,7 +225,7 @@ def test_bound_holds_on_random_plans_with_long_samples(gpt7b_config, extras):
             assert bound <= step * (1 + 1e-9)
         tokens = np.array(lengths)
         longest = model.microbatch_overhead(1) + float(model.best_time(tokens, model.sample_work(batch.samples),
-                                                                        lo=model.min_degree(tokens), hi=8)[0].max())
+                                                                        lo=model.footprint(batch.samples).min_degree(), hi=8)[0].max())
         chain_won += bound == pytest.approx(model.step_overhead_s + longest)
     assert chain_won > 5  # the new term decides most of these bounds
 
@@ -234,7 +234,8 @@ def test_bound_holds_on_random_plans_with_long_samples(gpt7b_config, extras):
 def test_bound_is_tight_for_one_long_sample_on_its_best_degree(gpt7b, stages):
     # One sample, one microbatch on the degree that runs it fastest: the step is its whole PP = 1 time.
     tokens = np.array([200_000])
-    _, best = gpt7b.best_time(tokens, gpt7b.sample_work([Sample(0, 200_000)]), lo=gpt7b.min_degree(tokens), hi=64)
+    sample = [Sample(0, 200_000)]
+    _, best = gpt7b.best_time(tokens, gpt7b.sample_work(sample), lo=gpt7b.footprint(sample).min_degree(), hi=64)
     d = int(best[0])
     plan = Plan("t", d, 8, (Sample(0, 200_000),), (PlanGroup(tuple(range(d)), ((0,),)),),
                 max_tokens_per_rank=gpt7b.domain.max_tokens_per_rank, pipeline_stages=stages)

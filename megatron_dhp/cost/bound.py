@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.workload.sample import Sample
 
 SLACK = 1e-9
@@ -84,17 +85,19 @@ def best_times(model: CostModel, tokens: np.ndarray, work: np.ndarray) -> np.nda
     return np.where(d[None, :] <= gpn, np.minimum(intra, inter), inter)
 
 
-def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
+def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray, footprint: Footprint,
                          share: Callable[[np.ndarray], np.ndarray] = identity_share) -> float:
-    """T* of the module docstring for one overhead share f (without sigma), from tokens and `sample_work`."""
-    n, cap, m = model.domain.world_size, model.domain.max_tokens_per_rank, model.microbatch_overhead(1)
+    """T* of the module docstring for one overhead share f (without sigma), from tokens, `sample_work` and the
+    samples' `Footprint` (a sample's fill of a microbatch on d ranks: its memory per rank over the cap)."""
+    n, m = model.domain.world_size, model.microbatch_overhead(1)
     tokens = np.asarray(tokens, dtype=np.float64)
-    lo = model.min_degree(tokens)
+    lo = footprint.min_degree()
     if np.any(lo > n):
         raise ValueError("the bound needs every sample to fit the domain; check with fit_to_domain first")
     d = np.arange(1, n + 1, dtype=np.float64)
     times = best_times(model, tokens, np.asanyarray(work))
-    area = d[None, :] * (times + m * share(tokens[:, None] / (d[None, :] * cap)))
+    fill = (footprint.shared[:, None] / d[None, :] + footprint.held[:, None]) / footprint.cap
+    area = d[None, :] * (times + m * share(fill))
     feasible = d[None, :] >= lo[:, None]
     times = np.where(feasible, times, np.inf)
     # Per sample, degrees by time: T allows a prefix of them, and its cheapest area is the prefix minimum.
@@ -124,7 +127,8 @@ def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
     step time no plan of these samples can beat."""
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)
-    best = max(coupled_bound_arrays(model, tokens, work, share) for share in OVERHEAD_SHARES.values())
+    footprint = model.footprint(samples)
+    best = max(coupled_bound_arrays(model, tokens, work, footprint, share) for share in OVERHEAD_SHARES.values())
     return model.step_overhead_s + model.encoder_phase(samples, bound=True).total_s + best
 
 

@@ -19,7 +19,7 @@ from megatron_dhp.presets import resolve_preset
 COST_KINDS = ("reference", "profiled")
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
-                 "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token")
+                 "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -93,6 +93,11 @@ class CostConfig:
     enc_a2a_bytes_per_token: float = 0.0
     """Bytes of one LLM token's image embedding moved by `global`'s all-to-all, forward+backward (hidden x
     bytes x 2)."""
+    enc_memory_per_token: float = 0.0
+    """w: activation memory of one encoder token, kept until the encoder's backward, in LLM tokens (about the
+    encoder's hidden size x layers over the LLM's: 0.19 for a 300M ViT on GPT-7B). It counts against
+    max_tokens_per_rank as the placement puts it (`plan.memory`); 0, the reference model, counts LLM tokens
+    only."""
     sample_overhead_s: float = 0.0
     """s: fixed seconds per sample on every rank of its group, not divided by d (per-sample work that each
     rank repeats: megatron's THD RoPE and varlen attention loop over samples). Added to t(L, d); 0 in the

@@ -16,7 +16,6 @@ lower predicted step (`solver.encoder_auto`).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_dhp.plan.memory import longest_first_makespan
 from megatron_dhp.workload.sample import Sample
 
 if TYPE_CHECKING:
@@ -104,16 +104,6 @@ class EncoderPhase:
     def total_s(self) -> float:
         """Both parts: what the phase adds to the step."""
         return self.before_s + self.after_s
-
-
-def longest_first_makespan(work: np.ndarray, ranks: int) -> float:
-    """Makespan of `work` items placed longest first on the least-loaded of `ranks` (LPT)."""
-    if len(work) <= ranks:
-        return float(work.max(initial=0.0))
-    loads = [0.0] * ranks
-    for w in np.sort(work)[::-1].tolist():
-        heapq.heapreplace(loads, loads[0] + w)
-    return max(loads)
 
 
 def global_phase(config: CostConfig, samples: Sequence[Sample], *, bound: bool = False) -> EncoderPhase:

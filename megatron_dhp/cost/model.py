@@ -14,6 +14,7 @@ import numpy as np
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.encoder import EncoderPhase
+from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.workload.sample import Sample
 
 
@@ -60,8 +61,12 @@ class CostModel(Protocol):
         """Whether a group's ranks all sit on one node."""
         ...
 
-    def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
-        """The fewest ranks that can hold a sample under the per-rank token cap."""
+    def memory_rule(self) -> MemoryRule:
+        """The per-rank token cap and how encoder activations count against it (`plan.memory`)."""
+        ...
+
+    def footprint(self, samples: Sequence[Sample]) -> Footprint:
+        """Each sample's memory under `memory_rule` on this domain (its `min_degree`, its load in a microbatch)."""
         ...
 
     def microbatch_overhead(self, group_size: int) -> float:
@@ -82,7 +87,7 @@ class CostModel(Protocol):
         """A step time no plan of these samples can beat, step overhead included."""
         ...
 
-    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
-        """`lower_bound` without the step overhead, from token counts and `sample_work` (for planners that
-        compare it with their own makespans)."""
+    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray, footprint: Footprint) -> float:
+        """`lower_bound` without the step overhead, from token counts, `sample_work` and `footprint` (for
+        planners that compare it with their own makespans)."""
         ...

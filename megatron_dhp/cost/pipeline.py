@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.workload.sample import Sample
 
@@ -171,15 +172,17 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
         return model.lower_bound(samples)
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)
-    groups = model.lower_bound_arrays(tokens, work)
-    n, cap, m = model.domain.world_size, model.domain.max_tokens_per_rank, model.microbatch_overhead(1)
-    lo = model.min_degree(tokens)
+    footprint = model.footprint(samples)
+    groups = model.lower_bound_arrays(tokens, work, footprint)
+    n, m = model.domain.world_size, model.microbatch_overhead(1)
+    lo = footprint.min_degree()
     t_lo = model.sample_time(tokens, work, lo, lo <= model.domain.gpus_per_node)  # d t(L, d) is least at d = lo
-    slots = max(float(tokens.sum()) / cap, stages * float(tokens.sum()) / cap - n * (stages - 1))
+    held = float(footprint.shared.sum()) / footprint.cap  # memory per rank x ranks, over the cap: at least this
+    slots = max(held, stages * held - n * (stages - 1))
     area = (float((lo * t_lo).sum()) + m * slots) / n
     longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
     fill_drain = (stages - 1) * m / stages
-    mixed = in_flight_bound(model, tokens, work, stages, fill_drain + m * slots / (n * stages))
+    mixed = in_flight_bound(model, tokens, work, footprint, stages, fill_drain + m * slots / (n * stages))
     return model.step_overhead_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
 
 
@@ -187,7 +190,8 @@ MIX_WEIGHTS = np.linspace(0.0, 1.0, 21)
 """The weights lambda at which `in_flight_bound` mixes its two bounds."""
 
 
-def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, stages: int, area_const: float) -> float:
+def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, footprint: Footprint, stages: int,
+                    area_const: float) -> float:
     """A bound (without sigma) from the memory rule over time, mixed with the area bound per sample degree.
 
     B: at every moment the microbatches stage 0 of a position keeps in flight are within P consecutive
@@ -196,12 +200,13 @@ def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, stag
     N positions, N M (step - sigma) >= sum over microbatches of X T >= sum_i L_i (m + t(L_i, d_i)), with
     d_i the degree sample i runs at. A: the area bound with those degrees, area_const + sum_i d_i t(L_i,
     d_i) / (N P). Both hold for the plan's own degrees, so for every lambda in [0, 1] the step is at least
-    lambda A + (1 - lambda) B, and so at least its minimum over each sample's degree d >= ceil(L_i / M).
+    lambda A + (1 - lambda) B, and so at least its minimum over each sample's degree d >= its memory minimum
+    (`Footprint.min_degree`; X counts encoder memory as the footprint does).
     lambda = 1 is the area term alone; B alone would let every sample take its fastest degree.
     """
-    n, cap, m = model.domain.world_size, model.domain.max_tokens_per_rank, model.microbatch_overhead(1)
+    n, cap, m = model.domain.world_size, footprint.cap, model.microbatch_overhead(1)
     ds = np.arange(1, n + 1)
-    lo = model.min_degree(tokens)
+    lo = footprint.min_degree()
     lam = MIX_WEIGHTS[:, None, None]
     total = np.zeros(len(MIX_WEIGHTS))
     step = max(1, 2**18 // n)  # bounded memory: weights x samples x N per chunk
@@ -209,7 +214,8 @@ def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, stag
         chunk = slice(begin, begin + step)
         t = model.time_table(tokens[chunk], work[chunk], ds)
         a = ds[None, :] * t / (n * stages)
-        b = tokens[chunk, None] * (m + t) / (n * cap)
+        memory = footprint.shared[chunk, None] + ds[None, :] * footprint.held[chunk, None]  # x per rank x d
+        b = memory * (m + t) / (n * cap)
         mix = np.where(ds[None, None, :] >= lo[chunk, None][None], lam * a + (1 - lam) * b, np.inf)
         total += mix.min(axis=2).sum(axis=1)
     return float((MIX_WEIGHTS * area_const + total).max())

@@ -33,6 +33,7 @@ import numpy as np
 
 from megatron_dhp.cost.config import CostConfig, Domain
 from megatron_dhp.cost.encoder import EncoderPhase, SampleWork, fixed_work, global_phase, sample_encoder_work
+from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.workload.sample import Sample
 
 
@@ -108,9 +109,13 @@ class ReferenceCostModel:
         return self.sample_time(np.asarray(tokens)[:, None], np.asanyarray(work)[:, None], degrees[None, :],
                                 self.best_placement_intra(degrees)[None, :])
 
-    def min_degree(self, tokens: np.ndarray | int) -> np.ndarray:
-        """The fewest ranks that can hold a sample: ceil(L / M)."""
-        return -(-np.asarray(tokens, dtype=np.int64) // self.domain.max_tokens_per_rank)
+    def memory_rule(self) -> MemoryRule:
+        """M, w and the placement the encoder's activations count under (`plan.memory`)."""
+        return MemoryRule(self.domain.max_tokens_per_rank, self.config.enc_memory_per_token, self._pricing)
+
+    def footprint(self, samples: Sequence[Sample]) -> Footprint:
+        """Each sample's memory under `memory_rule` on this domain."""
+        return self.memory_rule().footprint(samples, self.domain.world_size)
 
     def microbatch_overhead(self, group_size: int) -> float:
         """m, plus the optional lambda (`cp_microbatch_overhead_s`) on a group of more than one rank."""
@@ -166,23 +171,24 @@ class ReferenceCostModel:
         """LB = sigma + max((sum_s min_d d t(L, d) + m sum L / M) / N, max_s (m + min_d t(L, d))), plus the
         bound on `global`'s encoder phase.
 
-        d ranges over feasible degrees (ceil(L / d) <= M, d <= N) with the best placement. d t(L, d) is
-        non-decreasing in d for both overlap modes (compute total is fixed, communication grows), so the
-        first term takes d = ceil(L / M).
+        d ranges over feasible degrees (the memory rule's minimum, `Footprint.min_degree`: ceil(L / M) without
+        encoder memory, and d <= N) with the best placement. d t(L, d) is non-decreasing in d for both overlap
+        modes (compute total is fixed, communication grows), so the first term takes the minimum. With encoder
+        memory L / M is the shared footprint over the cap (a microbatch's ranks hold at least that share).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
         return (self.step_overhead_s + self.encoder_phase(samples, bound=True).total_s
-                + self.lower_bound_arrays(tokens, self.sample_work(samples)))
+                + self.lower_bound_arrays(tokens, self.sample_work(samples), self.footprint(samples)))
 
-    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray) -> float:
-        """The groups' part of `lower_bound` (without sigma) from the samples' token counts and `sample_work`,
-        for planners that compare it with their own makespans."""
-        n, m, cap = self.domain.world_size, self.config.microbatch_overhead_s, self.domain.max_tokens_per_rank
-        lo = self.min_degree(tokens)
+    def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray, footprint: Footprint) -> float:
+        """The groups' part of `lower_bound` (without sigma) from the samples' token counts, `sample_work` and
+        `footprint`, for planners that compare it with their own makespans."""
+        n, m = self.domain.world_size, self.config.microbatch_overhead_s
+        lo = footprint.min_degree()
         if np.any(lo > n):
             raise ValueError("lower_bound needs every sample to fit the domain; check with fit_to_domain first")
         tokens = np.asarray(tokens, dtype=np.float64)
         area = lo * self.sample_time(tokens, work, lo, self.best_placement_intra(lo))
-        bound_area = (float(area.sum()) + m * float(tokens.sum()) / cap) / n
+        bound_area = (float(area.sum()) + m * float(footprint.shared.sum()) / footprint.cap) / n
         best_t, _ = self.best_time(tokens, work, lo=lo, hi=n)
         return max(bound_area, m + float(best_t.max()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from megatron_dhp.plan.memory import Footprint
     from megatron_dhp.plan.plan import Plan
 
 
@@ -45,14 +46,15 @@ def pipeline_slots(plan: Plan) -> list[list[Slot | None]]:
     return slots
 
 
-def slot_tokens_per_rank(plan: Plan, slots: list[Slot | None]) -> list[float]:
-    """Tokens per rank of each slot of one position (an idle slot's single token is not counted: the cap is
-    for the microbatches a plan places)."""
+def slot_tokens_per_rank(plan: Plan, slots: list[Slot | None], footprint: Footprint) -> list[float]:
+    """Tokens per rank of each slot of one position under the plan's `footprint` (an idle slot's single
+    token is not counted: the cap is for the microbatches a plan places)."""
+    index = {s.id: k for k, s in enumerate(plan.samples)}
     out = []
     for slot in slots:
         if slot is None:
             out.append(0.0)
         else:
             g = plan.groups[slot.group]
-            out.append(sum(plan.sample(i).tokens for i in g.microbatches[slot.microbatch]) / g.size)
+            out.append(footprint.per_rank([index[i] for i in g.microbatches[slot.microbatch]], g.size))
     return out

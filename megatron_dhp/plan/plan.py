@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.plan.pipeline import pipeline_slots, slot_tokens_per_rank
 from megatron_dhp.workload.sample import Sample
 
@@ -75,6 +76,8 @@ class Plan:
     encoder_placement: str = "split"
     """Where the vision encoder runs this step (split, replicate or global: `cost.encoder`), the placement
     the plan was priced with; the runtime runs it so."""
+    enc_memory_per_token: float = 0.0
+    """w: an encoder token's activations in LLM tokens, which count against the cap (`plan.memory`)."""
     predicted_step_time_s: float | None = None
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
@@ -148,6 +151,8 @@ class Plan:
         if not self.groups:
             raise PlanError("the plan has no groups")
 
+        footprint = None if cap is None else self.memory_rule(cap).footprint(self.samples, n)
+        index = {s.id: k for k, s in enumerate(self.samples)}
         seen_in_phase: dict[tuple[int, int], int] = {}
         placed: dict[int, int] = {}
         for gi, g in enumerate(self.groups):
@@ -168,18 +173,19 @@ class Plan:
             for mi, mb in enumerate(g.microbatches):
                 if not mb:
                     raise PlanError(f"group {gi}, microbatch {mi} is empty")
-                tokens = 0
                 for sid in mb:
                     if sid not in self._by_id:
                         raise PlanError(f"group {gi}, microbatch {mi}: unknown sample id {sid}")
                     if sid in placed:
                         raise PlanError(f"sample {sid} is assigned twice (groups {placed[sid]} and {gi})")
                     placed[sid] = gi
-                    tokens += self._by_id[sid].tokens
-                if cap is not None and tokens > cap * g.size:
+                members = [index[sid] for sid in mb]
+                if footprint is not None and not footprint.fits(members, g.size):
+                    encoder = ", encoder activations included" if self.enc_memory_per_token else ""
                     raise PlanError(
-                        f"group {gi}, microbatch {mi} puts {tokens / g.size:.0f} tokens on each of its "
-                        f"{g.size} ranks, above the cap of {cap}; split the microbatch or use more ranks"
+                        f"group {gi}, microbatch {mi} puts {footprint.per_rank(members, g.size):.0f} tokens on each "
+                        f"of its {g.size} ranks{encoder}, above the cap of {footprint.cap}; split the microbatch or "
+                        "use more ranks"
                     )
         missing = [s.id for s in self.samples if s.id not in placed]
         if missing:
@@ -187,14 +193,18 @@ class Plan:
         idle = sorted(set(range(n)) - {r for _, r in seen_in_phase})
         if idle:
             raise PlanError(f"rank {idle[0]} is in no group ({len(idle)} ranks idle); every rank must join one")
-        if cap is not None and self.pipeline_stages > 1:
-            self._validate_in_flight(cap)
+        if footprint is not None and self.pipeline_stages > 1:
+            self._validate_in_flight(footprint)
 
-    def _validate_in_flight(self, cap: int) -> None:
+    def memory_rule(self, cap: int) -> MemoryRule:
+        """The plan's memory rule at a per-rank cap of `cap` tokens (`plan.memory`)."""
+        return MemoryRule(cap, self.enc_memory_per_token, self.encoder_placement)
+
+    def _validate_in_flight(self, footprint: Footprint) -> None:
         """The memory rule under pipeline parallelism: tokens per rank over any P consecutive slots <= cap."""
-        p = self.pipeline_stages
+        p, cap = self.pipeline_stages, footprint.cap
         for r, slots in enumerate(pipeline_slots(self)):
-            per_slot = slot_tokens_per_rank(self, slots)
+            per_slot = slot_tokens_per_rank(self, slots, footprint)
             for first in range(max(1, len(per_slot) - p + 1)):
                 held = sum(per_slot[first : first + p])
                 if held > cap:
@@ -222,6 +232,8 @@ class Plan:
             out["pipeline_stages"] = self.pipeline_stages
         if self.encoder_placement != "split":
             out["encoder_placement"] = self.encoder_placement
+        if self.enc_memory_per_token:
+            out["enc_memory_per_token"] = self.enc_memory_per_token
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
@@ -266,6 +278,7 @@ class Plan:
                 phase_barrier=bool(obj.get("phase_barrier", False)),
                 pipeline_stages=obj.get("pipeline_stages", 1),
                 encoder_placement=str(obj.get("encoder_placement", "split")),
+                enc_memory_per_token=float(obj.get("enc_memory_per_token", 0.0)),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),
                 solve_time_ms=obj.get("solve_time_ms"),

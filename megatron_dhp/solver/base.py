@@ -55,8 +55,9 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     if model.encoder_placement == "auto":  # plan under each placement, keep the fastest
         return plan_best_placement(lambda m: run_planner(planner, batch, m, pipeline_stages=pipeline_stages),
                                    batch, model, pipeline_stages)
-    domain = model.domain
+    domain, rule = model.domain, model.memory_rule()
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
+    rule.check(batch.samples, domain.world_size)  # nor may its images' encoder memory overflow it
     pipelined = getattr(planner, "plans_pipeline", False)
     planning_model = model if pipelined else pipeline_planning_model(planner, batch, model, pipeline_stages)
     start = time.perf_counter()
@@ -74,6 +75,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
         phase_barrier=getattr(planner, "phase_barrier", False),
         pipeline_stages=pipeline_stages,
         encoder_placement=model.encoder_placement,
+        enc_memory_per_token=rule.enc_memory_per_token,
     )
     plan.validate()
     return replace(
@@ -105,12 +107,21 @@ def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, st
     cap = model.domain.max_tokens_per_rank // stages
     # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
     longest = max(int(batch.lengths.max()), getattr(planner, "dataset_max_tokens", None) or 0)
-    if cap < 1 or longest > cap * model.domain.world_size:
+    n = model.domain.world_size
+    if cap < 1 or longest > cap * n:
         raise PlannerUnsupported(
             f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
             f"M // P = {cap} tokens per rank, and a {longest}-token sample needs more than the domain's "
-            f"{model.domain.world_size} ranks of that")
-    return model.with_token_cap(cap)
+            f"{n} ranks of that")
+    capped = model.with_token_cap(cap)
+    need = capped.footprint(batch.samples).min_degree()
+    if need.max(initial=1) > n:
+        s = batch.samples[int(np.argmax(need))]
+        raise PlannerUnsupported(
+            f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
+            f"M // P = {cap} tokens per rank, and sample {s.id}'s tokens and encoder activations need more than "
+            f"the domain's {n} ranks of that")
+    return capped
 
 
 def contiguous_ranks(sizes: Iterable[int]) -> list[tuple[int, ...]]:

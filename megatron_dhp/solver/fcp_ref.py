@@ -1,7 +1,8 @@
 """The DHP/FCP paper's two-stage solver as published (BENCHMARK.md section 4, `fcp-ref`).
 
 Re-implemented from the description in shared/reference/dhp_fcp.md section 2.2 (no code copied):
-1. min_cp(L) = ceil(L / M) per sample (ring CP: any degree, no power-of-two rounding).
+1. min_cp(L) = ceil(L / M) per sample (ring CP: any degree, no power-of-two rounding); with encoder memory,
+   the memory rule's minimum (`plan.memory`).
 2. Memory-aware best-fit decreasing: longest sample first into the existing bin with bin.min_cp >= its
    min_cp and room (bin.min_cp * M - used >= L) that leaves the least room; else a new bin of its min_cp.
    Each bin is an atomic group whose samples run as one packed microbatch.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
 from megatron_dhp.workload.sample import Batch
@@ -44,25 +46,32 @@ class Bin:
     members: list[int]
 
 
-def bfd_pack(tokens: np.ndarray, min_cp: np.ndarray, cap: int) -> list[Bin]:
-    """Memory-aware best-fit decreasing packing of samples into atomic groups (step 2).
+def bfd_pack(footprint: Footprint, min_cp: np.ndarray) -> list[Bin]:
+    """Memory-aware best-fit decreasing packing of samples into atomic groups (step 2), a sample's size its
+    memory (`plan.memory`: its tokens, and its images' encoder activations where they count).
 
     Open bins are kept sorted by (room, index), so the best fit (least room left, then the oldest bin) is
-    the first bin from the sample's length on whose degree is enough: the search is a bisection, not a scan.
+    the first bin from the sample's size on whose degree is enough: the search is a bisection, not a scan.
+    A sample whose images every rank holds (`replicate`) takes more of a wider bin, so the scan goes on
+    past bins too full for it at their degree.
     """
     bins: list[Bin] = []
     by_room: list[tuple[int, int]] = []
-    for i in np.lexsort((np.arange(len(tokens)), -tokens)).tolist():  # longest first, ties by position
-        length, need = int(tokens[i]), int(min_cp[i])
-        k = bisect.bisect_left(by_room, (length, -1))
-        while k < len(by_room) and bins[by_room[k][1]].min_cp < need:
+    cap = footprint.cap
+    for i in np.lexsort((np.arange(len(min_cp)), -footprint.shared)).tolist():  # largest first, ties by position
+        need = int(min_cp[i])
+        k = bisect.bisect_left(by_room, (int(footprint.load(i, need)), -1))
+        while k < len(by_room) and (bins[by_room[k][1]].min_cp < need
+                                    or by_room[k][0] < footprint.load(i, bins[by_room[k][1]].min_cp)):
             k += 1
         if k < len(by_room):
             room, b = by_room.pop(k)
+            length = int(footprint.load(i, bins[b].min_cp))
             bins[b].members.append(i)
             bins[b].used += length
             bisect.insort(by_room, (room - length, b))
         else:
+            length = int(footprint.load(i, need))
             bisect.insort(by_room, (need * cap - length, len(bins)))
             bins.append(Bin(need, length, [i]))
     return bins
@@ -150,17 +159,17 @@ class FCPRefPlanner:
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Pack, split into rounds that fit, then size each round's groups by the makespan DP."""
         domain = model.domain
-        n, cap = domain.world_size, domain.max_tokens_per_rank
+        n = domain.world_size
         max_cp = min(self.max_cp_degree or n, n)
-        tokens = batch.lengths
-        min_cp = model.min_degree(tokens)
+        footprint = model.footprint(batch.samples)
+        min_cp = footprint.min_degree()
         if int(min_cp.max()) > max_cp:
             s = batch.samples[int(np.argmax(min_cp))]
             raise PlannerUnsupported(
-                f"fcp-ref: sample {s.id} ({s.tokens} tokens) needs {int(min_cp.max())} ranks of {cap} tokens, "
-                f"above max_cp_degree {max_cp}"
+                f"fcp-ref: sample {s.id} ({s.tokens} tokens) needs {int(min_cp.max())} ranks of {footprint.cap} "
+                f"tokens, above max_cp_degree {max_cp}"
             )
-        return round_groups(model, batch, split_rounds(bfd_pack(tokens, min_cp, cap), n), max_cp)
+        return round_groups(model, batch, split_rounds(bfd_pack(footprint, min_cp), n), max_cp)
 
 
 def round_groups(model: CostModel, batch: Batch, rounds: list[list[Bin]], max_cp: int) -> list[PlanGroup]:

@@ -34,6 +34,7 @@ import numpy as np
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
 from megatron_dhp.solver.flexsp_model import BucketProblem, SlotSolution, solve_bucket_milp
@@ -67,6 +68,10 @@ class _Instance:
     """One batch prepared for FlexSP: lengths, per-size sample times, and the Blaster's longest-first order."""
 
     tokens: np.ndarray
+    """Each sample's memory in tokens (its length, and encoder activations where they count:
+    `Footprint.linear`), what FlexSP's memory terms take."""
+    cap: int
+    """Tokens per rank (M, less global's encoder share)."""
     times: np.ndarray
     """(samples, sizes) t(L, sp) of each sample on each candidate size."""
     sizes: np.ndarray
@@ -85,7 +90,7 @@ class _Instance:
 
     def first_count(self) -> int:
         """mb0: ceil(tokens / (N M)), raised until every chunk fits the domain."""
-        capacity = self.model.domain.capacity
+        capacity = self.model.domain.world_size * self.cap
         count = max(1, math.ceil(int(self.tokens.sum()) / capacity))
         while any(int(self.tokens[c].sum()) > capacity for c in self.blast(count)):
             count += 1
@@ -104,10 +109,12 @@ class FlexSPPlanner:
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Blast into microbatches, solve each with the MILP, and keep the best microbatch count."""
-        sizes = _group_sizes(batch, model.domain)
+        footprint = model.footprint(batch.samples)
+        sizes = _group_sizes(batch, model.domain, footprint)
         tokens = batch.lengths
         times = model.time_table(tokens, model.sample_work(batch.samples), sizes)
-        inst = _Instance(tokens, times, sizes, model, 0 if batch.seed is None else batch.seed)
+        inst = _Instance(footprint.linear(int(sizes[-1])), footprint.cap, times, sizes, model,
+                         0 if batch.seed is None else batch.seed)
         first = inst.first_count()
         best = self._best_count(inst, range(first, min(first + EXTRA_MICROBATCH_COUNTS, len(tokens)) + 1))
         count = first + EXTRA_MICROBATCH_COUNTS + 1
@@ -140,7 +147,7 @@ class FlexSPPlanner:
         """Bucket one microbatch, solve its MILP, and draw concrete samples into the solved counts."""
         domain = inst.model.domain
         ascending = chunk[np.lexsort((chunk, inst.tokens[chunk]))]
-        cuts = bucket_cuts(inst.tokens[ascending].astype(np.float64), domain.capacity)
+        cuts = bucket_cuts(inst.tokens[ascending].astype(np.float64), domain.world_size * inst.cap)
         buckets = [ascending[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         problem = BucketProblem(
             counts=np.array([len(b) for b in buckets]),
@@ -148,7 +155,7 @@ class FlexSPPlanner:
             times=np.array([inst.times[b].max(axis=0) for b in buckets]),
             sizes=inst.sizes,
             world_size=domain.world_size,
-            max_tokens_per_rank=domain.max_tokens_per_rank,
+            max_tokens_per_rank=inst.cap,
             overhead_s=np.array([inst.model.microbatch_overhead(int(sp)) for sp in inst.sizes]),
         )
         solution = solve_bucket_milp(problem, self.time_limit_s)
@@ -158,17 +165,20 @@ class FlexSPPlanner:
         return _Microbatch(solution.makespan_s, list(solution.sizes), draw_members(solution, buckets, rng))
 
 
-def _group_sizes(batch: Batch, domain: Domain) -> np.ndarray:
+def _group_sizes(batch: Batch, domain: Domain, footprint: Footprint) -> np.ndarray:
     """FlexSP's candidate sizes 2, 4, ..., <= N, or `PlannerUnsupported` where they cannot plan the batch."""
-    n, cap = domain.world_size, domain.max_tokens_per_rank
+    n = domain.world_size
     if n % 2:
         raise PlannerUnsupported(f"flexsp-milp: groups of 2, 4, 8, ... ranks cannot fill an odd domain of {n}")
     sizes = 2 ** np.arange(1, int(math.log2(n)) + 1)
-    longest = max(batch.samples, key=lambda s: (s.tokens, -s.id))
-    if longest.tokens > sizes[-1] * cap:
+    memory = footprint.linear(int(sizes[-1]))  # its length where no encoder memory counts
+    k = int(np.lexsort((-np.arange(len(memory)), memory))[-1])  # the largest, ties to the first
+    if memory[k] > sizes[-1] * footprint.cap:
+        s = batch.samples[k]
         raise PlannerUnsupported(
-            f"flexsp-milp: sample {longest.id} ({longest.tokens} tokens) needs more than {sizes[-1]} ranks of "
-            f"{cap} tokens, and FlexSP's groups are powers of two no larger than the domain of {n}"
+            f"flexsp-milp: sample {s.id} ({int(memory[k])} tokens) needs more than "
+            f"{sizes[-1]} ranks of {footprint.cap} tokens, and FlexSP's groups are powers of two no larger than "
+            f"the domain of {n}"
         )
     return sizes
 

@@ -75,17 +75,19 @@ class MegatronHCPPlanner:
                 f"megatron-core's hybrid CP needs an even number of DP x CP ranks (parallel_state asserts it); "
                 f"the domain has {n}"
             )
-        scheduler = self._scheduler_cls(domain.max_tokens_per_rank, _DomainSize(n))
-        longest = max(batch.samples, key=lambda s: (s.tokens, -s.id))
-        need = scheduler.gpus_needed(longest.tokens)
+        # Upstream sizes groups by tokens; encoder memory, where it counts, joins them (`Footprint.linear`).
+        footprint = model.footprint(batch.samples)
+        memory = dict(zip((s.id for s in batch.samples), footprint.linear(n).tolist()))
+        scheduler = self._scheduler_cls(footprint.cap, _DomainSize(n))
+        longest = max(batch.samples, key=lambda s: (memory[s.id], -s.id))
+        need = scheduler.gpus_needed(memory[longest.id])
         if need > n:
             raise PlannerUnsupported(
-                f"upstream cannot plan this batch: sample {longest.id} ({longest.tokens} tokens) needs a "
-                f"power-of-two CP group of {need} ranks of {domain.max_tokens_per_rank} tokens, but the domain "
-                f"has {n}"
+                f"upstream cannot plan this batch: sample {longest.id} ({memory[longest.id]} tokens) needs a "
+                f"power-of-two CP group of {need} ranks of {footprint.cap} tokens, but the domain has {n}"
             )
         try:
-            _, sets = scheduler.get_groups_and_subsamples([(s.id, s.tokens) for s in batch.samples], None)
+            _, sets = scheduler.get_groups_and_subsamples([(s.id, memory[s.id]) for s in batch.samples], None)
         except _UPSTREAM_FAILURES as e:
             raise PlannerUnsupported(
                 f"upstream cannot plan this batch on {n} ranks: BalancedCPScheduler raised "

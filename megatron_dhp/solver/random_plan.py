@@ -8,10 +8,12 @@ work, several samples per microbatch.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import GroupFamily
+from megatron_dhp.plan.memory import MemoryRule
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -48,19 +50,25 @@ def random_plan(
     max_phases: int = 2,
     max_samples_per_microbatch: int = 3,
     family: GroupFamily | None = None,
+    memory: MemoryRule | None = None,
 ) -> Plan:
     """A valid plan with random groups, phases and microbatches for `batch` on `domain`.
 
     Phase 0 covers every rank; later phases re-partition a random subset of the ranks (and if no group is
     wide enough for the longest sample, a last phase runs the whole domain). Each sample goes to a random
-    group that can hold it (length <= group size x max_tokens_per_rank). With a `family` every group is
-    one of it (a later phase keeps a random subset of a partition into family groups).
+    group that can hold it under the `memory` rule (default: length <= group size x max_tokens_per_rank).
+    With a `family` every group is one of it (a later phase keeps a random subset of a partition into family
+    groups).
     """
     n, cap = domain.world_size, domain.max_tokens_per_rank
+    memory = memory or MemoryRule(cap)
     too_long = [s for s in batch.samples if s.tokens > n * cap]
     if too_long:
         s = too_long[0]
         raise DhpError(f"sample {s.id} has {s.tokens} tokens, more than the whole domain holds ({n} x {cap})")
+    footprint = memory.check(batch.samples, n)
+    need = dict(zip((s.id for s in batch.samples), footprint.min_degree().tolist()))
+    position = {s.id: k for k, s in enumerate(batch.samples)}
     layout: list[tuple[int, tuple[int, ...]]] = []
     for phase in range(rng.randint(1, max_phases)):
         if family is not None:
@@ -70,17 +78,19 @@ def random_plan(
             continue
         ranks = list(range(n)) if phase == 0 else sorted(rng.sample(range(n), rng.randint(1, n)))
         layout += [(phase, g) for g in random_partition(ranks, rng, contiguous=rng.random() < 0.5)]
-    widest = max(-(-s.tokens // cap) for s in batch.samples)
+    widest = max(need.values())
     if all(len(g) < widest for _, g in layout):
         layout.append((layout[-1][0] + 1, tuple(range(n))))  # a last phase on the whole domain for the longest
 
     buckets: list[list[Sample]] = [[] for _ in layout]
     for s in rng.sample(list(batch.samples), len(batch.samples)):
-        fits = [i for i, (_, g) in enumerate(layout) if s.tokens <= cap * len(g)]
+        fits = [i for i, (_, g) in enumerate(layout) if need[s.id] <= len(g)]
         buckets[rng.choice(fits)].append(s)
 
     groups = tuple(
-        PlanGroup(ranks=ranks, microbatches=_microbatches(bucket, cap * len(ranks), max_samples_per_microbatch, rng), phase=phase)
+        PlanGroup(ranks=ranks, phase=phase, microbatches=_microbatches(
+            bucket, lambda mb, d: footprint.fits([position[i] for i in mb], d), len(ranks), max_samples_per_microbatch,
+            rng))
         for (phase, ranks), bucket in zip(layout, buckets)
     )
     plan = Plan(
@@ -90,18 +100,21 @@ def random_plan(
         samples=batch.samples,
         groups=groups,
         max_tokens_per_rank=cap,
+        encoder_placement=memory.placement,
+        enc_memory_per_token=memory.enc_memory_per_token,
     )
     plan.validate()
     return plan
 
 
-def _microbatches(samples: list[Sample], capacity: int, max_samples: int, rng: random.Random) -> tuple[tuple[int, ...], ...]:
-    """Split a group's samples into runs of 1..max_samples samples that fit `capacity` tokens."""
+def _microbatches(samples: list[Sample], fits: Callable[[list[int], int], bool], degree: int, max_samples: int,
+                  rng: random.Random) -> tuple[tuple[int, ...], ...]:
+    """Split a group's samples into runs of 1..max_samples samples that each `fits` the group's `degree` ranks."""
     out: list[tuple[int, ...]] = []
     current: list[Sample] = []
     target = rng.randint(1, max_samples)
     for s in samples:
-        if current and (len(current) >= target or sum(c.tokens for c in current) + s.tokens > capacity):
+        if current and (len(current) >= target or not fits([c.id for c in (*current, s)], degree)):
             out.append(tuple(c.id for c in current))
             current, target = [], rng.randint(1, max_samples)
         current.append(s)

@@ -19,10 +19,11 @@ from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.workload.sample import Batch
 
 
-def static_cp_size(max_tokens: int, domain: Domain) -> int:
-    """Smallest power of two CP that divides N and holds `max_tokens`; else the smallest such divisor."""
+def static_cp_size(max_tokens: int, domain: Domain, min_ranks: int = 1) -> int:
+    """Smallest power of two CP that divides N, holds `max_tokens` and has at least `min_ranks` ranks (the
+    batch's memory minimum, encoder activations included); else the smallest such divisor."""
     n, cap = domain.world_size, domain.max_tokens_per_rank
-    need = math.ceil(max_tokens / cap)
+    need = max(math.ceil(max_tokens / cap), min_ranks)
     if need > n:
         raise DhpError(
             f"a {max_tokens}-token sample needs {need} ranks of {cap} tokens but the domain has {n}; "
@@ -47,22 +48,24 @@ class StaticPlanner:
         """One group per DP replica, each with the same number of packed microbatches."""
         domain = model.domain
         longest = max(int(batch.lengths.max()), self.dataset_max_tokens or 0)
-        cp = static_cp_size(longest, domain)
+        footprint = model.footprint(batch.samples)
+        cp = static_cp_size(longest, domain, int(footprint.min_degree().max()))
         dp = domain.world_size // cp
         replicas = [tuple(range(i * cp, (i + 1) * cp)) for i in range(dp)]
-        bin_cap = cp * domain.max_tokens_per_rank
+        bin_cap = cp * footprint.cap
 
         tokens = batch.lengths
+        loads = footprint.load(np.arange(len(batch)), cp)
         times = model.sample_time(tokens, model.sample_work(batch.samples), cp, model.is_intra(replicas[0]))
         overhead = model.microbatch_overhead(cp)
         order = sorted(range(len(batch)), key=lambda i: (-times[i], -tokens[i], i))
 
-        num_mb = max(1, math.ceil(int(tokens.sum()) / (dp * bin_cap)))
+        num_mb = max(1, math.ceil(int(loads.sum()) / (dp * bin_cap)))
         room = [[bin_cap] * num_mb for _ in range(dp)]
         bins: list[list[list[int]]] = [[[] for _ in range(num_mb)] for _ in range(dp)]
         load = np.zeros(dp)
         for i in order:
-            length, sid = int(tokens[i]), batch.samples[i].id
+            length, sid = int(loads[i]), batch.samples[i].id
             by_load = sorted(range(dp), key=lambda q: (load[q], q))
             placed = self._place(by_load, room, length)
             if placed is None:  # no replica has room: every replica gets one more microbatch

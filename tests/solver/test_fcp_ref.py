@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.solver.fcp_ref import Bin, allocate_degrees, bfd_pack, degree_table, split_rounds
 from megatron_dhp.workload import Batch, LengthSource
@@ -18,9 +19,14 @@ from tests import reference_eval
 from tests.solver.conftest import model_for
 
 
+def tokens_only(tokens: np.ndarray, cap: int) -> Footprint:
+    """The footprint of text samples: their tokens, nothing held."""
+    return Footprint(tokens, np.zeros_like(tokens), cap)
+
+
 def test_bfd_packs_best_fit_into_bins_of_enough_degree():
     tokens = np.array([3, 25, 8, 12, 2, 5])
-    bins = bfd_pack(tokens, -(-tokens // 10), cap=10)
+    bins = bfd_pack(tokens_only(tokens, 10), -(-tokens // 10))
     # 25 opens a 3-rank bin (room 5); 12 cannot fit there: a 2-rank bin (room 8); 8 fills that one exactly;
     # 5 fills the first; 3 opens a 1-rank bin that 2 then joins.
     assert [(b.min_cp, tokens[b.members].tolist(), b.used) for b in bins] == [
@@ -30,9 +36,9 @@ def test_bfd_packs_best_fit_into_bins_of_enough_degree():
 
 def test_bfd_never_puts_a_sample_in_a_bin_of_smaller_degree():
     tokens = np.array([15, 4])
-    bins = bfd_pack(tokens, np.array([2, 1]), cap=10)
+    bins = bfd_pack(tokens_only(tokens, 10), np.array([2, 1]))
     assert len(bins) == 1 and bins[0].min_cp == 2  # the short one joins the long one's 2-rank bin
-    bins = bfd_pack(np.array([4, 15]), np.array([1, 2]), cap=10)
+    bins = bfd_pack(tokens_only(np.array([4, 15]), 10), np.array([1, 2]))
     assert [b.members for b in bins] == [[1, 0]]
 
 
@@ -103,8 +109,9 @@ def test_the_dp_prices_a_group_as_the_simulator_does():
     cfg = _with_lambda(8, 8, sample_overhead_s=0.01, cp_microbatch_overhead_s=0.3)
     model = build_cost_model(cfg)
     batch = Batch.from_lengths([20000, 9000, 5000, 3000, 700, 6000])
-    tokens, min_cp = batch.lengths, model.min_degree(batch.lengths)
-    bins = bfd_pack(tokens, min_cp, cfg.max_tokens_per_rank)
+    footprint = model.footprint(batch.samples)
+    tokens, min_cp = batch.lengths, footprint.min_degree()
+    bins = bfd_pack(footprint, min_cp)
     assert len(split_rounds(bins, 8)) == 1
     degrees = np.arange(1, 9)
     per_sample = model.time_table(tokens, model.sample_work(batch.samples), degrees)

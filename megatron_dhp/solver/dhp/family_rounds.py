@@ -76,7 +76,7 @@ def widen(inst: Instance, family: GroupFamily, rnd: Round) -> None:
 
 def family_rounds(inst: Instance, family: GroupFamily) -> list[Round]:
     """fcp-ref's atomic groups in rounds of family windows, first-fit decreasing, then widened."""
-    bins = bfd_pack(inst.tokens, inst.min_degree, inst.cap)  # non-increasing min_cp
+    bins = bfd_pack(inst.footprint, inst.min_degree)  # non-increasing min_cp
     rounds: list[Round] = []
     for b in bins:
         size = family.ceil_size(int(b.min_cp))

@@ -30,7 +30,8 @@ class BinSet:
         gpn = inst.model.domain.gpus_per_node
         self.inst = inst
         self.bins = bins
-        self.tokens = inst.tokens.tolist()
+        self.shared = inst.footprint.shared.tolist()
+        self.held = inst.footprint.held.tolist()
         self.min_degree = inst.min_degree.tolist()
         keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn) for b in bins]
         self.classes = sorted(set(keys))
@@ -46,6 +47,10 @@ class BinSet:
             lst.sort()
         self.where: dict[int, int] = {}  # sample index -> bin
 
+    def load(self, item: int, size: int) -> int:
+        """What the sample takes of a microbatch's room on `size` ranks (`Instance.load`)."""
+        return self.shared[item] + size * self.held[item]
+
     def finish(self, b: int) -> float:
         """When bin b ends."""
         return self.bins[b].finish_s
@@ -56,11 +61,12 @@ class BinSet:
 
     def best_bin(self, item: int, exclude: int = -1) -> tuple[float, int]:
         """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
-        length, lo = self.tokens[item], self.min_degree[item]
+        lo = self.min_degree[item]
         best = (math.inf, -1)
         for c, (size, _) in enumerate(self.classes):
             if size < lo:
                 continue
+            length = self.load(item, size)
             m = self.class_overhead[c]
             t = self.times[c][item]
             first = None
@@ -84,7 +90,7 @@ class BinSet:
     def add(self, item: int, b: int) -> None:
         """Put the sample into bin b (best-fit microbatch)."""
         c = self.class_of[b]
-        add_to_group(self.bins[b], item, self.tokens[item], self.times[c][item])
+        add_to_group(self.bins[b], item, self.load(item, self.bins[b].size), self.times[c][item])
         self.where[item] = b
         self._refresh(b)
 
@@ -95,7 +101,7 @@ class BinSet:
         k = next(k for k, mb in enumerate(g.microbatches) if item in mb)
         before = g.finish_s
         g.microbatches[k].remove(item)
-        g.rooms[k] += self.tokens[item]
+        g.rooms[k] += self.load(item, g.size)
         g.finish_s -= self.times[self.class_of[b]][item]
         if not g.microbatches[k]:
             del g.microbatches[k], g.rooms[k]

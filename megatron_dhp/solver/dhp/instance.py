@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.family import GroupFamily
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.workload.sample import Batch
 
 
 @dataclass
 class Instance:
-    """A batch under a cost model: ids, tokens, work and minimum degree of every sample."""
+    """A batch under a cost model: ids, tokens, work, memory footprint and minimum degree of every sample."""
 
     model: CostModel
     ids: np.ndarray
     tokens: np.ndarray
     work: np.ndarray
+    footprint: Footprint
+    """Each sample's memory at the instance's cap (encoder activations included: `plan.memory`)."""
     min_degree: np.ndarray
     cap: int
-    """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism."""
+    """Per-rank tokens one microbatch may hold: M, or M // P under pipeline parallelism (before `global`'s
+    encoder share, which `footprint.cap` takes off)."""
     family: GroupFamily | None = None
     """The groups the plan may use (None: any contiguous window)."""
     _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
@@ -33,14 +37,16 @@ class Instance:
     def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None,
                    family: GroupFamily | None = None) -> Instance:
         """Flatten the batch; every array is in batch order. `cap` (default M) bounds each microbatch."""
-        tokens = batch.lengths
+        cap = cap or model.domain.max_tokens_per_rank
+        footprint = replace(model.memory_rule(), cap=cap).footprint(batch.samples, model.domain.world_size)
         return cls(
             model=model,
             ids=np.array(batch.ids, dtype=np.int64),
-            tokens=tokens,
+            tokens=batch.lengths,
             work=model.sample_work(batch.samples),
-            min_degree=np.maximum(1, model.min_degree(tokens) if cap is None else -(-tokens.astype(np.int64) // cap)),
-            cap=cap or model.domain.max_tokens_per_rank,
+            footprint=footprint,
+            min_degree=np.maximum(1, footprint.min_degree()),
+            cap=cap,
             family=family,
         )
 
@@ -53,6 +59,10 @@ class Instance:
     def sizes(self) -> np.ndarray:
         """Group sizes a sample may get: the family's, or every size 1..N."""
         return np.array(self.family.sizes) if self.family else np.arange(1, self.num_ranks + 1)
+
+    def load(self, item: int, size: int) -> int:
+        """Tokens sample `item` takes of a microbatch's room of size x `footprint.cap` on `size` ranks."""
+        return int(self.footprint.load(item, size))
 
     def overhead(self, size: int) -> float:
         """The fixed cost of one microbatch on a group of `size` ranks (m, plus any multi-rank latency)."""

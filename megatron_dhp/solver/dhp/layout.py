@@ -26,7 +26,7 @@ class DraftGroup:
     phase: int
     start_s: float
     cap: int
-    """Per-rank token cap M: a microbatch holds at most size x cap tokens."""
+    """Per-rank token cap: a microbatch's samples' loads (`Instance.load`) sum to at most size x cap."""
     overhead_s: float
     """What opening one more microbatch on this group costs."""
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
@@ -85,7 +85,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     `grow` > 1 a sample may also take any allowed size up to `grow` times its degree, where that ends it
     earlier (by more than 0.1 %): a wider window free now beats waiting for a narrow one, which evens out
     a skyline of many wide groups."""
-    n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.cap
+    n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.footprint.cap
     sizes = inst.sizes
     prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
@@ -107,12 +107,12 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         _, d, s, begin_s, t = best
         last = skyline.wide[-1] if skyline.wide else None
         if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
-            add_to_group(last, i, int(inst.tokens[i]), t)  # the same ranks again: extend their group
+            add_to_group(last, i, inst.load(i, d), t)  # the same ranks again: extend their group
         else:
             phase = int(skyline.phase[s : s + d].max())
             skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
             group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
-            add_to_group(group, i, int(inst.tokens[i]), t)
+            add_to_group(group, i, inst.load(i, d), t)
             skyline.wide.append(group)
             skyline.phase[s : s + d] = phase + 1
         skyline.ready[s : s + d] = skyline.wide[-1].finish_s
@@ -141,7 +141,7 @@ def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[lis
     if not holes:
         return [], items
     times, m = inst.times(1, True), inst.overhead(1)
-    groups = [DraftGroup(rank, 1, 0, start, inst.cap, m) for _, rank, start in holes]
+    groups = [DraftGroup(rank, 1, 0, start, inst.footprint.cap, m) for _, rank, start in holes]
     left = sorted((length, k) for k, (length, _, _) in enumerate(holes))
     rest = []
     for i in items[np.lexsort((inst.ids[items], -times[items]))].tolist():
@@ -153,7 +153,7 @@ def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[lis
         room, h = left.pop(k)
         group = groups[h]
         before = group.finish_s
-        add_to_group(group, i, int(inst.tokens[i]), float(times[i]))
+        add_to_group(group, i, inst.load(i, 1), float(times[i]))
         bisect.insort(left, (room - (group.finish_s - before), h))
     return [g for g in groups if g.microbatches], np.array(sorted(rest), dtype=np.int64)
 
@@ -181,6 +181,7 @@ def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
                 e += 1
             if inst.family:
                 e = r + inst.family.largest_at(r, e - r)
-            bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.cap, inst.overhead(e - r)))
+            bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.footprint.cap,
+                                   inst.overhead(e - r)))
             r = e
     return bins

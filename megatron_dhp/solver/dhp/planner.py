@@ -115,7 +115,7 @@ class Candidate:
         degrees = degrees_of[wide]
         t_wide = inst.model.sample_time(inst.tokens[wide], inst.work[wide], degrees, degrees <= gpn)
         area = float((cell * t_cell[~is_wide]).sum()) + float((degrees * t_wide).sum())
-        area_bound = (area + m * float(inst.tokens.sum()) / inst.cap) / n
+        area_bound = (area + m * float(inst.footprint.shared.sum()) / inst.footprint.cap) / n
         longest = m + max(float(t_wide.max(initial=0.0)), float(t_cell[~is_wide].max(initial=0.0)))
         return cls(cell, wide, degrees, max(area_bound, longest))
 
@@ -182,7 +182,7 @@ class DhpPlanner:
                 f"dhp packs microbatches of at most M // P = {inst.cap} tokens per rank at {p} pipeline stages, "
                 f"and a {int(inst.tokens[too_long].max())}-token sample needs more than the domain's "
                 f"{inst.num_ranks} ranks of that")
-        target = model.lower_bound_arrays(inst.tokens, inst.work)
+        target = model.lower_bound_arrays(inst.tokens, inst.work, model.footprint(batch.samples))
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
         maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
         degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
@@ -207,8 +207,7 @@ class DhpPlanner:
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
             peers = [*([spaced] if spaced else []), static]
             if family is not None:  # the spaced rounds and static's replicas moved onto the family where they fit
-                tokens_of = {s.id: s.tokens for s in batch.samples}
-                peers = [fit_to_family(family, groups, tokens_of, inst.cap) for groups in peers]
+                peers = [fit_to_family(family, groups, inst) for groups in peers]
                 peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
@@ -242,12 +241,18 @@ def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
                                     key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb))))
 
 
+def draft_plan(inst: Instance, batch: Batch, groups: list[PlanGroup], stages: int) -> Plan:
+    """A candidate layout as a plan under the instance's model (its cap and memory rule)."""
+    domain, rule = inst.model.domain, inst.model.memory_rule()
+    return Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
+                max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages,
+                encoder_placement=rule.placement, enc_memory_per_token=rule.enc_memory_per_token)
+
+
 def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup]) -> bool:
     """Whether the layout is a valid plan (the memory rule over P slots included)."""
-    domain = inst.model.domain
     try:
-        Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-             max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages).validate()
+        draft_plan(inst, batch, groups, stages).validate()
     except PlanError:
         return False
     return True
@@ -260,10 +265,7 @@ def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], sta
     Without PP the candidates are dhp's plan and static CP's layout: a batch with little work and one sample
     that dominates it (a video of a CPU-sized multimodal batch) made dhp give that sample a wide group whose
     collectives cost more than they saved, up to 1.4x static CP's step."""
-    domain = inst.model.domain
-    plans = [Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-                  max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages,
-                  encoder_placement=inst.model.encoder_placement) for groups in candidates]
+    plans = [draft_plan(inst, batch, groups, stages) for groups in candidates]
     times = [pipeline_step_time(plan, inst.model, dict(enumerate(inst.layout_times(plan.groups)))) if stages > 1
              else simulate(plan, inst.model).step_time_s for plan in plans]
     return candidates[times.index(min(times))]

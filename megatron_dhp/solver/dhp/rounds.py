@@ -19,7 +19,10 @@ Fewer, wider-packed rounds run their samples on fewer ranks; the fillers cost ab
 
 from __future__ import annotations
 
+import math
+
 from megatron_dhp.plan.family import GroupFamily
+from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.fcp_ref import FCPRefPlanner, bfd_pack, round_groups, split_rounds
@@ -38,34 +41,36 @@ def spaced_round_groups(inst: Instance, batch: Batch, stages: int) -> list[PlanG
     """Full rounds ordered for 1F1B with P - 1 filler slots between consecutive ones; None where the batch
     fits one round or has too few short samples to fill the gaps."""
     model = inst.model
-    n, cap = model.domain.world_size, model.domain.max_tokens_per_rank
-    shortest = sorted(batch.samples, key=lambda s: (s.tokens, s.id))
+    n = model.domain.world_size
+    full = model.footprint(batch.samples)  # at M: a round and its fillers share the P slots' budget
+    shortest = sorted(range(len(batch)), key=lambda i: (batch.samples[i].tokens, batch.samples[i].id))
     num_fillers = 0
     for _ in range(3):  # the fillers leave the rounds, which may then need fewer gaps
         if num_fillers >= len(shortest):
             return None
         fillers = shortest[:num_fillers]
-        filler_cap = -(-sum(s.tokens for s in fillers[-(stages - 1):]) // n) if fillers else 0
-        filler_ids = {s.id for s in fillers}
-        rest = Batch(tuple(s for s in batch.samples if s.id not in filler_ids))
-        tokens = rest.lengths
-        if filler_cap >= cap or int(tokens.max()) > n * (cap - filler_cap):
+        filler_cap = math.ceil(full.per_rank(fillers[-(stages - 1):], n)) if fillers else 0
+        kept = sorted(set(range(len(batch))) - set(fillers))
+        rest = Batch(tuple(batch.samples[i] for i in kept))
+        footprint = Footprint(full.shared[kept], full.held[kept], full.cap - filler_cap)
+        min_cp = footprint.min_degree()
+        if filler_cap >= full.cap or int(min_cp.max()) > n:
             return None
-        rounds = split_rounds(bfd_pack(tokens, -(-tokens // (cap - filler_cap)), cap - filler_cap), n)
+        rounds = split_rounds(bfd_pack(footprint, min_cp), n)
         gaps = len(rounds) - 1
         if gaps * (stages - 1) <= num_fillers:
             break
         num_fillers = gaps * (stages - 1)
     else:
         return None
-    if gaps < 1 or sum(s.tokens for s in fillers[-stages:]) > n * cap:  # P fillers in a row hold M too
+    if gaps < 1 or full.per_rank(fillers[-stages:], n) > full.cap:  # P fillers in a row hold M too
         return None
     groups = round_groups(model, rest, rounds, n)  # fcp-ref's groups of these rounds, as its solve makes them
     phase_of = {q: 2 * k for k, q in enumerate(round_order(inst, groups))}
     out = [PlanGroup(ranks=g.ranks, microbatches=g.microbatches, phase=phase_of[g.phase]) for g in groups]
     everyone = tuple(range(n))
     for k in range(gaps):  # the surplus fillers, if any, go to the first gaps
-        share = fillers[k::gaps]
+        share = [batch.samples[i] for i in fillers[k::gaps]]
         out.append(PlanGroup(ranks=everyone, microbatches=tuple((s.id,) for s in share), phase=2 * k + 1))
     return out
 
@@ -85,18 +90,19 @@ def pipeline_order_of(longest_first: list) -> list:
     return [longest_first[-2], *longest_first[:-2], longest_first[-1]]
 
 
-def fit_to_family(family: GroupFamily, groups: list[PlanGroup], tokens_of: dict[int, int], cap: int) -> list[PlanGroup] | None:
+def fit_to_family(family: GroupFamily, groups: list[PlanGroup], inst: Instance) -> list[PlanGroup] | None:
     """The layout moved onto the family, phase by phase: each group, widest first, on the first free family
-    window of the largest family size between its microbatches' memory minimum (at `cap` tokens per rank)
+    window of the largest family size between its microbatches' memory minimum (the instance's footprint)
     and its own size (or the next family size up); ranks it leaves free sit the phase out. None where a
     phase does not fit."""
+    position = {int(sid): k for k, sid in enumerate(inst.ids)}
     out: list[PlanGroup] = []
     for phase in sorted({g.phase for g in groups}):
         members = sorted((g for g in groups if g.phase == phase), key=lambda g: (-g.size, g.ranks[0]))
         covered = sorted({r for g in members for r in g.ranks})
         free = (1 << family.world_size) - 1  # bit r: position r is free
         for g in members:
-            need = max((-(-sum(tokens_of[i] for i in mb) // cap) for mb in g.microbatches), default=1)
+            need = max((inst.footprint.min_ranks([position[i] for i in mb]) for mb in g.microbatches), default=1)
             sizes = [s for s in family.sizes if need <= s <= g.size] or [family.ceil_size(g.size)]
             window = next(((a, s) for s in reversed(sizes) if (a := family.first_free(s, free)) is not None), None)
             if window is None:

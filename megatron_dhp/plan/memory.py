@@ -1,0 +1,137 @@
+"""The memory rule: what a microbatch puts on each rank of its group, the vision encoder's activations included.
+
+An LLM token of a microbatch on d ranks holds 1 / d token of activations on each (its zigzag shard). An
+encoder token holds w = `enc_memory_per_token` tokens' worth (its activations, kept until the encoder's
+backward, in LLM tokens: about the encoder's hidden size x layers over the LLM's). Where the encoder runs
+(`cost.encoder`) decides whose memory that is:
+
+- `split`: the group shares the images, so a microbatch of samples S on d ranks puts sum_S (L + w P) / d on
+  each rank;
+- `replicate`: every rank of the group encodes all the group's images: sum_S L / d + w sum_S P on each;
+- `global`: each rank encodes its share of the whole batch's items (longest first to the least loaded, as
+  the runtime places them) before the first microbatch and keeps the activations until after the last, so
+  w x the largest share sits on every rank for the whole step, and a microbatch adds sum_S L / d.
+
+Per rank that must stay within the cap M. With w = 0 (BENCHMARK.md section 2's reference) only LLM tokens
+count. Tokens are whole: each sample's encoder share is rounded up. More ranks never hold more per rank, so a
+microbatch that fits d ranks fits any wider group.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.workload.sample import Sample
+
+UNPLACEABLE = np.iinfo(np.int64).max // 4
+"""The minimum degree of a sample whose encoder activations alone exceed a rank (replicate): no group holds it."""
+
+
+def longest_first_makespan(sizes: Iterable[float], ranks: int) -> float:
+    """The largest load when `sizes` go longest first to the least-loaded of `ranks` (LPT)."""
+    sizes = sorted(sizes, reverse=True)
+    if len(sizes) <= ranks:
+        return float(sizes[0]) if sizes else 0.0
+    loads = [0.0] * ranks
+    for size in sizes:
+        heapq.heapreplace(loads, loads[0] + size)
+    return max(loads)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Each sample's memory in tokens: a microbatch of samples S on d ranks holds
+    sum_S shared / d + sum_S held per rank, which must stay <= `cap`."""
+
+    shared: np.ndarray
+    """Tokens the group's ranks divide: L (+ w P under split)."""
+    held: np.ndarray
+    """Tokens every rank of the group holds whole: w P under replicate, else 0."""
+    cap: int
+    """Tokens per rank a microbatch may use: M, less global's step-long encoder share."""
+
+    def load(self, index: np.ndarray | int, degree: np.ndarray | int) -> np.ndarray:
+        """What a sample takes of a microbatch's room of `degree` x cap tokens: shared + degree x held."""
+        return self.shared[index] + np.asarray(degree, dtype=np.int64) * self.held[index]
+
+    def linear(self, max_degree: int) -> np.ndarray:
+        """Sizes that count memory the way planners of tokens do (a microbatch's sizes <= d x cap), safe on any
+        group of at most `max_degree` ranks: shared + max_degree x held (exact where nothing is held)."""
+        return self.shared + max_degree * self.held
+
+    def min_degree(self) -> np.ndarray:
+        """The fewest ranks that hold each sample alone: ceil(shared / (cap - held)), `UNPLACEABLE` where the
+        held part alone fills a rank."""
+        room = self.cap - self.held
+        return np.where(room > 0, -(-self.shared // np.maximum(room, 1)), UNPLACEABLE)
+
+    def per_rank(self, index: Sequence[int], degree: int) -> float:
+        """Tokens per rank of a microbatch of these samples on `degree` ranks."""
+        index = np.asarray(index, dtype=np.int64)
+        return float(self.shared[index].sum()) / degree + float(self.held[index].sum())
+
+    def min_ranks(self, index: Sequence[int]) -> int:
+        """The fewest ranks a microbatch of these samples fits (`UNPLACEABLE` if none)."""
+        index = np.asarray(index, dtype=np.int64)
+        room = self.cap - int(self.held[index].sum())
+        return -(-int(self.shared[index].sum()) // room) if room > 0 else UNPLACEABLE
+
+    def fits(self, index: Sequence[int], degree: int) -> bool:
+        """Whether a microbatch of these samples fits `degree` ranks (exact integer arithmetic)."""
+        return int(self.load(np.asarray(index, dtype=np.int64), degree).sum()) <= degree * self.cap
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """The per-rank token cap and how encoder activations count against it (see the module docstring)."""
+
+    cap: int
+    """M: tokens per rank."""
+    enc_memory_per_token: float = 0.0
+    """w: an encoder token's activations in LLM tokens."""
+    placement: str = "split"
+    """Where the encoder runs (a concrete placement of `cost.encoder`; `auto` counts as split until resolved)."""
+
+    def footprint(self, samples: Sequence[Sample], world_size: int) -> Footprint:
+        """Every sample's `Footprint` on a domain of `world_size` ranks."""
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
+        w = self.enc_memory_per_token
+        if not w:
+            return Footprint(tokens, np.zeros_like(tokens), self.cap)
+        enc = np.array([math.ceil(w * sum(item.enc for item in s.images)) for s in samples], dtype=np.int64)
+        if self.placement == "replicate":
+            return Footprint(tokens, enc, self.cap)
+        if self.placement == "global":
+            share = longest_first_makespan((item.enc for s in samples for item in s.images), world_size)
+            return Footprint(tokens, np.zeros_like(tokens), self.cap - math.ceil(w * share))
+        return Footprint(tokens + enc, np.zeros_like(tokens), self.cap)
+
+    def check(self, samples: Sequence[Sample], world_size: int) -> Footprint:
+        """The samples' `Footprint`, or `DhpError` naming the first sample no group of the domain can hold."""
+        footprint = self.footprint(samples, world_size)
+        need = footprint.min_degree()
+        if not len(need) or need.max() <= world_size:
+            return footprint
+        i = int(np.argmax(need > world_size))
+        s, w = samples[i], self.enc_memory_per_token
+        fix = "use encoder_placement split, or lower enc_memory_per_token (e.g. with activation recompute)"
+        if footprint.cap < 1:
+            raise DhpError(
+                f"under encoder_placement global every rank keeps its share of the batch's encoder activations "
+                f"for the whole step, {self.cap - footprint.cap} tokens (enc_memory_per_token {w}), which fills the "
+                f"cap of {self.cap} per rank; {fix}")
+        if need[i] == UNPLACEABLE:
+            raise DhpError(
+                f"sample {s.id}'s images hold {int(footprint.held[i])} tokens of encoder activations "
+                f"(enc_memory_per_token {w}) on every rank of its group under encoder_placement replicate, "
+                f"which fills the cap of {footprint.cap} per rank; {fix}")
+        raise DhpError(
+            f"sample {s.id} holds {int(footprint.shared[i])} tokens of memory ({s.tokens} LLM tokens and its "
+            f"images' encoder activations at enc_memory_per_token {w}), more than the domain's {world_size} ranks "
+            f"of {footprint.cap}; raise --world-size or --max-tokens-per-rank, or lower enc_memory_per_token")
