@@ -388,7 +388,7 @@ def print_placements(records: list[dict], args: argparse.Namespace, console: Con
         chose = ", ".join(f"{k} {v}" for k, v in sorted(
             {c: sum(1 for r in dhp.values() if r["chosen"] == c) for c in {r["chosen"] for r in dhp.values()}}.items()))
         met = len(ratio) and ratio.mean() <= 1.03 and worst_vs <= 1.005
-        held = any(r["planner"] == "dhp" and r.get("unsupported", "").startswith("sample") for r in records
+        held = any(r["planner"] == "dhp" and "encoder activations" in r.get("unsupported", "") for r in records
                    if (r["domain"], r["placement"]) == (domain, placement))
         cells += [chose if placement == "auto" else "", "yes" if met else "memory" if held and not len(ratio) else "no"]
         table.add_row(*cells)
