@@ -138,8 +138,6 @@ def small() -> CostConfig:
 @pytest.mark.parametrize("placement", ["split", "replicate", "global"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_every_planner_s_plan_holds_the_encoder_memory(small, placement, stages):
-    if placement == "global" and stages > 1:
-        pytest.skip("global is not priced under pipelining")
     model = build_cost_model(replace(small, encoder_placement=placement))
     for seed in range(3):
         batch = _video_batch(seed)
@@ -185,3 +183,17 @@ def test_footprint_linear_is_safe_on_any_group_up_to_its_degree():
     fp = Footprint(np.array([1000, 600]), np.array([512, 0]), 1000)
     for d in range(1, 9):
         assert fp.per_rank([0, 1], d) * d <= fp.linear(8)[[0, 1]].sum()
+
+
+def test_global_under_pipelining_is_its_encoder_phase_around_the_1f1b_slots(small):
+    # The encoder sits on the first stage, whose ranks are the domain's: the phase of P = 1, outside the slots.
+    model = build_cost_model(replace(small, encoder_placement="global"))
+    batch = _video_batch(0, 12)
+    plan = run_planner(build_planner("dhp", {}), batch, model, pipeline_stages=2)
+    text = replace(plan, samples=tuple(replace(s, images=()) for s in plan.samples))  # the same slots, no encoder
+    phase = model.encoder_phase(batch.samples)
+    assert phase.before_s > 0 and phase.after_s > 0
+    timeline = simulate(plan, model)
+    assert timeline.step_time_s == pytest.approx(simulate(text, model).step_time_s + phase.total_s)
+    assert (timeline.encoder_before_s, timeline.encoder_after_s) == (phase.before_s, phase.after_s)
+    assert plan.predicted_step_time_s == pytest.approx(timeline.step_time_s)

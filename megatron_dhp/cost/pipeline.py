@@ -142,14 +142,18 @@ def slot_units(plan: Plan, microbatch_s: dict[int, tuple[float, ...]], idle_s: f
 
 def pipeline_step_time(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[float, ...]]) -> float:
     """The plan's step time under 1F1B given each group's microbatch times (a planner comparing layouts
-    prices them from its own tables; `simulate` gives the same number)."""
-    return float(pipeline_ops(plan, model, microbatch_s)[1].max(initial=model.step_overhead_s))
+    prices them from its own tables; `simulate` gives the same number), `global`'s encoder phase included."""
+    phase_s = model.with_placement(plan.encoder_placement).encoder_phase(plan.samples).total_s
+    return float(pipeline_ops(plan, model, microbatch_s)[1].max(initial=model.step_overhead_s)) + phase_s
 
 
 def lower_bound(model: CostModel, samples, stages: int) -> float:
     """A step time no plan beats at `stages` pipeline stages; the model's own bound at 1 stage.
 
-    LB_P = sigma + max(W / P + (P - 1) m / P, m + max_i min_d t(L_i, d)).
+    LB_P = sigma + E + max(W / P + (P - 1) m / P, m + max_i min_d t(L_i, d)),
+
+    E the bound on `global`'s encoder phase (0 under the other placements), which runs before the first and
+    after the last slot on the first stage's N ranks, as at P = 1.
 
     The first term: some position r carries W_r >= W seconds of PP = 1 slot time, so its last stage is busy
     W_r / P; it cannot start before its first slot's forward has passed the P - 1 stages before it, nor
@@ -170,6 +174,7 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     """
     if stages == 1:
         return model.lower_bound(samples)
+    phase_s = model.encoder_phase(samples, bound=True).total_s  # `global`'s, outside the pipeline (0 otherwise)
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)
     footprint = model.footprint(samples)
@@ -183,7 +188,7 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
     fill_drain = (stages - 1) * m / stages
     mixed = in_flight_bound(model, tokens, work, footprint, stages, fill_drain + m * slots / (n * stages))
-    return model.step_overhead_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
+    return model.step_overhead_s + phase_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
 
 
 MIX_WEIGHTS = np.linspace(0.0, 1.0, 21)

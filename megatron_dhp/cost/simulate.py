@@ -13,11 +13,11 @@ of `global` before the first and after the last microbatch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
+from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS, EncoderPhase
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_ops
 from megatron_dhp.errors import DhpError
@@ -95,9 +95,7 @@ def simulate(plan: Plan, model: CostModel) -> Timeline:
     model = model.with_placement(plan.encoder_placement)
     phase_s = model.encoder_phase(plan.samples)
     if plan.pipeline_stages > 1:
-        if phase_s.total_s:
-            raise DhpError("encoder_placement 'global' is not priced under pipeline parallelism; use split or replicate")
-        return simulate_pipeline(plan, model)
+        return around_encoder_phase(simulate_pipeline(plan, model), phase_s)
     finish = np.full(plan.world_size, model.step_overhead_s + phase_s.before_s)
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
@@ -119,6 +117,18 @@ def simulate(plan: Plan, model: CostModel) -> Timeline:
         busy += phase_s.total_s
         finish[:] = finish.max() + phase_s.after_s
     return Timeline(float(finish.max()), tuple(spans), finish, busy, phase_s.before_s, phase_s.after_s)
+
+
+def around_encoder_phase(timeline: Timeline, phase_s: EncoderPhase) -> Timeline:
+    """The 1F1B timeline with `global`'s encoder phase before its first and after its last slot. The encoder
+    sits on the first pipeline stage, whose ranks are the domain's N, so the phase is the one of P = 1."""
+    if not phase_s.total_s:
+        return timeline
+    spans = tuple(replace(s, start_s=s.start_s + phase_s.before_s, end_s=s.end_s + phase_s.before_s)
+                  for s in timeline.spans)
+    finish = np.full_like(timeline.rank_finish_s, timeline.rank_finish_s.max() + phase_s.total_s)
+    return Timeline(float(finish.max()), spans, finish, timeline.rank_busy_s + phase_s.total_s,
+                    phase_s.before_s, phase_s.after_s)
 
 
 def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:

@@ -54,7 +54,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     """
     if model.encoder_placement == "auto":  # plan under each placement, keep the fastest
         return plan_best_placement(lambda m: run_planner(planner, batch, m, pipeline_stages=pipeline_stages),
-                                   batch, model, pipeline_stages)
+                                   batch, model)
     domain, rule = model.domain, model.memory_rule()
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
     rule.check(batch.samples, domain.world_size)  # nor may its images' encoder memory overflow it
