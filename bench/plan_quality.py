@@ -426,8 +426,8 @@ def main() -> None:
     special = (run_placements, print_placements) if args.multimodal else \
         (run_variants, print_variants) if args.variants else None
     if special is not None:  # the multimodal placements or the cost-model variants instead of the main table
-        run, report = special
-        records = run(args, console)
+        plan_all, report = special
+        records = plan_all(args, console)
         report(records, args, console)
         if args.json:
             save_json(args.json, records, [])
