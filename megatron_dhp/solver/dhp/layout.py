@@ -59,12 +59,16 @@ class Skyline:
         return cls(np.zeros(num_ranks), np.zeros(num_ranks, dtype=np.int64))
 
 
-def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int) -> np.ndarray:
-    """Starts of the windows a wide group may take: one end on a cell boundary, inside a node if it fits one."""
+def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, straddle: bool = False) -> np.ndarray:
+    """Starts of the windows a wide group may take: one end on a cell boundary, inside a node if it fits one;
+    with `straddle` also the tiling at multiples of the size across nodes. A size that does not divide the
+    node leaves ranks of every node idle inside nodes (one 6-wide group per 8-rank node); where comm
+    overlaps, a straddling window costs no more (`place_wide` prices every window with its own links)."""
     starts = np.arange(num_ranks - size + 1)
     aligned = (starts % cell == 0) | ((starts + size) % cell == 0) | (starts + size == num_ranks)
     if size <= gpus_per_node:
         aligned &= starts // gpus_per_node == (starts + size - 1) // gpus_per_node
+        aligned |= straddle & (starts % size == 0)
     return starts[aligned]
 
 
@@ -78,13 +82,18 @@ def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
-               grow: int = 1) -> None:
-    """Place wide samples, widest first, each on the window where it can start (and so end) earliest.
+               grow: int = 1, limit_s: float | None = None, straddle: bool = False) -> None:
+    """Place wide samples, widest first, each on the window where it ends earliest (then wastes the least
+    rank time waiting for the window's last rank, then comes first).
 
     With a family the windows are the family's groups of the sample's degree (a family size). With
     `grow` > 1 a sample may also take any allowed size up to `grow` times its degree, where that ends it
     earlier (by more than 0.1 %): a wider window free now beats waiting for a narrow one, which evens out
-    a skyline of many wide groups."""
+    a skyline of many wide groups. With `limit_s` (multifit, see `planner.multifit`) a sample takes the
+    window that wastes the least among those that end it by then, the first of equals, so that columns fill
+    up to the limit one after another and leave whole columns free for the rest; only where none does, the
+    earliest end. Without a family, `straddle` lets groups that fit a node take windows across two
+    (`window_starts`)."""
     n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.footprint.cap
     sizes = inst.sizes
     prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
@@ -93,16 +102,18 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         i, degree = int(items[k]), int(degrees[k])
         best: tuple[float, int, int, float, float] | None = None  # (finish, size, start, begin, time)
         for d in sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist():
-            starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn)
+            starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn, straddle)
             if not len(starts):
                 continue
             begin = window_max(skyline.ready, d, starts)
             waste = d * begin - (prefix[starts + d] - prefix[starts])
-            j = int(np.lexsort((starts, waste, begin))[0])
-            s, begin_s = int(starts[j]), float(begin[j])
-            t = float(inst.times(d, d <= gpn and s // gpn == (s + d - 1) // gpn)[i])
-            if best is None or begin_s + t + inst.overhead(d) < (best[0]) * (1 - 1e-3):
-                best = (begin_s + t + inst.overhead(d), d, s, begin_s, t)
+            intra = (d <= gpn) & (starts // gpn == (starts + d - 1) // gpn)
+            time = np.where(intra, inst.times(d, True)[i], inst.times(d, False)[i])
+            finish = begin + time + inst.overhead(d)
+            late = finish > limit_s if limit_s is not None else np.ones(len(starts), dtype=bool)
+            j = int(np.lexsort((starts, waste, finish) if late.all() else (starts, waste, late))[0])
+            if best is None or finish[j] < best[0] * (1 - 1e-3):
+                best = (float(finish[j]), d, int(starts[j]), float(begin[j]), float(time[j]))
         assert best is not None, f"no window of {degree}+ ranks"  # every degree is an allowed size
         _, d, s, begin_s, t = best
         last = skyline.wide[-1] if skyline.wide else None
