@@ -12,7 +12,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import StepPlanner
-from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, _windows, group_family
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, _windows, group_family, straddling_sizes
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 from tests.solver.conftest import model_for
@@ -40,14 +40,22 @@ def test_invariants(n, g):
     for start, size in family.windows:
         assert 2 <= size <= n and 0 <= start and start + size <= n
         first, last = start // g, (start + size - 1) // g
-        if size <= g:
-            assert first == last, (start, size)  # inside one node
+        if size <= g and first != last:  # across a node boundary: a domain tiling of a size that fits once
+            assert size in straddling_sizes(g, list(family.sizes)) and start % size == 0, (start, size)
         elif size >= 2 * g and size != n:
             assert start % g == 0 and ((start + size) % g == 0 or start + size == n), (start, size)  # whole nodes
     for d in range(1, n + 1, max(1, n // 512)):
         size = family.ceil_size(d)
         assert d <= size <= slack_bound(family, d), (d, size)
         assert len(family.starts(size)) and family.contains(family.placements(size)[0])
+
+
+def test_sizes_over_half_a_node_tile_the_domain_across_nodes():
+    family = group_family(64, 8)
+    assert straddling_sizes(8, list(family.sizes)) == [5, 6, 7]
+    for s in (5, 6, 7):
+        assert all(family.contains(tuple(range(a, a + s))) for a in range(0, 64 - s + 1, s))  # 10 of 6 side by side
+        assert all(family.contains(tuple(range(a, a + s))) for a in range(0, 64, 8))  # and one inside each node
 
 
 def test_cells_and_power_of_two_blocks_are_in_it():
@@ -106,7 +114,7 @@ def test_dhp_with_the_family_under_pipeline_parallelism():
 
 def test_option_off_is_the_old_behaviour():
     model = model_for(64, 8)
-    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
+    batch = LengthSource.from_args(dist="lognormal-pareto").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
     off = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
     assert not all(group_family(64, 8).contains(g.ranks) for g in off.groups)  # windows of any size and offset
     on = run_planner(build_planner("dhp"), batch, model)

@@ -10,8 +10,11 @@ It is a pure function of (N = world_size, g = gpus_per_node, K = max_groups_per_
 - inside each node (the last node may be partial): every size s of the size ladder, every divisor of g
   (the dhp planner's cells) and the node itself. Divisors of g and powers of two tile the node at stride s
   (cell-aligned; megatron-core's aligned power-of-two blocks); any other s sits at both ends of each
-  aligned power-of-two block of the next power of two B >= s (or of the node when B does not fit), so the
-  rest of a block that such a window leaves free is a window too. No window straddles two nodes.
+  aligned power-of-two block of the next power of two B >= s, so the rest of a block that such a window
+  leaves free is a window too. Where that block is the node (5 - 7 ranks at g = 8) one window starts the
+  node, and the family also tiles the domain with s across node boundaries (windows at 0, s, 2s, ...):
+  one such sample per node left the rest of each node idle while they ran (`replicate`'s 6 - 7-rank
+  videos: dhp 1.17 x LB, 1.04 with the tiling).
 - across node boundaries: every ladder size s with g < s < 2g tiling the domain, once from its first rank
   (windows at 0, s, 2s, ...) and once from its last, so that N / s such groups run side by side (two per
   rank at most, as many as windows at both ends of each node pair held, which let only one run per pair:
@@ -81,12 +84,19 @@ def _node_windows(node_size: int, gpus_per_node: int, sizes: list[int]) -> set[t
             out.update((o, s) for o in range(0, node_size - s + 1, s))
             continue
         block = 1 << (s - 1).bit_length()
-        if block > node_size:
-            out.update({(0, s), (node_size - s, s)})
+        if block >= node_size:  # one per node: at its start (a full node; its end too in a partial one)
+            out.update({(0, s), (node_size - s, s)} if node_size < gpus_per_node else {(0, s)})
             continue
         for b in range(0, node_size - block + 1, block):
             out.update({(b, s), (b + block - s, s)})
     return out
+
+
+def straddling_sizes(gpus_per_node: int, sizes: list[int]) -> list[int]:
+    """Sizes of a node or less that fit it only once (over half a node, neither a divisor of g nor a power of
+    two): the family also tiles the domain with them across node boundaries."""
+    g = gpus_per_node
+    return [s for s in sizes if 2 * s > g and s < g and g % s and s & (s - 1)]
 
 
 def _windows(world_size: int, gpus_per_node: int, steps: int) -> np.ndarray:
@@ -103,6 +113,9 @@ def _windows(world_size: int, gpus_per_node: int, steps: int) -> np.ndarray:
             starts = (offsets[:, None] + pattern[None, :, 0]).ravel()
             parts.append(np.stack([starts, np.tile(pattern[:, 1], count)], axis=1))
     nodes = full + (1 if last else 0)
+    for size in straddling_sizes(g, intra) if n > g else ():  # one tiling of the domain, across nodes
+        forward = np.arange(0, n - size + 1, size, dtype=np.int64)
+        parts.append(np.stack([forward, np.full_like(forward, size)], axis=1))
     for size in ladder(2 * g - 1, steps):
         if size > g and n >= 2 * g:  # tilings of the domain from either end, across node boundaries
             forward = np.arange(0, n - size + 1, size, dtype=np.int64)
