@@ -73,8 +73,9 @@ def ladder(limit: int, steps: int) -> list[int]:
     return sorted(sizes)
 
 
-def _node_windows(node_size: int, gpus_per_node: int, sizes: list[int]) -> set[tuple[int, int]]:
-    """(offset, size) windows of 2+ ranks inside a node of `node_size` ranks (see the module doc)."""
+def _node_windows(node_size: int, gpus_per_node: int, sizes: list[int], tiled: bool) -> set[tuple[int, int]]:
+    """(offset, size) windows of 2+ ranks inside a node of `node_size` ranks (see the module doc); `tiled`:
+    the domain's tilings hold `straddling_sizes` beyond a full node's first window."""
     cells = {d for d in range(2, gpus_per_node + 1) if gpus_per_node % d == 0}
     out: set[tuple[int, int]] = set()
     for s in sorted(set(sizes) | cells | {node_size}):
@@ -84,8 +85,8 @@ def _node_windows(node_size: int, gpus_per_node: int, sizes: list[int]) -> set[t
             out.update((o, s) for o in range(0, node_size - s + 1, s))
             continue
         block = 1 << (s - 1).bit_length()
-        if block >= node_size:  # one per node: at its start (a full node; its end too in a partial one)
-            out.update({(0, s), (node_size - s, s)} if node_size < gpus_per_node else {(0, s)})
+        if block >= node_size:  # both ends, or only the start of a full node where the domain tiling holds the rest
+            out.update({(0, s)} if tiled and node_size == gpus_per_node else {(0, s), (node_size - s, s)})
             continue
         for b in range(0, node_size - block + 1, block):
             out.update({(b, s), (b + block - s, s)})
@@ -107,7 +108,7 @@ def _windows(world_size: int, gpus_per_node: int, steps: int) -> np.ndarray:
     intra = ladder(min(n, g), steps)
     parts = []
     for count, first, size in ((full, 0, g), (1 if last else 0, full * g, last)):
-        pattern = np.array(sorted(_node_windows(size, g, intra)), dtype=np.int64).reshape(-1, 2)
+        pattern = np.array(sorted(_node_windows(size, g, intra, n > g)), dtype=np.int64).reshape(-1, 2)
         if count and len(pattern):
             offsets = first + g * np.arange(count, dtype=np.int64)
             starts = (offsets[:, None] + pattern[None, :, 0]).ravel()
