@@ -54,6 +54,10 @@ from megatron_dhp.solver.dhp.rounds import (
 from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
 
+STALE_PROBES = 3
+"""`multifit` stops after this many probes in a row that beat no draft (on replicate batches its last probes
+repeat one layout; the gains come within two misses of each other)."""
+
 
 @dataclass
 class Draft:
@@ -183,9 +187,13 @@ def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Dra
     placement, each 6-7 ranks for ~15 s) that costs up to 20 % of the step, and the limit packs them tighter.
     """
     lo, hi = cand.bound_s, draft.makespan_s
+    misses = 0
     for _ in range(probes):
         limit = (lo + hi) / 2
         fit = build(inst, cand, degrees_of.copy(), max_moves=max_moves, backfill=True, limit_s=limit, straddle=straddle)
+        misses = 0 if fit.makespan_s < draft.makespan_s else misses + 1
+        if misses == STALE_PROBES:  # the limit has settled where it packs no better than the best draft
+            break
         draft = fit if fit.makespan_s < draft.makespan_s else draft
         lo, hi = (lo, limit) if fit.makespan_s <= limit else (limit, hi)
     return draft
@@ -274,7 +282,10 @@ class DhpPlanner:
         ]
         if best.makespan_s > target * (1 + self.gap):  # far from the bound: static CP's layout may still be faster
             static = StaticPlanner().solve(batch, model)
-            if family is None or all(family.contains(g.ranks) for g in static):
+            # Its longest replica's microbatches back to back end no sooner than the draft (whose makespan is
+            # its simulated step, from the same tables): then the draft stands without simulating either.
+            floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
+            if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
                 return fastest(inst, batch, [groups, static])
         return groups
 
