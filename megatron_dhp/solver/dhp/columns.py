@@ -105,11 +105,58 @@ def column_layout(inst: Instance, items: np.ndarray, degrees: np.ndarray, bound_
     if starts is None:
         return None
     degree_of = dict(zip(items.tolist(), degrees.tolist()))
-    out = []
+    placed = []
     for w, members in columns:
         start, starts[w] = starts[w][0], starts[w][1:]
-        out += [(i, start, degree_of[i] if is_window(start, degree_of[i]) else w) for i in members]
-    return out
+        placed.append((start, w, members))
+    balance(inst, placed, degree_of, is_window)
+    return [(i, start, run_size(start, w, degree_of[i], is_window)) for start, w, members in placed for i in members]
+
+
+def run_size(start: int, width: int, degree: int, is_window: Callable[[int, int], bool]) -> int:
+    """Ranks a sample of `degree` takes in the column: its first `degree` where they form a window, else all."""
+    return degree if is_window(start, degree) else width
+
+
+def balance(inst: Instance, columns: list[tuple[int, int, list[int]]], degree_of: dict[int, int],
+            is_window: Callable[[int, int], bool], max_moves: int = 64) -> None:
+    """Move or swap samples between the column that ends last and another while that ends the pair
+    sooner (packing to a height balances by estimate; this by the columns' real times)."""
+    gpn = inst.model.domain.gpus_per_node
+
+    def seconds(i: int, column: int) -> float:
+        start, w, _ = columns[column]
+        d = run_size(start, w, degree_of[i], is_window)
+        intra = d <= gpn and start // gpn == (start + d - 1) // gpn
+        return float(inst.times(d, intra)[i]) + inst.overhead(d)
+
+    heights = [sum(seconds(i, c) for i in members) for c, (_, _, members) in enumerate(columns)]
+    for _ in range(max_moves):
+        a = max(range(len(columns)), key=lambda c: (heights[c], -c))
+        best: tuple[float, int, int, int | None] | None = None  # (pair's new end, column, sample out, sample in)
+        for b, (_, wb, members_b) in enumerate(columns):
+            if b == a:
+                continue
+            for x in columns[a][2]:
+                if degree_of[x] > wb:
+                    continue
+                out_a, in_b = heights[a] - seconds(x, a), heights[b] + seconds(x, b)
+                options = [(max(out_a, in_b), None)]
+                options += [(max(out_a + seconds(y, a), in_b - seconds(y, b)), y) for y in members_b
+                            if degree_of[y] <= columns[a][1]]
+                end, y = min(options, key=lambda o: o[0])
+                if end < heights[a] - 1e-9 and (best is None or end < best[0]):
+                    best = (end, b, x, y)
+        if best is None:
+            return
+        _, b, x, y = best
+        columns[a][2].remove(x)
+        columns[b][2].append(x)
+        if y is not None:
+            columns[b][2].remove(y)
+            columns[a][2].append(y)
+        heights[a] = sum(seconds(i, a) for i in columns[a][2])
+        heights[b] = sum(seconds(i, b) for i in columns[b][2])
 
 
 def column_time(inst: Instance, width: int, members: list[int]) -> float:
