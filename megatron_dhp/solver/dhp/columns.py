@@ -1,13 +1,14 @@
-"""Columns for wide samples: disjoint windows that tile part of the domain, a few of each wide degree.
+"""Columns for wide samples: disjoint windows that tile part of the domain, each running a sequence of them.
 
 When wide samples are most of the work (long videos under the `replicate` encoder placement: each needs
-6 - 7 ranks for memory, and its encoder runs whole on every rank of its group, so more ranks barely shorten
-it), the skyline's earliest-end placement mixes degrees on the same ranks, and windows of one size then
-block the tilings of another: ranks wait or idle at the end (dhp 1.054 x LB on a 64-rank batch). Here each
-degree d gets its own columns of d ranks, as many as its samples' rank-seconds fill up to the target step,
-laid out by a search over family windows (or any window) from the domain's first rank; the samples then go
-longest first to the column of their degree that frees up first (LPT), and the small samples fill every
-rank once its column is done, and the ranks no column holds.
+4 - 7 ranks for memory, and its encoder runs whole on every rank of its group, so more ranks barely shorten
+it), the skyline's earliest-end placement mixes degrees on the same ranks, and the windows of one size then
+block the family's tilings of another (a 6-wide window at ranks 6 - 11 holds no 5-wide one): ranks wait,
+or idle at the end (dhp 1.054 x LB on a 64-rank batch; multifit on windows did not fix it). Here the wide
+samples are packed first-fit decreasing into columns opened at their own degree, to a height bisected as
+multifit does (`pack`, `column_layout`), the columns laid on windows that tile the domain from its first
+rank (`tiling`), and balanced by their real times (`balance`); the small samples then fill every column
+once it is done, and the ranks no column holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron_dhp.solver.dhp.instance import Instance
+
+BALANCE_MOVES = 64
+"""At most this many moves or swaps in `balance` (a few columns of a few samples each need far fewer)."""
 
 
 def pack(times: dict[int, list[tuple[float, int]]], num_ranks: int, height_s: float) -> list[tuple[int, list[int]]]:
@@ -119,7 +123,7 @@ def run_size(start: int, width: int, degree: int, is_window: Callable[[int, int]
 
 
 def balance(inst: Instance, columns: list[tuple[int, int, list[int]]], degree_of: dict[int, int],
-            is_window: Callable[[int, int], bool], max_moves: int = 64) -> None:
+            is_window: Callable[[int, int], bool]) -> None:
     """Move or swap samples between the column that ends last and another while that ends the pair
     sooner (packing to a height balances by estimate; this by the columns' real times)."""
     gpn = inst.model.domain.gpus_per_node
@@ -131,7 +135,7 @@ def balance(inst: Instance, columns: list[tuple[int, int, list[int]]], degree_of
         return float(inst.times(d, intra)[i]) + inst.overhead(d)
 
     heights = [sum(seconds(i, c) for i in members) for c, (_, _, members) in enumerate(columns)]
-    for _ in range(max_moves):
+    for _ in range(BALANCE_MOVES):
         a = max(range(len(columns)), key=lambda c: (heights[c], -c))
         best: tuple[float, int, int, int | None] | None = None  # (pair's new end, column, sample out, sample in)
         for b, (_, wb, members_b) in enumerate(columns):
