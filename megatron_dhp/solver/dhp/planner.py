@@ -3,7 +3,9 @@
 For each candidate cell size (the divisors of the node size), samples that need more ranks than a cell, or
 would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
-rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
+rebalanced by local moves. A candidate far from its bound is built again with wide samples grown, in
+columns of their own degree (`columns.py`) and multifit-packed (`multifit`). The candidate with the shortest
+simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
 Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B simulator and keeps the
