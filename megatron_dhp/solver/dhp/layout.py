@@ -94,7 +94,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     up to the limit one after another and leave whole columns free for the rest; only where none does, the
     earliest end. Without a family, `straddle` lets groups that fit a node take windows across two
     (`window_starts`)."""
-    n, gpn, cap = inst.num_ranks, inst.model.domain.gpus_per_node, inst.footprint.cap
+    n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
     sizes = inst.sizes
     prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
@@ -116,18 +116,33 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
                 best = (float(finish[j]), d, int(starts[j]), float(begin[j]), float(time[j]))
         assert best is not None, f"no window of {degree}+ ranks"  # every degree is an allowed size
         _, d, s, begin_s, t = best
-        last = skyline.wide[-1] if skyline.wide else None
-        if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
-            add_to_group(last, i, inst.load(i, d), t)  # the same ranks again: extend their group
-        else:
-            phase = int(skyline.phase[s : s + d].max())
-            skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
-            group = DraftGroup(s, d, phase, begin_s, cap, inst.overhead(d))
-            add_to_group(group, i, inst.load(i, d), t)
-            skyline.wide.append(group)
-            skyline.phase[s : s + d] = phase + 1
-        skyline.ready[s : s + d] = skyline.wide[-1].finish_s
+        put(inst, skyline, i, s, d, begin_s, t)
         prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
+
+
+def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int, int]]) -> None:
+    """Run each (sample, start, size) after the last group on its window, in order (`columns.column_layout`)."""
+    gpn = inst.model.domain.gpus_per_node
+    for i, s, d in placed:
+        intra = d <= gpn and s // gpn == (s + d - 1) // gpn
+        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), float(inst.times(d, intra)[i]))
+
+
+def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begin_s: float, time_s: float) -> None:
+    """Run the wide sample on ranks [start, start + size) from `begin_s` (when the last of them is free) for
+    `time_s`: after the same ranks' last group, in it (one group); else as a new group a phase later."""
+    s, d = start, size
+    last = skyline.wide[-1] if skyline.wide else None
+    if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
+        add_to_group(last, item, inst.load(item, d), time_s)
+    else:
+        phase = int(skyline.phase[s : s + d].max())
+        skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
+        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d))
+        add_to_group(group, item, inst.load(item, d), time_s)
+        skyline.wide.append(group)
+        skyline.phase[s : s + d] = phase + 1
+    skyline.ready[s : s + d] = skyline.wide[-1].finish_s
 
 
 def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> None:

@@ -3,7 +3,9 @@
 For each candidate cell size (the divisors of the node size), samples that need more ranks than a cell, or
 would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
-rebalanced by local moves. The candidate with the shortest simulated step wins. Every choice is a sort with
+rebalanced by local moves. A candidate far from its bound is built again with wide samples grown, in
+columns of their own degree (`columns.py`) and multifit-packed (`multifit`). The candidate with the shortest
+simulated step wins. Every choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
 Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B simulator and keeps the
@@ -18,6 +20,8 @@ layout sized by the batch (one group size in one phase: no idle slot; it wins on
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +33,7 @@ from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
+from megatron_dhp.solver.dhp.columns import column_layout
 from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.fill import fill
 from megatron_dhp.solver.dhp.instance import Instance
@@ -37,8 +42,10 @@ from megatron_dhp.solver.dhp.layout import (
     Skyline,
     fill_holes,
     open_bins,
+    place_columns,
     place_wide,
     renumber_phases,
+    window_starts,
 )
 from megatron_dhp.solver.dhp.rounds import (
     fit_to_family,
@@ -48,6 +55,10 @@ from megatron_dhp.solver.dhp.rounds import (
 )
 from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.workload.sample import Batch
+
+STALE_PROBES = 3
+"""`multifit` stops after this many probes in a row that beat no draft (on replicate batches its last probes
+repeat one layout; the gains come within two misses of each other)."""
 
 
 @dataclass
@@ -121,9 +132,12 @@ class Candidate:
 
 
 def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1,
-          backfill: bool = False, limit_s: float | None = None, straddle: bool = False) -> Draft:
+          backfill: bool = False, limit_s: float | None = None, straddle: bool = False,
+          columns: int = 0) -> Draft | None:
     """One candidate: wide groups first (up to `grow` times their degree, or filling columns to `limit_s`,
-    on windows across nodes too with `straddle`: `place_wide`), then the cells' bins filled and rebalanced.
+    on windows across nodes too with `straddle`: `place_wide`; or with `columns` > 0 in columns of their
+    degree, `columns.column_layout` with that many probes below `limit_s`: None where they tile no part of
+    the domain), then the cells' bins filled and rebalanced.
 
     Wide groups can split cells into runs smaller than some samples need; those samples become wide too
     and the layout is redone (at most a few rounds: the wide set only grows).
@@ -132,7 +146,13 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     wide = cand.wide
     while True:
         skyline = Skyline.empty(n)
-        place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle)
+        if columns:
+            placed = column_layout(inst, wide, degrees_of[wide], cand.bound_s, limit_s, window_test(inst, cell), columns)
+            if placed is None:
+                return None
+            place_columns(inst, skyline, placed)
+        else:
+            place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle)
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
@@ -149,6 +169,16 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     return Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
 
 
+def window_test(inst: Instance, cell: int) -> Callable[[int, int], bool]:
+    """Whether ranks [start, start + size) may form a group: a family window, or without a family one of
+    `window_starts` (across nodes too)."""
+    if inst.family:
+        return lambda start, size: inst.family.contains(range(start, start + size))
+    gpn = inst.model.domain.gpus_per_node
+    starts = functools.cache(lambda size: set(window_starts(inst.num_ranks, size, cell, gpn, True).tolist()))
+    return lambda start, size: start in starts(size)
+
+
 def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Draft, *, max_moves: int,
              probes: int, straddle: bool = False) -> Draft:
     """The fastest of `draft` and drafts whose wide samples fill columns up to a limit, the limit bisected
@@ -159,9 +189,13 @@ def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Dra
     placement, each 6-7 ranks for ~15 s) that costs up to 20 % of the step, and the limit packs them tighter.
     """
     lo, hi = cand.bound_s, draft.makespan_s
+    misses = 0
     for _ in range(probes):
         limit = (lo + hi) / 2
         fit = build(inst, cand, degrees_of.copy(), max_moves=max_moves, backfill=True, limit_s=limit, straddle=straddle)
+        misses = 0 if fit.makespan_s < draft.makespan_s else misses + 1
+        if misses == STALE_PROBES:  # the limit has settled where it packs no better than the best draft
+            break
         draft = fit if fit.makespan_s < draft.makespan_s else draft
         lo, hi = (lo, limit) if fit.makespan_s <= limit else (limit, hi)
     return draft
@@ -186,6 +220,9 @@ class DhpPlanner:
     """A candidate still more than `gap` above its bound is then built with its wide samples filling columns
     up to limits bisected this many times (`multifit`), without a family also on windows across nodes; the
     fastest draft counts."""
+    column_probes: ClassVar[int] = 10
+    """Such a candidate is also built with its wide samples in columns of their degree (`columns`), packed
+    to heights bisected this many times (cheap: no draft per probe); the faster draft counts."""
     max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
@@ -222,6 +259,9 @@ class DhpPlanner:
             if p == 1 and draft.makespan_s > cand.bound_s * (1 + self.gap) and len(cand.wide):
                 wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
                 draft = wider if wider.makespan_s < draft.makespan_s else draft
+                cols = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=True,
+                             limit_s=draft.makespan_s, columns=self.column_probes) if self.column_probes else None
+                draft = cols if cols is not None and cols.makespan_s < draft.makespan_s else draft
                 if draft.makespan_s > cand.bound_s * (1 + self.gap):
                     for straddle in (False,) if family else (False, True):  # a family's groups stay in nodes
                         draft = multifit(inst, cand, degrees_of, draft, max_moves=self.max_moves, probes=self.probes, straddle=straddle)
@@ -244,7 +284,10 @@ class DhpPlanner:
         ]
         if best.makespan_s > target * (1 + self.gap):  # far from the bound: static CP's layout may still be faster
             static = StaticPlanner().solve(batch, model)
-            if family is None or all(family.contains(g.ranks) for g in static):
+            # Its longest replica's microbatches back to back end no sooner than the draft (whose makespan is
+            # its simulated step, from the same tables): then the draft stands without simulating either.
+            floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
+            if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
                 return fastest(inst, batch, [groups, static])
         return groups
 
