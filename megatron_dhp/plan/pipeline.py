@@ -49,12 +49,11 @@ def pipeline_slots(plan: Plan) -> list[list[Slot | None]]:
 def slot_tokens_per_rank(plan: Plan, slots: list[Slot | None], footprint: Footprint) -> list[float]:
     """Tokens per rank of each slot of one position under the plan's `footprint` (an idle slot's single
     token is not counted: the cap is for the microbatches a plan places)."""
-    index = {s.id: k for k, s in enumerate(plan.samples)}
     out = []
     for slot in slots:
         if slot is None:
             out.append(0.0)
         else:
             g = plan.groups[slot.group]
-            out.append(footprint.per_rank([index[i] for i in g.microbatches[slot.microbatch]], g.size))
+            out.append(footprint.per_rank(plan.positions(g.microbatches[slot.microbatch]), g.size))
     return out

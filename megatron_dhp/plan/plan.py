@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,16 +83,22 @@ class Plan:
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
     _by_id: dict[int, Sample] = field(init=False, repr=False, compare=False)
+    _position: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", tuple(self.samples))
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "_by_id", {s.id: s for s in self.samples})
+        object.__setattr__(self, "_position", {s.id: k for k, s in enumerate(self.samples)})
 
     # ------------------------------------------------------------------ queries
     def sample(self, sample_id: int) -> Sample:
         """The sample with this id."""
         return self._by_id[sample_id]
+
+    def positions(self, sample_ids: Sequence[int]) -> list[int]:
+        """Where these samples sit in `samples` (the index a `Footprint` of them takes)."""
+        return [self._position[i] for i in sample_ids]
 
     @property
     def num_phases(self) -> int:
@@ -152,7 +159,6 @@ class Plan:
             raise PlanError("the plan has no groups")
 
         footprint = None if cap is None else self.memory_rule(cap).footprint(self.samples, n)
-        index = {s.id: k for k, s in enumerate(self.samples)}
         seen_in_phase: dict[tuple[int, int], int] = {}
         placed: dict[int, int] = {}
         for gi, g in enumerate(self.groups):
@@ -179,7 +185,7 @@ class Plan:
                     if sid in placed:
                         raise PlanError(f"sample {sid} is assigned twice (groups {placed[sid]} and {gi})")
                     placed[sid] = gi
-                members = [index[sid] for sid in mb]
+                members = self.positions(mb)
                 if footprint is not None and not footprint.fits(members, g.size):
                     encoder = ", encoder activations included" if self.enc_memory_per_token else ""
                     raise PlanError(

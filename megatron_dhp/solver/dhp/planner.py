@@ -241,7 +241,8 @@ class DhpPlanner:
                 f"dhp packs microbatches of at most M // P = {inst.cap} tokens per rank at {p} pipeline stages, "
                 f"and a {int(inst.tokens[too_long].max())}-token sample needs more than the domain's "
                 f"{inst.num_ranks} ranks of that")
-        target = model.lower_bound_arrays(inst.tokens, inst.work, model.footprint(batch.samples))
+        # The bound is at the model's cap M: the instance's own footprint at P = 1, at M // P under PP.
+        target = model.lower_bound_arrays(inst.tokens, inst.work, inst.footprint if p == 1 else model.footprint(batch.samples))
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
         maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
         degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
