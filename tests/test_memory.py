@@ -62,15 +62,21 @@ def test_without_encoder_memory_only_llm_tokens_count():
         assert (fp.shared.tolist(), fp.held.tolist(), fp.cap) == ([1000, 600, 300], [0, 0, 0], 1000)
 
 
-@pytest.mark.parametrize(("placement", "world", "enc", "match"), [
-    ("replicate", 8, 4000, "sample 7's images hold 1000 tokens of encoder activations .* every rank of its group under "
-                     "encoder_placement replicate, which fills the cap of 1000 per rank; use encoder_placement split"),
-    ("global", 1, 4000, "every rank keeps its share of the batch's encoder activations for the whole step, 1000 tokens"),
-    ("split", 4, 16000, "sample 7 holds 4010 tokens of memory .* more than the domain's 4 ranks of 1000"),
+@pytest.mark.parametrize(("placement", "world", "llm", "enc", "match"), [
+    ("replicate", 8, 10, 4000, "sample 7's images hold 1000 tokens of encoder activations .* every rank of its group "
+                               "under encoder_placement replicate, which fills the cap of 1000 per rank; use "
+                               "encoder_placement split"),
+    ("global", 1, 10, 4000, "every rank keeps its share of the batch's encoder activations for the whole step, 1000 "
+                            "tokens"),
+    ("replicate", 2, 1000, 3000, "sample 7 needs 4 ranks for its 1000 LLM tokens beside 750 tokens of its images' "
+                                 "encoder activations on each rank .* more than the domain's 2"),
+    ("global", 2, 1000, 3000, "sample 7 needs 4 ranks for its 1000 LLM tokens beside 750 tokens of global's encoder "
+                              "share on each rank all step .* more than the domain's 2"),
+    ("split", 4, 10, 16000, "sample 7 holds 4010 tokens of memory .* more than the domain's 4 ranks of 1000"),
 ])
-def test_a_sample_no_group_holds_is_a_clear_error(placement, world, enc, match):
+def test_a_sample_no_group_holds_is_a_clear_error(placement, world, llm, enc, match):
     with pytest.raises(DhpError, match=match):
-        MemoryRule(1000, W, placement).check([Sample(7, 10, (VisualItem(enc, 10),))], world)
+        MemoryRule(1000, W, placement).check([Sample(7, llm, (VisualItem(enc, 10),))], world)
 
 
 # ---------------------------------------------------------------------- the plan rule

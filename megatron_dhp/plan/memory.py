@@ -131,7 +131,15 @@ class MemoryRule:
                 f"sample {s.id}'s images hold {int(footprint.held[i])} tokens of encoder activations "
                 f"(enc_memory_per_token {w}) on every rank of its group under encoder_placement replicate, "
                 f"which fills the cap of {footprint.cap} per rank; {fix}")
+        grow = "raise --world-size or --max-tokens-per-rank, or lower enc_memory_per_token"
+        if self.placement in ("replicate", "global"):  # its shared part is its LLM tokens; the rank holds more
+            held = (f"{int(footprint.held[i])} tokens of its images' encoder activations on each rank"
+                    if self.placement == "replicate" else
+                    f"{self.cap - footprint.cap} tokens of global's encoder share on each rank all step")
+            raise DhpError(
+                f"sample {s.id} needs {int(need[i])} ranks for its {s.tokens} LLM tokens beside {held} "
+                f"(enc_memory_per_token {w}), more than the domain's {world_size}; {grow}")
         raise DhpError(
             f"sample {s.id} holds {int(footprint.shared[i])} tokens of memory ({s.tokens} LLM tokens and its "
             f"images' encoder activations at enc_memory_per_token {w}), more than the domain's {world_size} ranks "
-            f"of {footprint.cap}; raise --world-size or --max-tokens-per-rank, or lower enc_memory_per_token")
+            f"of {footprint.cap}; {grow}")

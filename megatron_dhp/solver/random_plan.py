@@ -11,10 +11,10 @@ import random
 from collections.abc import Callable
 
 from megatron_dhp.cost.config import Domain
-from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import MemoryRule
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample
 
 
@@ -62,10 +62,7 @@ def random_plan(
     """
     n, cap = domain.world_size, domain.max_tokens_per_rank
     memory = memory or MemoryRule(cap)
-    too_long = [s for s in batch.samples if s.tokens > n * cap]
-    if too_long:
-        s = too_long[0]
-        raise DhpError(f"sample {s.id} has {s.tokens} tokens, more than the whole domain holds ({n} x {cap})")
+    fit_to_domain(batch, domain.capacity)
     footprint = memory.check(batch.samples, n)
     need = dict(zip((s.id for s in batch.samples), footprint.min_degree().tolist()))
     position = {s.id: k for k, s in enumerate(batch.samples)}
