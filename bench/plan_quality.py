@@ -8,7 +8,8 @@ preset: `--domains mixtral-8x7b-64` gives the MoE rows (Mixtral-8x7B, EP 8; text
 sample's image tokens go through it as text).
 
 Prints per workload and domain: mean step time, step / lower bound (mean and max), solver ms (p50, p95),
-and dhp's speed-up over every other planner; then the issue-3 targets, each with the measured value.
+and dhp's speed-up over every other planner; then the issue-3 targets, each with the measured value. dhp
+plans as under the training default `comm: mixed`, with any group (`--comm allgather`: its group family).
 A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is reported as n/a there.
 
     python bench/plan_quality.py [--batches 10] [--time-limit 10] [--json out.json] [--plot out.png]
@@ -16,6 +17,7 @@ A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is repo
     python bench/plan_quality.py --planners dhp,static,megatron-hcp,fcp-ref --domains mixtral-8x7b-64   # MoE
     python bench/plan_quality.py --from-json fast.json flexsp.json   # tables and targets of stored runs
     python bench/plan_quality.py --variants --planners dhp,static,megatron-hcp,fcp-ref --batches 3 [--any-groups]
+    python bench/plan_quality.py --comm allgather ...   # dhp held to its group family, as under comm allgather
 
 `--from-json` joins the records of earlier `--json` runs (e.g. the fast planners on 10 batches and
 flexsp-milp, minutes per batch, on the first few of the same batches) and prints them as one run.
@@ -49,6 +51,7 @@ from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, STEP_COMMS
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -66,7 +69,9 @@ def batches_and_planners(model, workload: str, args: argparse.Namespace) -> tupl
                for k in range(args.batches)]
     context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
                              time_limit_s=args.time_limit)
-    return batches, [build_planner(name, context) for name in args.planners]
+    # as training plans: under comm mixed or p2p dhp uses any group, under the others its group family
+    dhp = {"max_groups_per_rank": 0} if args.comm in ANY_GROUP_COMMS else {}
+    return batches, [build_planner(name, context, **(dhp if name == "dhp" else {})) for name in args.planners]
 
 def run(args: argparse.Namespace, console: Console) -> list[dict]:
     """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""
@@ -422,6 +427,9 @@ def main() -> None:
     parser.add_argument("--enc-memory", type=float, default=0.0, metavar="W",
                         help="--multimodal: encoder activations per encoder token, in LLM tokens (cost key "
                              "enc_memory_per_token; 0, the reference, counts LLM tokens only; 0.19: a 300M ViT on GPT-7B)")
+    parser.add_argument("--comm", choices=tuple(STEP_COMMS), default="mixed",
+                        help="the training comm dhp plans for: under mixed (the default) and p2p any group costs no "
+                             "communicator, so dhp plans with any group; under allgather, ring, ulysses with its family")
     parser.add_argument("--any-groups", action="store_true",
                         help=f"with --variants, also plan dhp with any groups as {ANY_GROUPS} (the group family's cost)")
     args = parser.parse_args()

@@ -5,6 +5,9 @@ Prints solve time p50/p95 (and step / lower bound) for (global batch, ranks) = (
 Targets (issue 3): p50 <= 10 ms, <= 100 ms, <= 1 s.
 
     python bench/solver_speed.py [--batches 10] [--planner dhp] [--pp 4] [--sizes 512x64,4096x1024] [--cpu] [--json out.json]
+    python bench/solver_speed.py --max-groups-per-rank 32 ...   # dhp held to its group family (comm allgather)
+
+dhp plans with any group by default, as under the training default `comm: mixed`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from megatron_dhp.cost import CostConfig, build_cost_model
-from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver import build_planner, family_option, run_planner
 from megatron_dhp.solver.base import pipeline_planning_model
 from megatron_dhp.workload import LengthSource
 
@@ -36,6 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=10, help="batches per size (default 10)")
     parser.add_argument("--planner", default="dhp", help="planner to time (default dhp)")
+    parser.add_argument("--max-groups-per-rank", type=int, default=0, metavar="K",
+                        help="plan with the group family of K per rank, as under comm allgather (default 0: any group, "
+                             "as under the default comm mixed)")
     parser.add_argument("--dist", default="wlbllm", help="length distribution (default wlbllm)")
     parser.add_argument("--cost", default="gpt7b-64", help="cost preset or YAML (default gpt7b-64)")
     parser.add_argument("--pp", type=int, default=1, metavar="P",
@@ -54,7 +60,7 @@ def main() -> None:
         task = progress.add_task("solving", total=len(args.sizes) * (args.batches + 1))
         for batch_size, ranks in args.sizes:
             model = build_cost_model(base.with_overrides(world_size=ranks))
-            planner = build_planner(args.planner)
+            planner = build_planner(args.planner, **family_option(args.planner, args.max_groups_per_rank))
             times, ratios = [], []
             for k in range(args.batches + 1):  # the first solve warms caches and is not counted
                 batch = source.draw(global_batch=batch_size, seed=0, index=k, capacity=model.domain.capacity)

@@ -131,11 +131,21 @@ def test_peers_are_held_to_the_family_on_request():
 
 
 def test_config_key():
-    assert DhpConfig().max_groups_per_rank is None  # each planner's own: dhp plans on the family of 32
-    assert StepPlanner(DhpConfig(), CostConfig.load("gpt7b-64")).family_groups() == group_family(64, 8).groups
-    assert StepPlanner(DhpConfig(max_groups_per_rank=0), CostConfig.load("gpt7b-64")).family_groups() == ()
-    assert StepPlanner(DhpConfig(comm="p2p"), CostConfig.load("gpt7b-64")).family_groups() == ()  # no group at all
-    assert StepPlanner(DhpConfig(planner="fcp-ref"), CostConfig.load("gpt7b-64")).family_groups() == ()
+    def planner(**kw) -> StepPlanner:
+        return StepPlanner(DhpConfig(**kw), CostConfig.load("gpt7b-64"))
+
+    assert DhpConfig().max_groups_per_rank is None and DhpConfig().comm == "mixed"
+    # mixed (the default): the family of 32 is created at start-up, and dhp plans with any group
+    assert planner().family_groups() == group_family(64, 8).groups and planner().planner.max_groups_per_rank == 0
+    assert planner(planner="fcp-ref").family_groups() == group_family(64, 8).groups
+    assert planner(max_groups_per_rank=0).family_groups() == ()  # every multi-rank group then runs p2p
+    # allgather, or TransformerEngine's attention (no p2p path): dhp plans on the family it creates
+    for kw in ({"comm": "allgather"}, {"layer_spec": "te"}):
+        assert planner(**kw).family_groups() == group_family(64, 8).groups, kw
+        assert planner(**kw).planner.max_groups_per_rank == 32, kw
+    assert planner(comm="allgather", max_groups_per_rank=0).family_groups() == ()
+    assert planner(comm="allgather", planner="fcp-ref").family_groups() == ()  # the peer plans as published
+    assert planner(comm="p2p").family_groups() == ()  # no group at all
     with pytest.raises(DhpError, match="max_groups_per_rank = -1"):
         DhpConfig(max_groups_per_rank=-1)
     assert np.all(group_family(8, 8).membership >= 1)

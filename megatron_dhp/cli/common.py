@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, STEP_COMMS
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -41,9 +42,13 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner options")
     g.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="time limit of each MILP a planner solves (flexsp-milp; default 10)")
+    g.add_argument("--comm", choices=tuple(STEP_COMMS), default="mixed",
+                   help="the training comm to plan for: under mixed (default) and p2p a group outside the family "
+                        "costs no communicator, so planners use any group; under allgather, ring and ulysses "
+                        "they keep to --max-groups-per-rank")
     g.add_argument("--max-groups-per-rank", type=int, metavar="K",
-                   help="plan only with the fixed group family of at most K groups per rank; 0: any groups "
-                        "(default: each planner's own, dhp 32, the peers 0)")
+                   help="with --comm allgather, ring or ulysses: plan only with the fixed group family of at most K "
+                        "groups per rank; 0: any groups (default: each planner's own, dhp 32, the peers 0)")
     g.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline-parallel stages: plan and price each position's microbatches as 1F1B slots (default 1)")
 
@@ -65,10 +70,11 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
 
 
 def planner_options(args: argparse.Namespace, name: str) -> dict:
-    """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank."""
+    """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank, none (any
+    group) under a --comm that runs groups outside the family without a communicator."""
     from megatron_dhp.solver import family_option
 
-    return family_option(name, args.max_groups_per_rank)
+    return family_option(name, 0 if args.comm in ANY_GROUP_COMMS else args.max_groups_per_rank)
 
 
 def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:
@@ -77,9 +83,14 @@ def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:
     from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 
     limit = max((k for k, _ in used.values()), default=0) or DEFAULT_MAX_GROUPS_PER_RANK
-    family = group_family(config.world_size, config.gpus_per_node, limit).summary()
-    counts = ", ".join(f"{name} {len(groups)}{'' if k else ' (any groups)'}" for name, (k, groups) in used.items())
-    return f"{family}; distinct multi-rank groups used: {counts}"
+    family = group_family(config.world_size, config.gpus_per_node, limit)
+
+    def count(k: int, groups: set) -> str:
+        outside = sum(not family.contains(g) for g in groups)
+        return f"{len(groups)}" if k else f"{len(groups)} (any groups; {outside} outside the family: p2p under mixed)"
+
+    counts = ", ".join(f"{name} {count(k, groups)}" for name, (k, groups) in used.items())
+    return f"{family.summary()}; distinct multi-rank groups used: {counts}"
 
 
 def multi_rank_groups(plan) -> set[tuple[int, ...]]:

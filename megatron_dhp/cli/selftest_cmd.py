@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, BACKENDS, STEP_COMMS
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class SelftestOptions:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `selftest`."""
-    every_comm = ",".join(COMM_VARIANTS)
+    every_comm = ",".join(STEP_COMMS)
     p = sub.add_parser(
         "selftest",
         help="check the runtime against a single-process run (loss and every gradient)",
@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.errors import DhpError
 
     comms = tuple(c.strip() for c in args.comm.split(",") if c.strip())
-    unknown = [c for c in comms if c not in COMM_VARIANTS]
+    unknown = [c for c in comms if c not in STEP_COMMS]
     if unknown or not comms:
-        raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(COMM_VARIANTS)}")
+        raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(STEP_COMMS)}")
     if args.family < 0:
         raise DhpError(f"--family {args.family} must be >= 0 (0: any groups)")
     for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
@@ -205,12 +205,13 @@ def worker(options: SelftestOptions) -> int:
         failures = 0
         runs = len(options.comms) if given is not None else options.plans
         for k in range(runs):
+            comm = options.comms[k % len(options.comms)]
             if given is not None:
                 plan, batch = given, Batch(given.samples)
             else:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
-                plan = random_plan(batch, domain, rng, family=family)
-            comm = options.comms[k % len(options.comms)]
+                # under p2p and mixed a plan may use any group, as the planner then does
+                plan = random_plan(batch, domain, rng, family=None if comm in ANY_GROUP_COMMS else family)
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))
@@ -219,6 +220,8 @@ def worker(options: SelftestOptions) -> int:
             if lead:
                 sizes = "+".join(str(len(g.ranks)) for g in plan.groups)
                 images = f" | {sum(len(s.images) for s in samples)} images, {placement:9s}" if vlm is not None else ""
+                if comm == "mixed":  # how rank 0's slots resolved it
+                    comm = "mixed: " + ",".join(f"{c} {n}" for c, n in sorted(result.slots_by_comm.items()))
                 print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {comm:9s}{images} | loss {result.loss:.6f} | "
                       f"max abs dloss {result.max_loss_diff:.1e} | max abs dgrad {result.max_grad_diff:.1e} | "
                       f"tokens {result.tokens_computed}/{result.batch_tokens} | {'ok' if result.ok else 'MISMATCH'}",

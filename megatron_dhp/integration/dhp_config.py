@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS, LAYER_SPECS
+from megatron_dhp.runtime.attention import BACKENDS, DOMAIN_COMMS, LAYER_SPECS, STEP_COMMS
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,12 @@ class DhpConfig:
     """Planner name: dhp, static, megatron-hcp, fcp-ref or flexsp-milp (see `megatron-dhp simulate`)."""
     max_tokens_per_rank: int = 8192
     """Memory cap M: the most tokens one rank holds in a microbatch; a longer sample gets more ranks."""
-    comm: str = "allgather"
+    comm: str = "mixed"
     """Context-parallel communication inside a group: allgather (K/V), ring (P2P on the group), ulysses
-    (all-to-all) or p2p (the ring on the domain's communicator: no communicator per group).
-    Applies to layer_spec local; TransformerEngine's attention follows its own cp_comm_type."""
+    (all-to-all), p2p (the ring on the domain's communicator: no communicator per group) or mixed (allgather on
+    the group family's communicators, created at start-up; p2p for any other group). Under p2p and mixed the
+    planner may use any group; under the others it keeps to the family. Applies to layer_spec local;
+    TransformerEngine's attention follows its own cp_comm_type, on the family's groups."""
     attention_backend: str = "auto"
     """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
     layer_spec: str = "local"
@@ -49,10 +51,11 @@ class DhpConfig:
     max_groups: int = 256
     """Process groups kept alive in the pool before the least recently used is released."""
     max_groups_per_rank: int | None = None
-    """Plan only with a fixed family of groups, created once at start-up, of which each rank joins at most this
-    many (`plan.family`; 32: every sample size still has a group within one size step); 0: any groups, created
-    when a plan first needs them. Default: the planner's own (32 for dhp; 0 for the peers, which plan as
-    published). Ignored with comm p2p, which needs no group."""
+    """The fixed family of groups created once at start-up, of which each rank joins at most this many
+    (`plan.family`; 32: every sample size still has a group within one size step). Under comm allgather, ring and
+    ulysses (and layer_spec te) the planner plans only with it, and 0 means any groups, created when a plan first
+    needs them; default: the planner's own (32 for dhp; 0 for the peers, which plan as published). Under mixed
+    it is the groups that run allgather (default 32; 0: none); ignored with p2p, which needs no group."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -64,7 +67,7 @@ class DhpConfig:
         check_fields(self)
         if self.planner not in PLANNERS:
             raise DhpError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
-        for name, value, allowed in (("comm", self.comm, COMM_VARIANTS),
+        for name, value, allowed in (("comm", self.comm, STEP_COMMS),
                                      ("attention_backend", self.attention_backend, BACKENDS),
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:

@@ -15,9 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.plan.family import group_family
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.attention import DOMAIN_COMMS
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, DOMAIN_COMMS
 from megatron_dhp.solver import PlannerContext, build_planner, family_option, run_planner
 from megatron_dhp.workload.sample import Batch
 
@@ -48,18 +48,26 @@ class StepPlanner:
         self.pipeline_stages = pipeline_stages
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
+        # Under `p2p` and `mixed` a group outside the family costs no communicator, so the planner uses any group
+        # (megatron-dhp's attention runs them on the domain's communicator; TransformerEngine's cannot).
+        self.any_groups = config.comm in ANY_GROUP_COMMS and config.layer_spec == "local"
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
-            **family_option(config.planner, config.max_groups_per_rank),
+            **family_option(config.planner, 0 if self.any_groups else config.max_groups_per_rank),
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None
 
     def family_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The groups the runtime creates at start-up: the planner's group family in its creation order (none
-        when the planner may use any group, or when the comm variant needs no group)."""
+        """The groups the runtime creates at start-up, in the family's creation order: under `mixed` the family of
+        `max_groups_per_rank` (default 32), else the planner's (none when it may use any group, or when the comm
+        variant needs no group)."""
+        if self.config.comm in DOMAIN_COMMS:
+            return ()
         limit = getattr(self.planner, "max_groups_per_rank", 0)
-        if not limit or self.config.comm in DOMAIN_COMMS:
+        if self.config.comm == "mixed":
+            limit = DEFAULT_MAX_GROUPS_PER_RANK if self.config.max_groups_per_rank is None else self.config.max_groups_per_rank
+        if not limit:
             return ()
         domain = self.model.domain
         return group_family(domain.world_size, domain.gpus_per_node, limit).groups

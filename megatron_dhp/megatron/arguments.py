@@ -20,7 +20,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import refusals
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.runtime.attention import STEP_COMMS
 
 # torchrun stops every rank within 0.1 s of the first one's exit: the silent ranks wait that long and more, so
 # that rank 0 has printed before the job is stopped
@@ -50,9 +50,9 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Planner: dhp (default) or static; more when installed (megatron-dhp simulate lists them).")
     group.add_argument("--dhp-max-tokens-per-rank", type=int, default=None, metavar="M",
                        help="Most tokens one rank holds in a microbatch; a longer sequence gets more ranks.")
-    group.add_argument("--dhp-comm", type=str, default=None, choices=tuple(COMM_VARIANTS),
+    group.add_argument("--dhp-comm", type=str, default=None, choices=tuple(STEP_COMMS),
                        help="CP communication of the 'local' layer spec: "
-                       + "; ".join(f"{name}: {what}" for name, what in COMM_VARIANTS.items()) + ".")
+                       + "; ".join(f"{name}: {what}" for name, what in STEP_COMMS.items()) + ".")
     group.add_argument("--dhp-cost", type=str, default=None, metavar="YAML",
                        help="Cost model: a YAML written by megatron-dhp profile, or a preset name from configs/.")
     group.add_argument("--dhp-max-groups-per-rank", type=int, default=None, metavar="K",

@@ -9,7 +9,8 @@
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective), unless the engine's variant runs on
-   the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group);
+   the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group; `mixed`: a group of
+   the family created at start-up runs on its own, any other as under `p2p`);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`), and a multimodal
    batch's pixels to the ranks that encode them (`vision.move_images`, by the plan's encoder placement);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.attention import DOMAIN_COMMS
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, DOMAIN_COMMS
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import (
@@ -146,7 +148,7 @@ class StepEngine:
         """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
         self.comm = comm
         """The variant every step runs, when the caller knows it before the first one (`run` must get the same):
-        one in `DOMAIN_COMMS` makes the engine create no group at all. None: groups are prepared for any."""
+        one in `ANY_GROUP_COMMS` makes the engine create no group at all. None: groups are prepared for any."""
         self.planning = planning
         self.source = source
         self.lookahead = lookahead
@@ -158,6 +160,8 @@ class StepEngine:
         self.equal_rows = equal_rows
         """Every position holds the same rows in each aligned slot (`slots.aligned_slot_rows`): needed by
         megatron-core's allgather MoE dispatcher with expert parallelism."""
+        self.slots_by_comm: Counter[str] = Counter()
+        """The variant each slot ran, counted (under `mixed`: `allgather` on the family, `p2p` outside it)."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -208,7 +212,7 @@ class StepEngine:
 
         # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):
         # NCCL needs every rank to issue both in one order, so the reduction waits for the walk, as after a barrier.
-        deferred = inputs.plan.phase_barrier or comm in DOMAIN_COMMS
+        deferred = inputs.plan.phase_barrier or comm in ANY_GROUP_COMMS
         with (overlap.no_sync if overlap is not None else contextlib.nullcontext)():
             for item in items if deferred else items[:-1]:
                 visit(item)
@@ -219,9 +223,13 @@ class StepEngine:
 
     def slot(self, mb: MicrobatchInputs, index: int, count: int, *, comm: str, backend: str) -> Slot:
         """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group (under a
-        `DOMAIN_COMMS` variant its `PeerRing` on the domain's communicator; the pool is not asked)."""
+        `DOMAIN_COMMS` variant its `PeerRing` on the domain's communicator; the pool is not asked). Under
+        `mixed` a group of the pool's family runs `allgather` on its own communicator, any other `p2p`."""
         if self.comm is not None and comm != self.comm:
             raise DhpError(f"this engine prepares its steps for comm {self.comm!r}; it cannot run {comm!r}")
+        if comm == "mixed":
+            comm = "allgather" if self.pool.in_family(mb.group_ranks) else "p2p"
+        self.slots_by_comm[comm] += 1
         group = PeerRing.in_domain(self.domain, mb.group_ranks) if comm in DOMAIN_COMMS else self.pool.get(mb.group_ranks)
         return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=backend), index, count)
 
@@ -232,7 +240,7 @@ class StepEngine:
             self._ahead = self._read()
             if self._ahead is not None and dist.get_rank() == PLANNING_RANK:
                 self.planning.prefetch(self._ahead.gathered.batch)
-        if self.pool is not None and self.comm not in DOMAIN_COMMS:
+        if self.pool is not None and self.comm not in ANY_GROUP_COMMS:
             self.pool.prepare(plan)
         rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
         inputs = move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,

@@ -14,7 +14,8 @@ Non-members return immediately, so the cost is a counter step per group and doma
 A pool given a group family (`plan.family`) creates all of it in `__init__`, in the family's one order, and
 keeps it for the whole job; a plan held to that family then finds every group already there, so no step
 creates or destroys a communicator (`created` stays 0: the training log, `selftest` and a test show it).
-A group outside the family is still created on demand and cached under the LRU rule.
+A group outside the family is still created on demand and cached under the LRU rule, except under the
+step comm `mixed`, where the engine runs it on the domain's communicator instead (`in_family`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class GroupPool:
             return False
         key = tuple(sorted(ranks))
         return key in self._fixed or key in self._groups
+
+    def in_family(self, ranks: Sequence[int]) -> bool:
+        """Whether a rank set has a communicator from start-up (a single rank needs none, so counts as in)."""
+        return len(ranks) == 1 or tuple(sorted(ranks)) in self._fixed
 
     def prepare(self, plan: Plan) -> None:
         """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""

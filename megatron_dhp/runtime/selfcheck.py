@@ -11,7 +11,7 @@ through megatron-core's 1F1B (`pipeline.run_pipeline_step`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -52,6 +52,8 @@ class CheckResult:
     batch_tokens: int
     loss_tokens_computed: int
     batch_loss_tokens: int
+    slots_by_comm: dict[str, int] = field(default_factory=dict)
+    """The variant each of this rank's slots ran (`mixed` resolves group by group)."""
 
     @property
     def ok(self) -> bool:
@@ -174,6 +176,7 @@ class SelfCheck:
             batch_tokens=inputs.num_tokens,
             loss_tokens_computed=int(totals[2]),
             batch_loss_tokens=inputs.num_loss_tokens,
+            slots_by_comm=dict(engine.slots_by_comm),
         )
 
 

@@ -102,8 +102,10 @@ class GridTimer:
         self.domain = DynamicDomain.from_parallel_state()
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
                                  vision=config.vision)
+        # `mixed` runs the family's groups, which the cost model prices, by allgather: time every group so
+        self.comm = "allgather" if config.dhp.comm == "mixed" else config.dhp.comm
         self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
-                                 seq_multiple=seq_multiple(self.model.config), comm=config.dhp.comm)
+                                 seq_multiple=seq_multiple(self.model.config), comm=self.comm)
         n, position = self.domain.size, self.domain.position
         self.steps = []
         for point in grid:
@@ -126,7 +128,7 @@ class GridTimer:
             self.model.zero_grad_buffer()
             dist.barrier(group=self.domain.group)
             start = time.perf_counter()
-            run_step(self.engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend, grad_sync=False)
+            run_step(self.engine, self.model, inputs, comm=self.comm, backend=dhp.attention_backend, grad_sync=False)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             seen.append(float(elapsed) / REPEATS)

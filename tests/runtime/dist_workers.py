@@ -107,6 +107,9 @@ def domain_of_four_checks() -> dict:
     check.pool = family
     out["family_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ring")  # both groups in the family
     out["family_in"] = (family.at_startup, family.created, family.hits, len(family))
+    # mixed: a group of the family runs allgather on it, any other the p2p ring on the domain's communicator
+    out["mixed"] = {name: check.check(plan, samples, "mixed") for name, plan in plans.items()}
+    out["mixed_pool"] = (family.created, len(family))
     family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
     out["family_out"] = (family.created, len(family))
 

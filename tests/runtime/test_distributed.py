@@ -78,6 +78,21 @@ def test_a_family_pool_creates_its_groups_at_start_up_and_none_for_plans_inside_
         assert rank["family_out"] == (3, 8)  # (0,2) (1,3) (0,1,3) are not in it: created, and counted
 
 
+def test_mixed_runs_family_groups_on_their_communicators_and_others_by_p2p_exactly(four):
+    """Under `mixed` the family's groups (0,1,2), (0,1,2,3) run allgather, the others ((1,3), (0,2), (0,1,3)) the
+    ring on the domain's communicator; loss and every gradient match one process, and no group is created."""
+    for rank in four:
+        inside, outside = rank["mixed"].values()
+        assert_exact(inside)
+        assert_exact(outside)
+        assert set(inside.slots_by_comm) <= {"allgather"}, inside.slots_by_comm
+        assert rank["mixed_pool"] == (0, 5)
+    mixed_outside = Counter()
+    for rank in four:
+        mixed_outside.update(rank["mixed"]["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"].slots_by_comm)
+    assert mixed_outside["p2p"] > 0 and "allgather" not in mixed_outside, mixed_outside
+
+
 def test_lru_cap_releases_and_recreates(four):
     for rank in four:
         assert rank["lru"] == (5, 2, 3)  # 2 + 3 distinct groups over two plans, cap 3: the first two go

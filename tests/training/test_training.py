@@ -59,6 +59,9 @@ def test_no_communicator_is_created_after_start_up_with_the_group_family():
         assert len({size for line in fixed["groups"] for size in line.split()}) >= 3  # plans did change groups
         assert free["at_startup"] == 0 and free["created"][-1] >= 2  # the same run without it creates groups
         assert fixed["losses"] == pytest.approx(free["losses"], rel=RELATIVE)
+        mixed = rank["mixed"]  # any groups planned, the family created at start-up and nothing after it
+        assert mixed["at_startup"] == 5 and mixed["created"] == [0] * 6
+        assert mixed["losses"] == pytest.approx(free["losses"], rel=RELATIVE)
 
 
 def test_a_vision_language_model_trains_alike_under_every_placement_and_in_one_process():

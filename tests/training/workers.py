@@ -204,11 +204,11 @@ def plain_run(config: TrainConfig) -> list:
 
 
 def family_runs(config: TrainConfig) -> dict:
-    """dhp with the group family (the default) and with any groups (max_groups_per_rank 0): the groups each
-    pool created at start-up and after it, step by step."""
+    """dhp under allgather with the group family (its default) and with any groups (max_groups_per_rank 0), and
+    under mixed (the default comm): the groups each pool created at start-up and after it, step by step."""
     out: dict = {}
-    for name, bound in (("family", None), ("any", 0)):
-        trainer = Trainer(config.with_overrides(dhp={"max_groups_per_rank": bound}))
+    for name, comm, bound in (("family", "allgather", None), ("any", "allgather", 0), ("mixed", "mixed", None)):
+        trainer = Trainer(config.with_overrides(dhp={"comm": comm, "max_groups_per_rank": bound}))
         records = trainer.train()
         out[name] = {"at_startup": trainer.pool.at_startup, "created": [r.groups_created for r in records],
                      "groups": {r.groups for r in records}, "losses": losses(records)}

@@ -17,6 +17,18 @@ DOMAIN_COMMS: frozenset[str] = frozenset({"p2p"})
 """Variants that address a group's members by global rank on the domain's own communicator
 (`comm.PeerRing`), so the engine creates no process group for them; the others get one per group."""
 
+STEP_COMMS: dict[str, str] = {
+    **COMM_VARIANTS,
+    "mixed": "allgather on the group family's communicators (created at start-up); any other group runs the p2p "
+             "ring on the domain's communicator",
+}
+"""What a step may run: one variant for every group, or `mixed`, which the engine resolves group by group
+(`StepEngine.slot`) so that the planner may use any group while no step creates a communicator."""
+
+ANY_GROUP_COMMS: frozenset[str] = frozenset({"p2p", "mixed"})
+"""Step comms under which a group outside the family costs no new communicator: the planner is not held to
+the family under them (with megatron-dhp's local layer spec; TransformerEngine needs a process group)."""
+
 BACKENDS: dict[str, str] = {
     "auto": "flash-attn on GPU when it applies, else sdpa",
     "math": "explicit softmax in fp32 (the reference)",

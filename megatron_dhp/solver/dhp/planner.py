@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -283,14 +283,19 @@ class DhpPlanner:
                       phase=g.phase)
             for g in best.groups
         ]
-        if best.makespan_s > target * (1 + self.gap):  # far from the bound: static CP's layout may still be faster
-            static = StaticPlanner().solve(batch, model)
-            # Its longest replica's microbatches back to back end no sooner than the draft (whose makespan is
-            # its simulated step, from the same tables): then the draft stands without simulating either.
-            floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
-            if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
-                return fastest(inst, batch, [groups, static])
-        return groups
+        if best.makespan_s <= target * (1 + self.gap):
+            return groups
+        # Far from the bound: static CP's layout may still be faster. Its longest replica's microbatches back to
+        # back end no sooner than the draft (whose makespan is its simulated step, from the same tables): then
+        # the draft stands without simulating either.
+        others = []
+        static = StaticPlanner().solve(batch, model)
+        floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
+        if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
+            others.append(static)
+        if family is None:  # with any groups, the family's plan too: its few sizes can pack wide samples better
+            others.append(replace(self, max_groups_per_rank=DEFAULT_MAX_GROUPS_PER_RANK).solve(batch, model))
+        return fastest(inst, batch, [groups, *others]) if others else groups
 
 
 def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
