@@ -146,6 +146,7 @@ def test_config_key():
     assert planner(comm="allgather", max_groups_per_rank=0).family_groups() == ()
     assert planner(comm="allgather", planner="fcp-ref").family_groups() == ()  # the peer plans as published
     assert planner(comm="p2p").family_groups() == ()  # no group at all
+    assert DhpConfig(layer_spec="te").comm == "allgather"  # TransformerEngine's attention has no p2p path
     with pytest.raises(DhpError, match="max_groups_per_rank = -1"):
         DhpConfig(max_groups_per_rank=-1)
     assert np.all(group_family(8, 8).membership >= 1)

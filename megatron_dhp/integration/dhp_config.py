@@ -28,7 +28,8 @@ class DhpConfig:
     (all-to-all), p2p (the ring on the domain's communicator: no communicator per group) or mixed (allgather on
     the group family's communicators, created at start-up; p2p for any other group). Under p2p and mixed the
     planner may use any group; under the others it keeps to the family. Applies to layer_spec local;
-    TransformerEngine's attention follows its own cp_comm_type, on the family's groups."""
+    TransformerEngine's attention follows its own cp_comm_type on process groups, so with layer_spec te
+    mixed becomes allgather (the family, or the planner's groups as under allgather)."""
     attention_backend: str = "auto"
     """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
     layer_spec: str = "local"
@@ -75,6 +76,8 @@ class DhpConfig:
         if self.encoder_placement is not None and self.encoder_placement not in ENCODER_PLACEMENTS:
             raise DhpError(f"encoder_placement {self.encoder_placement!r} is unknown; choose one of "
                            f"{', '.join(ENCODER_PLACEMENTS)}")
+        if self.layer_spec == "te" and self.comm == "mixed":  # TE has no p2p path: every group gets a process group
+            object.__setattr__(self, "comm", "allgather")
         if self.layer_spec == "te" and self.comm in DOMAIN_COMMS:
             raise DhpError(f"comm {self.comm!r} gives a group no process group, which TransformerEngine's attention "
                            "needs; use layer_spec local with it, or another comm")
