@@ -49,8 +49,9 @@ class StepPlanner:
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
         # Under `p2p` and `mixed` a group outside the family costs no communicator, so the planner uses any group
-        # (megatron-dhp's attention runs them on the domain's communicator; TransformerEngine's cannot).
-        self.any_groups = config.comm in ANY_GROUP_COMMS and config.layer_spec == "local"
+        # (megatron-dhp's attention runs them on the domain's communicator; with TransformerEngine's, which cannot,
+        # `DhpConfig` has made `mixed` `allgather`).
+        self.any_groups = config.comm in ANY_GROUP_COMMS
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
             **family_option(config.planner, 0 if self.any_groups else config.max_groups_per_rank),
