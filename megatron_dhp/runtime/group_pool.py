@@ -72,6 +72,11 @@ class GroupPool:
         """Whether a rank set has a communicator from start-up (a single rank needs none, so counts as in)."""
         return len(ranks) == 1 or tuple(sorted(ranks)) in self._fixed
 
+    def outside_family(self, plan: Plan) -> int:
+        """The plan's distinct multi-rank groups without a communicator from start-up: under `mixed` (and `p2p`)
+        those run on the domain's communicator."""
+        return len({tuple(sorted(g.ranks)) for g in plan.groups if not self.in_family(g.ranks)})
+
     def prepare(self, plan: Plan) -> None:
         """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""
         keys = dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1)

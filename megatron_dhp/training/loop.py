@@ -27,6 +27,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.plan import Plan
+from megatron_dhp.runtime.attention import ANY_GROUP_COMMS
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -58,6 +59,8 @@ class StepRecord:
     """Group sizes of the plan as `countxsize`, e.g. `2x1 1x2`."""
     groups_created: int
     """Communicators created after start-up so far (0 while plans stay in the group family made at start-up)."""
+    groups_p2p: int
+    """The plan's multi-rank groups outside the family, which ran on the domain's communicator (comm mixed, p2p)."""
     num_microbatches: int
     predicted_s: float
     """The plan's forward+backward makespan under the cost model."""
@@ -78,7 +81,8 @@ class StepRecord:
 
     def line(self, total_steps: int, *, plan: bool = True) -> str:
         """The step's log line; `plan` adds the plan's groups and microbatches (`dhp.log_plans`)."""
-        groups = f"groups {self.groups} ({self.groups_created} created) | {self.num_microbatches} mb | " if plan else ""
+        p2p = f", {self.groups_p2p} on p2p" if self.groups_p2p else ""
+        groups = f"groups {self.groups} ({self.groups_created} created{p2p}) | {self.num_microbatches} mb | " if plan else ""
         return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
                 f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | {groups}pred {self.predicted_s:.3f}s "
                 f"meas {self.measured_s:.3f}s | sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | "
@@ -223,6 +227,7 @@ class Trainer:
             num_tokens=num_tokens,
             groups=" ".join(f"{n}x{d}" for d, n in sorted(sizes.items())),
             groups_created=self.pool.created,
+            groups_p2p=self.pool.outside_family(plan) if self.config.dhp.comm in ANY_GROUP_COMMS else 0,
             num_microbatches=plan.num_microbatches,
             predicted_s=float(plan.predicted_step_time_s or 0.0),
             measured_s=times[0],

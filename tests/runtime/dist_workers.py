@@ -110,6 +110,7 @@ def domain_of_four_checks() -> dict:
     # mixed: a group of the family runs allgather on it, any other the p2p ring on the domain's communicator
     out["mixed"] = {name: check.check(plan, samples, "mixed") for name, plan in plans.items()}
     out["mixed_pool"] = (family.created, len(family))
+    out["outside"] = [family.outside_family(plan) for plan in plans.values()]
     family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
     out["family_out"] = (family.created, len(family))
 

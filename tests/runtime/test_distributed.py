@@ -87,6 +87,7 @@ def test_mixed_runs_family_groups_on_their_communicators_and_others_by_p2p_exact
         assert_exact(outside)
         assert set(inside.slots_by_comm) <= {"allgather"}, inside.slots_by_comm
         assert rank["mixed_pool"] == (0, 5)
+        assert rank["outside"] == [0, 3]  # what the logs print: (1,3) (0,2) (0,1,3) ran on p2p
     mixed_outside = Counter()
     for rank in four:
         mixed_outside.update(rank["mixed"]["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"].slots_by_comm)
