@@ -51,7 +51,8 @@ from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, STEP_COMMS
+from megatron_dhp.integration.planning import comm_family_option
+from megatron_dhp.runtime.attention import STEP_COMMS
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -69,9 +70,8 @@ def batches_and_planners(model, workload: str, args: argparse.Namespace) -> tupl
                for k in range(args.batches)]
     context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
                              time_limit_s=args.time_limit)
-    # as training plans: under comm mixed or p2p dhp uses any group, under the others its group family
-    dhp = {"max_groups_per_rank": 0} if args.comm in ANY_GROUP_COMMS else {}
-    return batches, [build_planner(name, context, **(dhp if name == "dhp" else {})) for name in args.planners]
+    # as training plans: under comm mixed or p2p with any group, under the others dhp with its group family
+    return batches, [build_planner(name, context, **comm_family_option(name, args.comm, None)) for name in args.planners]
 
 def run(args: argparse.Namespace, console: Console) -> list[dict]:
     """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, STEP_COMMS
+from megatron_dhp.runtime.attention import STEP_COMMS
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -72,9 +72,9 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
 def planner_options(args: argparse.Namespace, name: str) -> dict:
     """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank, none (any
     group) under a --comm that runs groups outside the family without a communicator."""
-    from megatron_dhp.solver import family_option
+    from megatron_dhp.integration.planning import comm_family_option
 
-    return family_option(name, 0 if args.comm in ANY_GROUP_COMMS else args.max_groups_per_rank)
+    return comm_family_option(name, args.comm, args.max_groups_per_rank)
 
 
 def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:

@@ -220,9 +220,9 @@ def worker(options: SelftestOptions) -> int:
             if lead:
                 sizes = "+".join(str(len(g.ranks)) for g in plan.groups)
                 images = f" | {sum(len(s.images) for s in samples)} images, {placement:9s}" if vlm is not None else ""
-                if comm == "mixed":  # how rank 0's slots resolved it
-                    comm = "mixed: " + ",".join(f"{c} {n}" for c, n in sorted(result.slots_by_comm.items()))
-                print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {comm:9s}{images} | loss {result.loss:.6f} | "
+                label = comm if comm != "mixed" else (  # how rank 0's slots resolved it
+                    "mixed: " + ",".join(f"{c} {n}" for c, n in sorted(result.slots_by_comm.items())))
+                print(f"plan {k}: {plan.summary()} [sizes {sizes}] | {label:9s}{images} | loss {result.loss:.6f} | "
                       f"max abs dloss {result.max_loss_diff:.1e} | max abs dgrad {result.max_grad_diff:.1e} | "
                       f"tokens {result.tokens_computed}/{result.batch_tokens} | {'ok' if result.ok else 'MISMATCH'}",
                       flush=True)

@@ -31,6 +31,13 @@ def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int) 
     )
 
 
+def comm_family_option(planner: str, comm: str, max_groups_per_rank: int | None) -> dict:
+    """The family option `planner` plans with for training `comm`: any group (0) under `p2p` and `mixed`, where a
+    group outside the family costs no communicator (with TransformerEngine's attention, which cannot run one,
+    `DhpConfig` has made `mixed` `allgather`); else `max_groups_per_rank` (`solver.family_option`)."""
+    return family_option(planner, 0 if comm in ANY_GROUP_COMMS else max_groups_per_rank)
+
+
 def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_size: int) -> int:
     """How many of the domain's ranks share a node (the cost model's `gpus_per_node`): they sit at stride TP,
     so a node of `config.gpus_per_node` GPUs (default LOCAL_WORLD_SIZE, as torchrun sets it) holds fewer."""
@@ -48,13 +55,9 @@ class StepPlanner:
         self.pipeline_stages = pipeline_stages
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
-        # Under `p2p` and `mixed` a group outside the family costs no communicator, so the planner uses any group
-        # (megatron-dhp's attention runs them on the domain's communicator; with TransformerEngine's, which cannot,
-        # `DhpConfig` has made `mixed` `allgather`).
-        self.any_groups = config.comm in ANY_GROUP_COMMS
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
-            **family_option(config.planner, 0 if self.any_groups else config.max_groups_per_rank),
+            **comm_family_option(config.planner, config.comm, config.max_groups_per_rank),
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None

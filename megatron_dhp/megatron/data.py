@@ -25,7 +25,6 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS
 from megatron_dhp.runtime.dispatch import StepInputs, TokenSample
 from megatron_dhp.runtime.engine import StepEngine
 
@@ -89,10 +88,9 @@ class StepIterator:
         if inputs is None:
             raise StopIteration
         if self.runtime.config.log_plans and dist.get_rank() == 0:
-            pool = self.runtime.pool
-            p2p = (f"; {pool.outside_family(inputs.plan)} groups outside the family on p2p"
-                   if self.runtime.config.comm in ANY_GROUP_COMMS else "")
-            logger.info("dhp plan: %s | %s%s", inputs.plan.summary(), pool.summary(), p2p)
+            p2p = self.engine.groups_on_p2p(inputs.plan)
+            p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
+            logger.info("dhp plan: %s | %s%s", inputs.plan.summary(), self.runtime.pool.summary(), p2p)
         return inputs
 
     def _read(self) -> list[TokenSample] | None:

@@ -221,6 +221,11 @@ class StepEngine:
         elif overlap is not None:
             overlap.start()
 
+    def groups_on_p2p(self, plan: Plan) -> int:
+        """The plan's distinct multi-rank groups that run on the domain's communicator: those outside the pool's
+        family under `mixed`, every one under `p2p`, none under the other variants."""
+        return self.pool.outside_family(plan) if self.comm in ANY_GROUP_COMMS else 0
+
     def slot(self, mb: MicrobatchInputs, index: int, count: int, *, comm: str, backend: str) -> Slot:
         """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group (under a
         `DOMAIN_COMMS` variant its `PeerRing` on the domain's communicator; the pool is not asked). Under

@@ -27,7 +27,6 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -203,10 +202,10 @@ class Trainer:
             raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
         self.completed = step + 1
         mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s, t3 - start]
-        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens)
+        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens, engine.groups_on_p2p(plan))
 
     def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
-                loss_tokens: int) -> StepRecord:
+                loss_tokens: int, groups_p2p: int) -> StepRecord:
         """Sum the losses over the last stage's domain, take the slowest rank's times over the world. Collective."""
         world = dist.get_world_size()
         local = torch.tensor(mine, dtype=torch.float64, device=self.domain.device)
@@ -227,7 +226,7 @@ class Trainer:
             num_tokens=num_tokens,
             groups=" ".join(f"{n}x{d}" for d, n in sorted(sizes.items())),
             groups_created=self.pool.created,
-            groups_p2p=self.pool.outside_family(plan) if self.config.dhp.comm in ANY_GROUP_COMMS else 0,
+            groups_p2p=groups_p2p,
             num_microbatches=plan.num_microbatches,
             predicted_s=float(plan.predicted_step_time_s or 0.0),
             measured_s=times[0],

@@ -102,7 +102,7 @@ class GridTimer:
         self.domain = DynamicDomain.from_parallel_state()
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
                                  vision=config.vision)
-        # `mixed` runs the family's groups, which the cost model prices, by allgather: time every group so
+        # `mixed` runs the family's groups, the ones the cost model is fitted to, by allgather: time every group by it
         self.comm = "allgather" if config.dhp.comm == "mixed" else config.dhp.comm
         self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
                                  seq_multiple=seq_multiple(self.model.config), comm=self.comm)
