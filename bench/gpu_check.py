@@ -501,6 +501,13 @@ def summary(sections: list[Section], device: str | None) -> Table:
     return table
 
 
+def write_report(path: str, sections: list[Section], device: str | None, quick: bool, start: float) -> dict:
+    """Write the report of the sections run so far; returns it."""
+    report = build_report(sections, device=device, quick=quick, total_seconds=time.perf_counter() - start)
+    Path(path).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", metavar="JSON", help="report path (default gpu_check.json)")
@@ -519,10 +526,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in SECTIONS:
                 progress.update(task, description=name)
                 sections.append(run_section(name, args.quick))
+                write_report(args.out, sections, device, args.quick, start)  # a run cut short keeps what it did
                 progress.advance(task)
         console.print(summary(sections, device))
-    report = build_report(sections, device=device, quick=args.quick, total_seconds=time.perf_counter() - start)
-    Path(args.out).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    report = write_report(args.out, sections, device, args.quick, start)
     console.print(f"{report['status']} in {report['total_seconds']:.1f}s; wrote {args.out} (exit {report['exit_code']})")
     return report["exit_code"]
 

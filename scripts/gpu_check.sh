@@ -3,4 +3,4 @@
 #   scripts/gpu_check.sh [--out gpu_check.json] [--quick]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-exec python "$root/bench/gpu_check.py" "$@"
+exec "${PYTHON:-python3}" "$root/bench/gpu_check.py" "$@"
