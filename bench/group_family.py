@@ -48,19 +48,19 @@ def run_domain(n: int, args: argparse.Namespace, progress: Progress, task) -> di
     """dhp with (K = args.k) and without the family over `args.steps` batches on N = n."""
     model = build_cost_model(CostConfig.load("gpt7b-64").with_overrides(world_size=n))
     source = LengthSource.from_args(dist="wlbllm")
-    planners = {"family": build_planner("dhp", max_groups_per_rank=args.k), "any": build_planner("dhp", max_groups_per_rank=0)}
-    steps: dict[str, list[list[tuple[int, ...]]]] = {k: [] for k in planners}
-    times: dict[str, list[float]] = {k: [] for k in planners}
+    family = group_family(n, model.domain.gpus_per_node, args.k)
+    planner, families = build_planner("dhp"), {"family": family, "any": None}
+    steps: dict[str, list[list[tuple[int, ...]]]] = {k: [] for k in families}
+    times: dict[str, list[float]] = {k: [] for k in families}
     for k in range(args.steps):
         batch = source.draw(global_batch=512, seed=0, index=k, capacity=model.domain.capacity)
-        for key, planner in planners.items():
-            plan = run_planner(planner, batch, model)
+        for key, on in families.items():
+            plan = run_planner(planner, batch, model, family=on)
             steps[key].append(list(dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1)))
             times[key].append(plan.predicted_step_time_s)
         progress.advance(task)
-    family = group_family(n, 8, args.k)
     row = {"n": n, "family_groups": len(family), "family_per_rank": family.max_membership}
-    for key in planners:
+    for key in families:
         used = {g for step in steps[key] for g in step}
         per_rank = np.zeros(n, dtype=np.int64)
         for g in used:
@@ -76,10 +76,10 @@ def run_domain(n: int, args: argparse.Namespace, progress: Progress, task) -> di
 def solve_p50(batches: int, k: int) -> float:
     """dhp's solve p50 in ms with the family at 512 WLB-LLM samples on 64 ranks."""
     model = build_cost_model(CostConfig.load("gpt7b-64"))
-    planner = build_planner("dhp", max_groups_per_rank=k)
+    planner, family = build_planner("dhp"), group_family(64, model.domain.gpus_per_node, k)
     source = LengthSource.from_args(dist="wlbllm")
     return float(np.median([run_planner(planner, source.draw(global_batch=512, seed=1, index=i, capacity=model.domain.capacity),
-                                        model).solve_time_ms for i in range(batches)]))
+                                        model, family=family).solve_time_ms for i in range(batches)]))
 
 
 def main() -> None:

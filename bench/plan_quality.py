@@ -51,8 +51,7 @@ from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.planning import comm_family_option
-from megatron_dhp.runtime.attention import STEP_COMMS
+from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -63,15 +62,22 @@ PEERS = ("megatron-hcp", "fcp-ref", "flexsp-milp")
 
 
 def batches_and_planners(model, workload: str, args: argparse.Namespace) -> tuple[list, list]:
-    """The workload's batches for this domain and every requested planner, built for them."""
+    """The workload's batches for this domain and every requested planner, built for them, with the family it
+    plans on under `--comm` (`CommPolicy.planning_family`), as training plans."""
     source = LengthSource.from_args(dist=workload)
     capacity = model.domain.capacity
     batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity)
                for k in range(args.batches)]
     context = PlannerContext(dataset_max_tokens=dataset_max_tokens(source, batches, capacity),
                              time_limit_s=args.time_limit)
-    # as training plans: under comm mixed or p2p with any group, under the others dhp with its group family
-    return batches, [build_planner(name, context, **comm_family_option(name, args.comm, None)) for name in args.planners]
+    return batches, [(build_planner(name, context), planning_family(name, model, args)) for name in args.planners]
+
+
+def planning_family(name: str, model, args: argparse.Namespace):
+    """The family planner `name` keeps to under `--comm` on the model's domain (None: any group)."""
+    d = model.domain
+    return CommPolicy.resolve(args.comm, keeps_to_family=PLANNERS[name].plans_on_family, world_size=d.world_size,
+                              gpus_per_node=d.gpus_per_node).planning_family
 
 def run(args: argparse.Namespace, console: Console) -> list[dict]:
     """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""
@@ -83,10 +89,10 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
             model = build_cost_model(CostConfig.load(domain))
             batches, planners = batches_and_planners(model, workload, args)
             for k, batch in enumerate(batches):
-                for planner in planners:
+                for planner, family in planners:
                     record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}
                     try:
-                        plan = run_planner(planner, batch, model, pipeline_stages=args.pp)
+                        plan = run_planner(planner, batch, model, family=family, pipeline_stages=args.pp)
                         record.update(step_s=plan.predicted_step_time_s, lb_s=plan.lower_bound_s,
                                       ratio=plan.predicted_step_time_s / plan.lower_bound_s,
                                       solve_ms=plan.solve_time_ms, summary=plan.summary())
@@ -257,7 +263,7 @@ VARIANTS: dict[str, dict[str, object]] = {
 }
 """Cost-model variants of `VARIANT_BASE`: the fields each one overrides."""
 ANY_GROUPS = "dhp-any"
-"""dhp with any groups (max_groups_per_rank 0), planned with `--any-groups`: dhp / dhp-any is the family's cost."""
+"""dhp with any groups (no family), planned with `--any-groups`: dhp / dhp-any is the family's cost."""
 
 
 def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
@@ -272,13 +278,13 @@ def run_variants(args: argparse.Namespace, console: Console) -> list[dict]:
             model = build_cost_model(base.with_overrides(**VARIANTS[variant]))
             batches, planners = batches_and_planners(model, workload, args)
             if args.any_groups:  # the family's cost: dhp / dhp-any
-                planners.append(dataclasses.replace(build_planner("dhp", max_groups_per_rank=0), name=ANY_GROUPS))
+                planners.append((dataclasses.replace(build_planner("dhp"), name=ANY_GROUPS), None))
             for k, batch in enumerate(batches):
                 best_s = best_lower_bound(model, batch.samples)
-                for planner in planners:
+                for planner, family in planners:
                     record = {"variant": variant, "workload": workload, "batch": k, "planner": planner.name, "best_lb_s": best_s}
                     try:
-                        plan = run_planner(planner, batch, model)
+                        plan = run_planner(planner, batch, model, family=family)
                         record.update(step_s=plan.predicted_step_time_s, lb_s=plan.lower_bound_s, solve_ms=plan.solve_time_ms)
                     except PlannerUnsupported as e:
                         record.update(step_s=None, unsupported=str(e))
@@ -352,10 +358,10 @@ def run_placements(args: argparse.Namespace, console: Console) -> list[dict]:
                 n = model.domain.world_size
                 bounds = {p: best_lower_bound(model.with_placement(p), batch.samples) for p in CONCRETE_PLACEMENTS
                           if model.with_placement(p).footprint(batch.samples).min_degree().max() <= n}
-                for planner in planners:
+                for planner, family in planners:
                     record = {"domain": domain, "placement": placement, "batch": k, "planner": planner.name}
                     try:
-                        plan = run_planner(planner, batch, model)
+                        plan = run_planner(planner, batch, model, family=family)
                     except (PlannerUnsupported, DhpError) as e:  # DhpError: the placement cannot hold the images
                         record.update(step_s=None, unsupported=str(e))
                     else:

@@ -22,7 +22,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from megatron_dhp.cost import CostConfig, build_cost_model
-from megatron_dhp.solver import build_planner, family_option, run_planner
+from megatron_dhp.plan.family import group_family
+from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import pipeline_planning_model
 from megatron_dhp.workload import LengthSource
 
@@ -60,18 +61,20 @@ def main() -> None:
         task = progress.add_task("solving", total=len(args.sizes) * (args.batches + 1))
         for batch_size, ranks in args.sizes:
             model = build_cost_model(base.with_overrides(world_size=ranks))
-            planner = build_planner(args.planner, **family_option(args.planner, args.max_groups_per_rank))
+            planner = build_planner(args.planner)
+            d = model.domain
+            family = group_family(d.world_size, d.gpus_per_node, args.max_groups_per_rank) if args.max_groups_per_rank else None
             times, ratios = [], []
             for k in range(args.batches + 1):  # the first solve warms caches and is not counted
                 batch = source.draw(global_batch=batch_size, seed=0, index=k, capacity=model.domain.capacity)
                 if args.cpu:  # the solve alone, in CPU seconds: wall time on a shared VM swings with its load
                     start = time.process_time()
-                    if getattr(planner, "plans_pipeline", False):  # the call run_planner makes
-                        planner.solve(batch, model, pipeline_stages=args.pp)
+                    if planner.plans_pipeline:  # the call run_planner makes
+                        planner.solve(batch, model, family=family, pipeline_stages=args.pp)
                     else:
                         planner.solve(batch, pipeline_planning_model(planner, batch, model, args.pp))
                     cpu_ms = (time.process_time() - start) * 1e3
-                plan = run_planner(planner, batch, model, pipeline_stages=args.pp)
+                plan = run_planner(planner, batch, model, family=family, pipeline_stages=args.pp)
                 if k:
                     times.append(cpu_ms if args.cpu else plan.solve_time_ms)
                     ratios.append(plan.predicted_step_time_s / plan.lower_bound_s)

@@ -42,7 +42,8 @@ def test_missing_file():
 
 
 def test_live_cost_config_takes_the_job_domain():
-    cost = live_cost_config(DhpConfig(max_tokens_per_rank=1024), world_size=6, gpus_per_node=3)
+    config = DhpConfig(max_tokens_per_rank=1024)
+    cost = live_cost_config(config, config.comm_policy(world_size=6, gpus_per_node=3))
     assert (cost.world_size, cost.gpus_per_node, cost.max_tokens_per_rank) == (6, 3, 1024)
     assert cost.attn_s_per_token2 == 5.128e-9  # the rest from the gpt7b-64 preset
 
@@ -59,7 +60,8 @@ def test_node_size_counts_the_domains_ranks_on_a_node_of_gpus(monkeypatch):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_prefetched_plan_equals_a_direct_one(overlap):
     config = DhpConfig(max_tokens_per_rank=2048, overlap_planning=overlap)
-    planner = StepPlanner(config, live_cost_config(config, world_size=4, gpus_per_node=4))
+    policy = config.comm_policy(world_size=4, gpus_per_node=4)
+    planner = StepPlanner(config, live_cost_config(config, policy), policy)
     batch, other = Batch.from_lengths([100, 3000, 50, 8000, 700]), Batch.from_lengths([5, 6])
     planner.prefetch(batch)
     ahead = planner.plan(batch)

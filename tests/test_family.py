@@ -8,10 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, _windows, group_family, straddling_sizes
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
@@ -99,56 +96,35 @@ def test_dhp_plans_only_with_the_family(n, dist):
     family = group_family(n, 8)
     for k in range(2):
         batch = LengthSource.from_args(dist=dist).draw(global_batch=256, seed=1, index=k, capacity=model.domain.capacity)
-        plan = run_planner(build_planner("dhp"), batch, model)
+        plan = run_planner(build_planner("dhp"), batch, model, family=family)
         assert all(family.contains(g.ranks) for g in plan.groups), plan.summary()
-        again = run_planner(build_planner("dhp"), batch, model)
+        again = run_planner(build_planner("dhp"), batch, model, family=family)
         assert again.to_dict(timings=False) == plan.to_dict(timings=False)
 
 
 def test_dhp_with_the_family_under_pipeline_parallelism():
     model = model_for(64, 8)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=256, seed=2, capacity=model.domain.capacity)
-    plan = run_planner(build_planner("dhp"), batch, model, pipeline_stages=4)
+    plan = run_planner(build_planner("dhp"), batch, model, family=group_family(64, 8), pipeline_stages=4)
     assert all(group_family(64, 8).contains(g.ranks) for g in plan.groups)
 
 
-def test_option_off_is_the_old_behaviour():
+def test_without_a_family_dhp_forms_any_window_and_the_family_costs_at_most_one_percent():
     model = model_for(64, 8)
     batch = LengthSource.from_args(dist="lognormal-pareto").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
-    off = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
+    off = run_planner(build_planner("dhp"), batch, model)
     assert not all(group_family(64, 8).contains(g.ranks) for g in off.groups)  # windows of any size and offset
-    on = run_planner(build_planner("dhp"), batch, model)
+    on = run_planner(build_planner("dhp"), batch, model, family=group_family(64, 8))
     assert on.predicted_step_time_s <= 1.01 * off.predicted_step_time_s
 
 
 def test_peers_are_held_to_the_family_on_request():
     model = model_for(64, 8)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
-    static = run_planner(build_planner("static", max_groups_per_rank=32), batch, model)  # unchanged
+    static = run_planner(build_planner("static"), batch, model, family=group_family(64, 8))  # unchanged
     assert static.groups == run_planner(build_planner("static"), batch, model).groups
     with pytest.raises(PlannerUnsupported, match="not in the fixed group family"):
-        run_planner(build_planner("fcp-ref", max_groups_per_rank=32), batch, model)
-
-
-def test_config_key():
-    def planner(**kw) -> StepPlanner:
-        return StepPlanner(DhpConfig(**kw), CostConfig.load("gpt7b-64"))
-
-    assert DhpConfig().max_groups_per_rank is None and DhpConfig().comm == "mixed"
-    # mixed (the default): the family of 32 is created at start-up, and dhp plans with any group
-    assert planner().family_groups() == group_family(64, 8).groups and planner().planner.max_groups_per_rank == 0
-    assert planner(planner="fcp-ref").family_groups() == group_family(64, 8).groups
-    assert planner(max_groups_per_rank=0).family_groups() == ()  # every multi-rank group then runs p2p
-    # allgather, or TransformerEngine's attention (no p2p path): dhp plans on the family it creates
-    for kw in ({"comm": "allgather"}, {"layer_spec": "te"}):
-        assert planner(**kw).family_groups() == group_family(64, 8).groups, kw
-        assert planner(**kw).planner.max_groups_per_rank == 32, kw
-    assert planner(comm="allgather", max_groups_per_rank=0).family_groups() == ()
-    assert planner(comm="allgather", planner="fcp-ref").family_groups() == ()  # the peer plans as published
-    assert planner(comm="p2p").family_groups() == ()  # no group at all
-    assert DhpConfig(layer_spec="te").comm == "allgather"  # TransformerEngine's attention has no p2p path
-    with pytest.raises(DhpError, match="max_groups_per_rank = -1"):
-        DhpConfig(max_groups_per_rank=-1)
+        run_planner(build_planner("fcp-ref"), batch, model, family=group_family(64, 8))
     assert np.all(group_family(8, 8).membership >= 1)
 
 

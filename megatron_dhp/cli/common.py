@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
-from megatron_dhp.runtime.attention import STEP_COMMS
+from megatron_dhp.plan.comm import DOMAIN_COMMS, STEP_COMMS, CommPolicy
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -69,28 +69,29 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
     return context
 
 
-def planner_options(args: argparse.Namespace, name: str) -> dict:
-    """Options of planner `name` that the flags set: the group family bound of --max-groups-per-rank, none (any
-    group) under a --comm that runs groups outside the family without a communicator."""
-    from megatron_dhp.integration.planning import comm_family_option
+def comm_policy(args: argparse.Namespace, name: str, config: CostConfig) -> CommPolicy:
+    """The comm policy planner `name` plans under for the flags (--comm, --max-groups-per-rank) on the domain."""
+    from megatron_dhp.solver import PLANNERS
 
-    return comm_family_option(name, args.comm, args.max_groups_per_rank)
+    return CommPolicy.resolve(args.comm, max_groups_per_rank=args.max_groups_per_rank,
+                              keeps_to_family=PLANNERS[name].plans_on_family, world_size=config.world_size,
+                              gpus_per_node=config.gpus_per_node)
 
 
-def group_usage(config: CostConfig, used: dict[str, tuple[int, set]]) -> str:
-    """One line: the group family (of the largest bound any planner keeps) and, per planner, the distinct
-    multi-rank groups its plans used (`used`: name -> (its max_groups_per_rank, the rank tuples))."""
-    from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+def group_usage(used: dict[str, tuple[CommPolicy, set]]) -> str:
+    """One line: the group family and, per planner, the distinct multi-rank groups its plans used (`used`:
+    name -> (its comm policy, the rank tuples)) and, where it formed any group, how many ran p2p."""
+    family = next((policy.family for policy, _ in used.values() if policy.family is not None), None)
 
-    limit = max((k for k, _ in used.values()), default=0) or DEFAULT_MAX_GROUPS_PER_RANK
-    family = group_family(config.world_size, config.gpus_per_node, limit)
+    def count(policy: CommPolicy, groups: set) -> str:
+        if policy.planning_family is not None:
+            return f"{len(groups)}"
+        if not policy.any_group:
+            return f"{len(groups)} (any groups, each created when first needed)"
+        return f"{len(groups)} (any groups; {sum(policy.transport(g) in DOMAIN_COMMS for g in groups)} on p2p)"
 
-    def count(k: int, groups: set) -> str:
-        outside = sum(not family.contains(g) for g in groups)
-        return f"{len(groups)}" if k else f"{len(groups)} (any groups; {outside} outside the family: p2p under mixed)"
-
-    counts = ", ".join(f"{name} {count(k, groups)}" for name, (k, groups) in used.items())
-    return f"{family.summary()}; distinct multi-rank groups used: {counts}"
+    counts = ", ".join(f"{name} {count(policy, groups)}" for name, (policy, groups) in used.items())
+    return f"{family.summary() if family is not None else 'no group family'}; distinct multi-rank groups used: {counts}"
 
 
 def multi_rank_groups(plan) -> set[tuple[int, ...]]:

@@ -6,9 +6,9 @@ import argparse
 
 from megatron_dhp.cli.common import (
     add_planning_args,
+    comm_policy,
     group_usage,
     multi_rank_groups,
-    planner_options,
     planning_inputs,
 )
 
@@ -32,12 +32,14 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.solver import build_planner, run_planner
 
     inputs = planning_inputs(args, first=args.batch_index)
-    planner = build_planner(args.planner, inputs.context, **planner_options(args, args.planner))
-    plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), pipeline_stages=inputs.pipeline_stages)
+    planner = build_planner(args.planner, inputs.context)
+    policy = comm_policy(args, args.planner, inputs.config)
+    plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), family=policy.planning_family,
+                       pipeline_stages=inputs.pipeline_stages)
     plan.save(args.out)
     print(plan.summary())
     if plan.pipeline_stages > 1:
         print(f"lower bound at {plan.pipeline_stages} pipeline stages: {plan.lower_bound_s:.3f}s")
-    print(group_usage(inputs.config, {planner.name: (getattr(planner, "max_groups_per_rank", 0), multi_rank_groups(plan))}))
+    print(group_usage({planner.name: (policy, multi_rank_groups(plan))}))
     print(f"wrote {args.out} ({len(plan.samples)} samples, {len(plan.groups)} groups, fingerprint {plan.fingerprint()})")
     return 0

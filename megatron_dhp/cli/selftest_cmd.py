@@ -21,8 +21,9 @@ import sys
 from dataclasses import dataclass
 
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
+from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, BACKENDS, STEP_COMMS
+from megatron_dhp.runtime.attention import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -159,10 +160,8 @@ def worker(options: SelftestOptions) -> int:
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
-    from megatron_dhp.plan.family import group_family
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
-    from megatron_dhp.runtime.group_pool import GroupPool
     from megatron_dhp.runtime.model import TinyGPTConfig
     from megatron_dhp.runtime.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
     from megatron_dhp.runtime.vlm import TinyVLMConfig, random_vlm_samples
@@ -186,8 +185,7 @@ def worker(options: SelftestOptions) -> int:
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm)
         n = check.domain.size
-        family = group_family(n, n, options.family) if options.family else None
-        check.pool = GroupPool(check.domain, family=family.groups if family is not None else ())
+        check.use_family(options.family)
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
             sp = " + SP" if options.sequence_parallel else ""
@@ -199,6 +197,7 @@ def worker(options: SelftestOptions) -> int:
                        f"patches -> {tower.tokens_per_tile} tokens, placements {','.join(options.placements)}")
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
                   f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+            family = check.policy("mixed").family
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
         rng = random.Random(options.seed)
         domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
@@ -210,8 +209,8 @@ def worker(options: SelftestOptions) -> int:
                 plan, batch = given, Batch(given.samples)
             else:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
-                # under p2p and mixed a plan may use any group, as the planner then does
-                plan = random_plan(batch, domain, rng, family=None if comm in ANY_GROUP_COMMS else family)
+                # on the family the planner would keep to under this comm (none under p2p and mixed)
+                plan = random_plan(batch, domain, rng, family=check.policy(comm).planning_family)
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))

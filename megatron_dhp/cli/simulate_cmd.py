@@ -9,9 +9,9 @@ import numpy as np
 
 from megatron_dhp.cli.common import (
     add_planning_args,
+    comm_policy,
     group_usage,
     multi_rank_groups,
-    planner_options,
     planning_inputs,
 )
 
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = planning_inputs(args, count=args.batches)
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    planners = [build_planner(n, inputs.context, **planner_options(args, n)) for n in names]
+    planners = [build_planner(n, inputs.context) for n in names]
+    policies = {p.name: comm_policy(args, p.name, config) for p in planners}
     # One row per planner, or per (planner, encoder placement) with --placements.
     placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements else [None]
     rows = [(p.name if pl is None else f"{p.name} @{pl}", p, model if pl is None else model.with_placement(pl))
@@ -62,14 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
-    used = {p.name: (getattr(p, "max_groups_per_rank", 0), set()) for p in planners}
+    used = {p.name: (policies[p.name], set()) for p in planners}
     console = Console()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(batches) * len(rows))
         for k, batch in enumerate(batches):
             for label, planner, row_model in rows:
                 try:
-                    plan = run_planner(planner, batch, row_model, pipeline_stages=inputs.pipeline_stages)
+                    plan = run_planner(planner, batch, row_model, family=policies[planner.name].planning_family,
+                                       pipeline_stages=inputs.pipeline_stages)
                 except PlannerUnsupported as e:  # the planner's source cannot plan this batch: "n/a"
                     results[label].append({"batch": k, "unsupported": str(e)})
                 else:
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if unsupported:
             batches_na = ", ".join(str(r["batch"]) for r in unsupported)
             console.print(f"{n}: n/a on batch {batches_na}: {unsupported[0]['unsupported']}", highlight=False)
-    console.print(group_usage(config, used), highlight=False)
+    console.print(group_usage(used), highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": source.name, "cost": config.to_dict(), "results": results}, f, indent=1)

@@ -12,7 +12,8 @@ from pathlib import Path
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, DOMAIN_COMMS, LAYER_SPECS, STEP_COMMS
+from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
+from megatron_dhp.runtime.attention import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class DhpConfig:
     the group family's communicators, created at start-up; p2p for any other group). Under p2p and mixed the
     planner may use any group; under the others it keeps to the family. Applies to layer_spec local;
     TransformerEngine's attention follows its own cp_comm_type on process groups, so with layer_spec te
-    mixed becomes allgather (the family, or the planner's groups as under allgather)."""
+    mixed runs as allgather (`effective_comm`: the family, or the planner's groups as under allgather)."""
     attention_backend: str = "auto"
     """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
     layer_spec: str = "local"
@@ -57,6 +58,14 @@ class DhpConfig:
     ulysses (and layer_spec te) the planner plans only with it, and 0 means any groups, created when a plan first
     needs them; default: the planner's own (32 for dhp; 0 for the peers, which plan as published). Under mixed
     it is the groups that run allgather (default 32; 0: none); ignored with p2p, which needs no group."""
+    communicator_mb: float = DEFAULT_COMMUNICATOR_MB
+    """GPU memory one NCCL communicator takes, in MB: the start-up log states the family's total per rank at
+    this figure, and `memory_mb_per_token` turns it into tokens the cap gives up. The default is measured on
+    an H200 and reported on A100s (docs/results.md); `bench/comm_memory.py` measures your GPUs."""
+    memory_mb_per_token: float | None = None
+    """A rank's activation memory per token of a microbatch, in MB. When given, the communicators' memory is
+    taken from the cap: the planner holds max_tokens_per_rank - communicators x communicator_mb / this
+    tokens per rank. None: max_tokens_per_rank is taken as already leaving room for them."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -76,20 +85,42 @@ class DhpConfig:
         if self.encoder_placement is not None and self.encoder_placement not in ENCODER_PLACEMENTS:
             raise DhpError(f"encoder_placement {self.encoder_placement!r} is unknown; choose one of "
                            f"{', '.join(ENCODER_PLACEMENTS)}")
-        if self.layer_spec == "te" and self.comm == "mixed":  # TE has no p2p path: every group gets a process group
-            object.__setattr__(self, "comm", "allgather")
-        if self.layer_spec == "te" and self.comm in DOMAIN_COMMS:
-            raise DhpError(f"comm {self.comm!r} gives a group no process group, which TransformerEngine's attention "
-                           "needs; use layer_spec local with it, or another comm")
+        self.comm_policy(world_size=1, gpus_per_node=1)  # the comm, layer spec and family bound, checked together
         for name in ("max_tokens_per_rank", "max_groups"):
             if getattr(self, name) < 1:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
-        if self.max_groups_per_rank is not None and self.max_groups_per_rank < 0:
-            raise DhpError(f"max_groups_per_rank = {self.max_groups_per_rank} must be >= 0 (0: no group family)")
+        if self.memory_mb_per_token is not None and not self.memory_mb_per_token > 0:
+            raise DhpError(f"memory_mb_per_token = {self.memory_mb_per_token} must be > 0 (or left out)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
+
+    @property
+    def effective_comm(self) -> str:
+        """The comm the steps run (`CommPolicy.effective_comm`): `mixed` runs as allgather under layer_spec te."""
+        return self.comm_policy(world_size=1, gpus_per_node=1).effective_comm
+
+    def comm_policy(self, *, world_size: int, gpus_per_node: int) -> CommPolicy:
+        """The job's comm policy on a domain of `world_size` ranks, `gpus_per_node` of them per node."""
+        from megatron_dhp.solver import PLANNERS
+
+        return CommPolicy.resolve(self.comm, layer_spec=self.layer_spec, max_groups_per_rank=self.max_groups_per_rank,
+                                  keeps_to_family=PLANNERS[self.planner].plans_on_family, world_size=world_size,
+                                  gpus_per_node=gpus_per_node, communicator_mb=self.communicator_mb)
+
+    def token_cap(self, policy: CommPolicy) -> int:
+        """The tokens per rank a microbatch may hold: max_tokens_per_rank, less the communicators' memory
+        in tokens when `memory_mb_per_token` is given."""
+        if self.memory_mb_per_token is None:
+            return self.max_tokens_per_rank
+        cap = self.max_tokens_per_rank - int(policy.memory_per_rank_mb / self.memory_mb_per_token + 0.5)
+        if cap < 1:
+            raise DhpError(
+                f"the group family's {policy.communicators_per_rank} communicators per rank take "
+                f"{policy.memory_per_rank_mb:.0f} MB, more than max_tokens_per_rank = {self.max_tokens_per_rank} "
+                f"tokens of {self.memory_mb_per_token} MB; lower max_groups_per_rank or raise max_tokens_per_rank")
+        return cap
 
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "dhp config") -> DhpConfig:

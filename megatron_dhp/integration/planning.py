@@ -15,27 +15,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, DOMAIN_COMMS
-from megatron_dhp.solver import PlannerContext, build_planner, family_option, run_planner
+from megatron_dhp.solver import PlannerContext, build_planner, run_planner
 from megatron_dhp.workload.sample import Batch
 
 
-def live_cost_config(config: DhpConfig, *, world_size: int, gpus_per_node: int) -> CostConfig:
-    """The configured cost model with the live job's domain (its size, node size and token cap) and the
-    configured encoder placement."""
+def live_cost_config(config: DhpConfig, policy: CommPolicy) -> CostConfig:
+    """The configured cost model with the live job's domain (the policy's size and node size, the token cap
+    its communicators leave) and the configured encoder placement."""
     return CostConfig.load(config.cost).with_overrides(
-        world_size=world_size, gpus_per_node=gpus_per_node, max_tokens_per_rank=config.max_tokens_per_rank,
+        world_size=policy.world_size, gpus_per_node=policy.gpus_per_node, max_tokens_per_rank=config.token_cap(policy),
         encoder_placement=config.encoder_placement,
     )
-
-
-def comm_family_option(planner: str, comm: str, max_groups_per_rank: int | None) -> dict:
-    """The family option `planner` plans with for training `comm`: any group (0) under `p2p` and `mixed`, where a
-    group outside the family costs no communicator (with TransformerEngine's attention, which cannot run one,
-    `DhpConfig` has made `mixed` `allgather`); else `max_groups_per_rank` (`solver.family_option`)."""
-    return family_option(planner, 0 if comm in ANY_GROUP_COMMS else max_groups_per_rank)
 
 
 def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_size: int) -> int:
@@ -49,32 +41,18 @@ def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_s
 class StepPlanner:
     """Turns each step's gathered batch into its plan; `prefetch` starts the next one in the background."""
 
-    def __init__(self, config: DhpConfig, cost: CostConfig, *, dataset_max_tokens: int | None = None,
-                 pipeline_stages: int = 1) -> None:
+    def __init__(self, config: DhpConfig, cost: CostConfig, policy: CommPolicy, *,
+                 dataset_max_tokens: int | None = None, pipeline_stages: int = 1) -> None:
         self.config = config
+        self.policy = policy
+        """Which family the planner keeps to (`planning_family`), the same policy the runtime runs under."""
         self.pipeline_stages = pipeline_stages
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.model = build_cost_model(cost)
         self.planner = build_planner(
-            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s),
-            **comm_family_option(config.planner, config.comm, config.max_groups_per_rank),
-        )
+            config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
         self._pending: tuple[Batch, Future[Plan]] | None = None
-
-    def family_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The groups the runtime creates at start-up, in the family's creation order: under `mixed` the family of
-        `max_groups_per_rank` (default 32), else the planner's (none when it may use any group, or when the comm
-        variant needs no group)."""
-        if self.config.comm in DOMAIN_COMMS:
-            return ()
-        limit = getattr(self.planner, "max_groups_per_rank", 0)
-        if self.config.comm == "mixed":
-            limit = DEFAULT_MAX_GROUPS_PER_RANK if self.config.max_groups_per_rank is None else self.config.max_groups_per_rank
-        if not limit:
-            return ()
-        domain = self.model.domain
-        return group_family(domain.world_size, domain.gpus_per_node, limit).groups
 
     def plan(self, batch: Batch) -> Plan:
         """The plan of `batch`: the prefetched one if it was started for this batch, else solved now."""
@@ -95,4 +73,5 @@ class StepPlanner:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _solve(self, batch: Batch) -> Plan:
-        return run_planner(self.planner, batch, self.model, pipeline_stages=self.pipeline_stages)
+        return run_planner(self.planner, batch, self.model, family=self.policy.planning_family,
+                           pipeline_stages=self.pipeline_stages)

@@ -20,7 +20,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import refusals
-from megatron_dhp.runtime.attention import STEP_COMMS
+from megatron_dhp.plan.comm import STEP_COMMS
 
 # torchrun stops every rank within 0.1 s of the first one's exit: the silent ranks wait that long and more, so
 # that rank 0 has printed before the job is stopped

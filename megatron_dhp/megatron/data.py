@@ -26,7 +26,6 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.dispatch import StepInputs, TokenSample
-from megatron_dhp.runtime.engine import StepEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +68,8 @@ class StepIterator:
         self.source = source
         """Megatron's loader iterator on the rank that reads it (`DhpRuntime.share_source`); None elsewhere."""
         self.runtime = runtime
-        self.engine = StepEngine(runtime.domain, runtime.pool, runtime.planner, source=self._read, lookahead=lookahead,
-                                 seq_multiple=runtime.seq_multiple, aligned_slots=runtime.aligned_slots,
-                                 equal_rows=runtime.equal_rows, comm=runtime.config.comm)
+        self.engine = runtime.steps.engine(source=self._read, lookahead=lookahead, seq_multiple=runtime.seq_multiple,
+                                           aligned_slots=runtime.aligned_slots, equal_rows=runtime.equal_rows)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
 
@@ -90,7 +88,7 @@ class StepIterator:
         if self.runtime.config.log_plans and dist.get_rank() == 0:
             p2p = self.engine.groups_on_p2p(inputs.plan)
             p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
-            logger.info("dhp plan: %s | %s%s", inputs.plan.summary(), self.runtime.pool.summary(), p2p)
+            logger.info("dhp plan: %s | %s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p)
         return inputs
 
     def _read(self) -> list[TokenSample] | None:

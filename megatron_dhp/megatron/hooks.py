@@ -16,12 +16,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
+from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.megatron.arguments import dhp_config_from_args
 from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
@@ -66,17 +65,13 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     if stages > 1:
         check_pipeline(domain)
     cap = _sample_cap(args.seq_length, domain, config, stages)
-    cost = live_cost_config(config, world_size=domain.size, gpus_per_node=domain_node_size(config, domain.global_ranks, dist.get_world_size()))
+    policy, cost = job_cost(config, domain)
     share_group, share_source = _loader_sharing()
     aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                          getattr(args, "moe_token_dispatcher_type", None))
-    planner = StepPlanner(config, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
-                          pipeline_stages=stages)
     runtime = DhpRuntime(
-        config=config,
-        domain=domain,
-        pool=GroupPool(domain, max_groups=config.max_groups, family=planner.family_groups()),
-        planner=planner,
+        steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
+                                 pipeline_stages=stages),
         share_group=share_group,
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),

@@ -55,11 +55,10 @@ def dhp_forward_backward(
     if adjust_tensor_shapes_fn is not None:
         raise DhpError("adjust_tensor_shapes_fn (ModelOpt distillation) is not supported with --dhp")
     steps = step_iterator(data_iterator)
-    runtime = steps.runtime
     steps.expect(num_microbatches)
     inputs = next(data_iterator)  # a replayed step reuses its groups: the engine prepared them when it dispatched
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        slots = stage_slots(steps.engine, inputs, comm=runtime.config.comm, backend=runtime.config.attention_backend)
+        slots = stage_slots(steps.engine, inputs)
         return run_1f1b(forward_step_func, slots, model, forward_only=forward_only,
                         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
                         pg_collection=pg_collection, force_all_reduce=force_all_reduce)
@@ -71,7 +70,7 @@ def dhp_forward_backward(
     overlap = None
     if config.no_sync_func is not None and not forward_only:
         overlap = OverlappedReduction(no_sync=config.no_sync_func, start=model.start_grad_sync)
-    steps.engine.run(inputs, work, comm=runtime.config.comm, backend=runtime.config.attention_backend, overlap=overlap)
+    steps.engine.run(inputs, work, overlap=overlap)
 
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(

@@ -12,19 +12,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner
+from megatron_dhp.integration.step_runtime import StepRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.group_pool import GroupPool
 
 
 @dataclass(frozen=True)
 class DhpRuntime:
-    """This rank's dynamic domain and everything that plans and runs its steps."""
+    """This rank's step runtime (domain, comm policy, planner, group pool) and how it reads Megatron's loader."""
 
-    config: DhpConfig
-    domain: DynamicDomain
-    pool: GroupPool
-    planner: StepPlanner
+    steps: StepRuntime
     share_group: dist.ProcessGroup | None
     """The model-parallel group (TP x PP) when it has more than one rank: its ranks train on the same tokens,
     which one of them reads from the loader and broadcasts."""
@@ -41,3 +37,12 @@ class DhpRuntime:
     equal_rows: bool = False
     """The k-th slot holds the same rows on every position (MoE's allgather dispatcher gathers equal blocks)."""
 
+    @property
+    def config(self) -> DhpConfig:
+        """The run's settings."""
+        return self.steps.config
+
+    @property
+    def domain(self) -> DynamicDomain:
+        """This rank's dynamic domain."""
+        return self.steps.domain

@@ -8,9 +8,9 @@
 3. **check** that every rank holds the same valid plan (`dispatch.check_plan`);
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
-5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective), unless the engine's variant runs on
-   the domain's communicator (`p2p`: a group is then a `PeerRing`, no process group; `mixed`: a group of
-   the family created at start-up runs on its own, any other as under `p2p`);
+5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective) unless the comm policy runs any group
+   without a communicator of its own (`CommPolicy.any_group`); a group talks as the policy's `transport` says
+   (`p2p`: a `PeerRing` on the domain's communicator);
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`), and a multimodal
    batch's pixels to the ranks that encode them (`vision.move_images`, by the plan's encoder placement);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
@@ -40,8 +40,8 @@ from typing import Protocol
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.comm import DOMAIN_COMMS, CommPolicy
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, DOMAIN_COMMS
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.dispatch import (
@@ -139,16 +139,18 @@ class StepEngine:
         seq_multiple: int = 1,
         aligned_slots: bool = False,
         equal_rows: bool = False,
-        comm: str | None = None,
+        policy: CommPolicy | None = None,
+        backend: str = "auto",
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
         self.domain = domain
         self.pool = pool
         """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
-        self.comm = comm
-        """The variant every step runs, when the caller knows it before the first one (`run` must get the same):
-        one in `ANY_GROUP_COMMS` makes the engine create no group at all. None: groups are prepared for any."""
+        self.policy = policy
+        """How each group talks and whether a step creates any (None: the engine only moves tokens)."""
+        self.backend = backend
+        """The local attention kernel (`runtime.attention.BACKENDS`)."""
         self.planning = planning
         self.source = source
         self.lookahead = lookahead
@@ -162,6 +164,9 @@ class StepEngine:
         megatron-core's allgather MoE dispatcher with expert parallelism."""
         self.slots_by_comm: Counter[str] = Counter()
         """The variant each slot ran, counted (under `mixed`: `allgather` on the family, `p2p` outside it)."""
+        if policy is not None and pool is not None and not set(policy.startup_groups) <= set(pool.family):
+            raise DhpError("the group pool lacks the comm policy's start-up groups; build it with "
+                           "family=policy.startup_groups")
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -190,8 +195,7 @@ class StepEngine:
             plan = self._plan(current.gathered.batch)
         return self._dispatch(current, plan, read_ahead=False)
 
-    def run(self, inputs: StepInputs, work: MicrobatchWork, *, comm: str, backend: str = "auto",
-            overlap: OverlappedReduction | None = None) -> None:
+    def run(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> None:
         """Walk this rank's work list of the step: barriers over the domain, each slot's forward and backward.
 
         With `overlap` the reduction starts during the last backward, unless the plan has phase barriers:
@@ -207,12 +211,12 @@ class StepEngine:
             if item is PHASE_BARRIER:
                 dist.barrier(group=self.domain.group)
                 return
-            work.backward(work.forward(self.slot(item, index, count, comm=comm, backend=backend)))
+            work.backward(work.forward(self.slot(item, index, count)))
             index += 1
 
         # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):
         # NCCL needs every rank to issue both in one order, so the reduction waits for the walk, as after a barrier.
-        deferred = inputs.plan.phase_barrier or comm in ANY_GROUP_COMMS
+        deferred = inputs.plan.phase_barrier or self.policy.any_group
         with (overlap.no_sync if overlap is not None else contextlib.nullcontext)():
             for item in items if deferred else items[:-1]:
                 visit(item)
@@ -222,21 +226,19 @@ class StepEngine:
             overlap.start()
 
     def groups_on_p2p(self, plan: Plan) -> int:
-        """The plan's distinct multi-rank groups that run on the domain's communicator: those outside the pool's
-        family under `mixed`, every one under `p2p`, none under the other variants."""
-        return self.pool.outside_family(plan) if self.comm in ANY_GROUP_COMMS else 0
+        """The plan's distinct multi-rank groups that run on the domain's communicator (`CommPolicy.transport`)."""
+        groups = {tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1}
+        return sum(self.policy.transport(ranks) in DOMAIN_COMMS for ranks in groups)
 
-    def slot(self, mb: MicrobatchInputs, index: int, count: int, *, comm: str, backend: str) -> Slot:
-        """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group (under a
-        `DOMAIN_COMMS` variant its `PeerRing` on the domain's communicator; the pool is not asked). Under
-        `mixed` a group of the pool's family runs `allgather` on its own communicator, any other `p2p`."""
-        if self.comm is not None and comm != self.comm:
-            raise DhpError(f"this engine prepares its steps for comm {self.comm!r}; it cannot run {comm!r}")
-        if comm == "mixed":
-            comm = "allgather" if self.pool.in_family(mb.group_ranks) else "p2p"
+    def slot(self, mb: MicrobatchInputs, index: int, count: int) -> Slot:
+        """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group as the policy's
+        `transport` says: a `PeerRing` on the domain's communicator (the pool is not asked), else the pool's."""
+        if self.policy is None:
+            raise DhpError("this engine has no comm policy, so it only moves tokens; give StepEngine(policy=...)")
+        comm = self.policy.transport(mb.group_ranks)
         self.slots_by_comm[comm] += 1
         group = PeerRing.in_domain(self.domain, mb.group_ranks) if comm in DOMAIN_COMMS else self.pool.get(mb.group_ranks)
-        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=backend), index, count)
+        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=self.backend), index, count)
 
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)
@@ -245,8 +247,8 @@ class StepEngine:
             self._ahead = self._read()
             if self._ahead is not None and dist.get_rank() == PLANNING_RANK:
                 self.planning.prefetch(self._ahead.gathered.batch)
-        if self.pool is not None and self.comm not in ANY_GROUP_COMMS:
-            self.pool.prepare(plan)
+        if self.pool is not None and self.policy is not None and not self.policy.any_group:
+            self.pool.prepare(plan)  # finds the family's groups; creates others only when planners may form them
         rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
         inputs = move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
                              slot_rows=rows)

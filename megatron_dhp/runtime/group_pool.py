@@ -14,8 +14,8 @@ Non-members return immediately, so the cost is a counter step per group and doma
 A pool given a group family (`plan.family`) creates all of it in `__init__`, in the family's one order, and
 keeps it for the whole job; a plan held to that family then finds every group already there, so no step
 creates or destroys a communicator (`created` stays 0: the training log, `selftest` and a test show it).
-A group outside the family is still created on demand and cached under the LRU rule, except under the
-step comm `mixed`, where the engine runs it on the domain's communicator instead (`in_family`).
+A group outside the family is still created on demand and cached under the LRU rule, except where the comm
+policy runs it on the domain's communicator instead (`plan.comm.CommPolicy.transport`).
 """
 
 from __future__ import annotations
@@ -68,14 +68,10 @@ class GroupPool:
         key = tuple(sorted(ranks))
         return key in self._fixed or key in self._groups
 
-    def in_family(self, ranks: Sequence[int]) -> bool:
-        """Whether a rank set has a communicator from start-up (a single rank needs none, so counts as in)."""
-        return len(ranks) == 1 or tuple(sorted(ranks)) in self._fixed
-
-    def outside_family(self, plan: Plan) -> int:
-        """The plan's distinct multi-rank groups without a communicator from start-up: under `mixed` (and `p2p`)
-        those run on the domain's communicator."""
-        return len({tuple(sorted(g.ranks)) for g in plan.groups if not self.in_family(g.ranks)})
+    @property
+    def family(self) -> tuple[GroupKey, ...]:
+        """The rank sets created at start-up, in creation order."""
+        return tuple(self._fixed)
 
     def prepare(self, plan: Plan) -> None:
         """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""

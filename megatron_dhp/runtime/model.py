@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import LAYER_SPECS
+from megatron_dhp.plan.comm import LAYER_SPECS
 from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
 
 

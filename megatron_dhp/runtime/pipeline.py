@@ -81,10 +81,10 @@ def check_pipeline(domain: DynamicDomain) -> None:
         raise DhpError(f"the pipeline of rank {domain.rank} joins domain positions {positions}; they must be one")
 
 
-def stage_slots(engine: StepEngine, inputs: StepInputs, *, comm: str, backend: str) -> list[Slot]:
+def stage_slots(engine: StepEngine, inputs: StepInputs) -> list[Slot]:
     """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
     work = pipeline_work(inputs, engine.domain.position, aligned=engine.aligned_slots)
-    return [engine.slot(mb, index, len(work), comm=comm, backend=backend) for index, mb in enumerate(work)]
+    return [engine.slot(mb, index, len(work)) for index, mb in enumerate(work)]
 
 
 def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Module, *, forward_only: bool = False,
@@ -111,8 +111,7 @@ def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Mod
     )
 
 
-def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs, *, comm: str = "allgather",
-                      backend: str = "auto") -> StepResult:
+def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> StepResult:
     """Forward and backward this position's slots of a prepared step through megatron-core's 1F1B, then
     finalize the gradients (domain reduction, tied embedding, per-token division). `model` is a megatron
     DDP stage with `calculate_per_token_loss`; gradients accumulate into it. The loss is the last stage's."""
@@ -134,7 +133,7 @@ def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepIn
 
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    run_1f1b(forward_step, stage_slots(engine, inputs, comm=comm, backend=backend), model)
+    run_1f1b(forward_step, stage_slots(engine, inputs), model)
     return StepResult(
         loss_sum=totals["loss"],
         num_loss_tokens=totals["loss_tokens"],

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+from megatron_dhp.plan.comm import CommPolicy
+from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -116,6 +118,8 @@ class SelfCheck:
         self.backend = backend
         self.domain = DynamicDomain.from_parallel_state()
         self.pool = GroupPool(self.domain)
+        self.max_groups_per_rank = 0
+        """K of the pool's family (`use_family`): the comm policy of each check is built with it."""
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         if self.pp_group.size() > 1:
@@ -134,19 +138,32 @@ class SelfCheck:
         else:
             self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
 
+    def use_family(self, max_groups_per_rank: int) -> None:
+        """A fresh pool with the group family of this bound (one node of the whole domain) created now, as a
+        job's start-up does; 0: no family. Collective."""
+        n = self.domain.size
+        self.max_groups_per_rank = max_groups_per_rank
+        groups = group_family(n, n, max_groups_per_rank).groups if max_groups_per_rank else ()
+        self.pool = GroupPool(self.domain, family=groups)
+
+    def policy(self, comm: str) -> CommPolicy:
+        """The comm policy of `comm` over this check's domain (one node) and the family of `use_family`."""
+        n = self.domain.size
+        return CommPolicy.resolve(comm, max_groups_per_rank=self.max_groups_per_rank, world_size=n, gpus_per_node=n)
+
     def check(self, plan: Plan, samples: list[TokenSample], comm: str, *, placement: str = "split") -> CheckResult:
-        """Run one step under `plan` and compare it with the oracle on the same samples (images encoded where
-        `placement` says). Collective."""
+        """Run one step under `plan` with each group talking as `comm`'s policy says, and compare it with the
+        oracle on the same samples (images encoded where `placement` says). Collective."""
         self.model.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, comm=comm)
+                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend)
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         pipelined = self.pp_group.size() > 1
         run = run_pipeline_step if pipelined else run_step
-        step = run(engine, self.model, inputs, comm=comm, backend=self.backend)
+        step = run(engine, self.model, inputs)
         device = self.domain.device
         totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=self.domain.group)

@@ -121,8 +121,6 @@ def run_step(
     model: torch.nn.Module,
     inputs: StepInputs,
     *,
-    comm: str = "allgather",
-    backend: str = "auto",
     grad_sync: bool = True,
 ) -> StepResult:
     """Forward and backward this rank's microbatches of a prepared step, then reduce gradients over the domain.
@@ -143,9 +141,9 @@ def run_step(
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
     if inputs.vision is None:
         work = _LossSum(model, inputs.num_loss_tokens)
-        engine.run(inputs, work, comm=comm, backend=backend)
+        engine.run(inputs, work)
     else:
-        work = _run_with_images(engine, model, inputs, comm=comm, backend=backend)
+        work = _run_with_images(engine, model, inputs)
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)
     return StepResult(
@@ -156,8 +154,7 @@ def run_step(
     )
 
 
-def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs, *, comm: str,
-                     backend: str) -> _LossSum:
+def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> _LossSum:
     """The step of a multimodal batch (`runtime.vision`): encode this rank's images, send their rows, walk the
     microbatches, return the rows' gradients and run the encoder's backward once."""
     vision = inputs.vision
@@ -167,7 +164,7 @@ def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInp
     received = all_to_all_rows(encoded.detach()[send_rows], vision.send_counts, vision.recv_counts, engine.domain)
     received.requires_grad_(True)
     work = _ImageLossSum(model, vlm, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows)
-    engine.run(inputs, work, comm=comm, backend=backend)
+    engine.run(inputs, work)
     grad = received.grad if received.grad is not None else torch.zeros_like(received)
     back = all_to_all_rows(grad, vision.recv_counts, vision.send_counts, engine.domain)
     if encoded.requires_grad:

@@ -45,14 +45,6 @@ def planner_options(name: str) -> list[str]:
     return [p for p in inspect.signature(PLANNERS[name]).parameters if p != "name"]
 
 
-def family_option(name: str, max_groups_per_rank: int | None) -> dict:
-    """`max_groups_per_rank` as an option for planner `name`, where it takes one and a bound is given (a
-    planner registered without it plans with any groups)."""
-    if max_groups_per_rank is None or "max_groups_per_rank" not in planner_options(name):
-        return {}
-    return {"max_groups_per_rank": max_groups_per_rank}
-
-
 def build_planner(name: str, context: PlannerContext | None = None, **options: object) -> Planner:
     """The planner `name` with `options` and whichever `context` facts it reads.
 
@@ -61,13 +53,13 @@ def build_planner(name: str, context: PlannerContext | None = None, **options: o
     """
     if name not in PLANNERS:
         raise DhpError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+    if Planner not in PLANNERS[name].__mro__:
+        raise DhpError(f"planner {name!r} ({PLANNERS[name].__name__}) must subclass megatron_dhp.solver.Planner, "
+                       "which declares the traits every planner has")
     accepted = planner_options(name)
-    # Every planner takes the family bound `max_groups_per_rank` (dhp plans with it; `run_planner` holds a
-    # peer to it); the error names the options that are the planner's own.
-    own = [p for p in accepted if p != "max_groups_per_rank"]
     for key in options:
         if key not in accepted:
-            takes = f"it accepts {', '.join(own)}" if own else "it takes no options"
+            takes = f"it accepts {', '.join(accepted)}" if accepted else "it takes no options"
             raise DhpError(f"planner {name!r} has no option {key!r}; {takes}")
     context = context or {}
     for key in context:
@@ -88,7 +80,6 @@ __all__ = [
     "PlannerUnsupported",
     "StaticPlanner",
     "build_planner",
-    "family_option",
     "run_planner",
     "static_cp_size",
 ]

@@ -5,16 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import lower_bound as pipeline_lower_bound
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
-from megatron_dhp.plan.family import group_family
+from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.solver.encoder_auto import plan_best_placement
 from megatron_dhp.workload.batches import fit_to_domain
@@ -29,23 +28,33 @@ class PlannerUnsupported(DhpError):
 
 
 class Planner(Protocol):
-    """A planner maps one batch and a cost model to the groups of a step.
+    """A planner maps one batch and a cost model to the groups of a step; its traits say how it is run.
 
-    A planner whose schedule waits for every rank between phases (megatron-hcp) says so with a class
-    attribute `phase_barrier = True`; its plans then carry `Plan.phase_barrier`. A planner that plans for
-    pipeline parallelism says so with `plans_pipeline = True` and takes `pipeline_stages` in `solve`. A
-    planner with `max_groups_per_rank` = K > 0 may use only the groups of `group_family(N, g, K)`.
+    Planners subclass this protocol, so a trait a planner does not set keeps the default below.
     """
 
     name: str
+    phase_barrier: ClassVar[bool] = False
+    """Its schedule waits for every rank between phases (megatron-hcp): its plans carry `Plan.phase_barrier`."""
+    plans_pipeline: ClassVar[bool] = False
+    """It plans 1F1B itself and takes `pipeline_stages` in `solve`; else it runs as published on M // P."""
+    plans_on_family: ClassVar[bool] = False
+    """It takes the group family in `solve` and plans on it (dhp); else `run_planner` only checks that its
+    groups are family groups, and by default it is held to none (`CommPolicy.resolve`)."""
+    dataset_max_tokens: int | None = None
+    """The dataset's longest sample, for a planner that sizes its groups by it (static)."""
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Groups covering every rank and every sample of `batch` once (see `Plan.validate`)."""
         ...
 
 
-def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_stages: int = 1) -> Plan:
+def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: GroupFamily | None = None,
+                pipeline_stages: int = 1) -> Plan:
     """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound.
+
+    With a `family` (the comm policy's `planning_family`) every group of the plan is one of its groups: a
+    planner that `plans_on_family` plans on it, any other is `PlannerUnsupported` when it forms another.
 
     With P = `pipeline_stages` > 1 the plan runs as 1F1B slots (`plan.pipeline_slots`) and is priced so. A
     planner with `plans_pipeline` is told P; any other planner is run as published on a domain whose
@@ -53,18 +62,19 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     (a sample too long for that is `PlannerUnsupported`).
     """
     if model.encoder_placement == "auto":  # plan under each placement, keep the fastest
-        return plan_best_placement(lambda m: run_planner(planner, batch, m, pipeline_stages=pipeline_stages),
-                                   batch, model)
+        return plan_best_placement(
+            lambda m: run_planner(planner, batch, m, family=family, pipeline_stages=pipeline_stages), batch, model)
     domain, rule = model.domain, model.memory_rule()
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
     rule.check(batch.samples, domain.world_size)  # nor may its images' encoder memory overflow it
-    pipelined = getattr(planner, "plans_pipeline", False)
-    planning_model = model if pipelined else pipeline_planning_model(planner, batch, model, pipeline_stages)
+    planning_model = model if planner.plans_pipeline else pipeline_planning_model(planner, batch, model, pipeline_stages)
+    options = {"pipeline_stages": pipeline_stages} if planner.plans_pipeline else {}
+    if planner.plans_on_family:
+        options["family"] = family
     start = time.perf_counter()
-    groups = planner.solve(batch, planning_model, pipeline_stages=pipeline_stages) if pipelined \
-        else planner.solve(batch, planning_model)
+    groups = planner.solve(batch, planning_model, **options)
     solve_ms = (time.perf_counter() - start) * 1e3
-    check_family(planner, groups, domain)
+    check_family(planner, groups, family)
     plan = Plan(
         planner=planner.name,
         world_size=domain.world_size,
@@ -72,7 +82,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
         samples=batch.samples,
         groups=tuple(groups),
         max_tokens_per_rank=domain.max_tokens_per_rank,
-        phase_barrier=getattr(planner, "phase_barrier", False),
+        phase_barrier=planner.phase_barrier,
         pipeline_stages=pipeline_stages,
         encoder_placement=model.encoder_placement,
         enc_memory_per_token=rule.enc_memory_per_token,
@@ -86,18 +96,14 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, pipeline_st
     )
 
 
-def check_family(planner: Planner, groups: list[PlanGroup], domain: Domain) -> None:
+def check_family(planner: Planner, groups: list[PlanGroup], family: GroupFamily | None) -> None:
     """`PlannerUnsupported` if the planner is held to a group family and formed a group outside it."""
-    limit = getattr(planner, "max_groups_per_rank", 0)
-    if not limit:
-        return
-    family = group_family(domain.world_size, domain.gpus_per_node, limit)
-    outside = next((g for g in groups if not family.contains(g.ranks)), None)
+    outside = next((g for g in groups if family is not None and not family.contains(g.ranks)), None)
     if outside is not None:
         raise PlannerUnsupported(
             f"{planner.name} formed a group of {outside.size} ranks {list(outside.ranks)} that is not in the fixed "
-            f"group family of {domain.world_size} ranks (max_groups_per_rank = {limit}); set max_groups_per_rank "
-            "to 0 to plan it with any groups")
+            f"group family of {family.world_size} ranks (max_groups_per_rank = {family.max_groups_per_rank}); "
+            "set max_groups_per_rank to 0, or use comm mixed, to plan it with any groups")
 
 
 def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:
@@ -106,7 +112,7 @@ def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, st
         return model
     cap = model.domain.max_tokens_per_rank // stages
     # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
-    longest = max(int(batch.lengths.max()), getattr(planner, "dataset_max_tokens", None) or 0)
+    longest = max(int(batch.lengths.max()), planner.dataset_max_tokens or 0)
     n = model.domain.world_size
     if cap < 1 or longest > cap * n:
         raise PlannerUnsupported(

@@ -33,7 +33,7 @@ import numpy as np
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
-from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
+from megatron_dhp.solver.base import Planner, PlannerUnsupported, contiguous_ranks
 from megatron_dhp.workload.sample import Batch
 
 
@@ -143,7 +143,7 @@ def allocate_degrees(times: np.ndarray, world_size: int) -> list[int]:
 
 
 @dataclass
-class FCPRefPlanner:
+class FCPRefPlanner(Planner):
     """DHP/FCP: BFD packing into atomic groups, then a DP over group degrees minimising the makespan.
 
     `max_cp_degree` caps a group's degree as the published scheduler's option of that name does (its
@@ -151,9 +151,6 @@ class FCPRefPlanner:
     """
 
     max_cp_degree: int | None = None
-    max_groups_per_rank: int = 0
-    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
-    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "fcp-ref"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

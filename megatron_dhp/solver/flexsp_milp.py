@@ -36,7 +36,7 @@ from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
-from megatron_dhp.solver.base import PlannerUnsupported, contiguous_ranks
+from megatron_dhp.solver.base import Planner, PlannerUnsupported, contiguous_ranks
 from megatron_dhp.solver.flexsp_model import BucketProblem, SlotSolution, solve_bucket_milp
 from megatron_dhp.solver.partition import PartitionDP, max_sum_partition, padding_cost
 from megatron_dhp.workload.sample import Batch
@@ -98,13 +98,10 @@ class _Instance:
 
 
 @dataclass
-class FlexSPPlanner:
+class FlexSPPlanner(Planner):
     """FlexSP: Sequence Blaster microbatches, bucketing, and a MILP over power-of-two groups per microbatch."""
 
     time_limit_s: float = 10.0
-    max_groups_per_rank: int = 0
-    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
-    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "flexsp-milp"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.plan import PlanGroup
-from megatron_dhp.solver.base import PlannerUnsupported
+from megatron_dhp.solver.base import Planner, PlannerUnsupported
 from megatron_dhp.workload.sample import Batch
 
 # What the scheduler raises when it cannot place a batch (its own asserts, or indexing past the domain
@@ -47,12 +47,9 @@ def upstream_group_sizes(world_size: int) -> set[int]:
 
 
 @dataclass
-class MegatronHCPPlanner:
+class MegatronHCPPlanner(Planner):
     """megatron-core's `BalancedCPScheduler`; its successive group sets become barrier-separated phases."""
 
-    max_groups_per_rank: int = 0
-    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
-    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "megatron-hcp"
     phase_barrier: ClassVar[bool] = True
     _scheduler_cls: type = field(init=False, repr=False)

@@ -16,6 +16,7 @@ from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver.base import Planner
 from megatron_dhp.workload.sample import Batch
 
 
@@ -35,13 +36,10 @@ def static_cp_size(max_tokens: int, domain: Domain, min_ranks: int = 1) -> int:
 
 
 @dataclass
-class StaticPlanner:
+class StaticPlanner(Planner):
     """Static CP x DP with greedy packing; `dataset_max_tokens` fixes CP (default: the batch's longest)."""
 
     dataset_max_tokens: int | None = None
-    max_groups_per_rank: int = 0
-    """With K > 0 a plan whose groups are not all in `group_family(N, g, K)` is `PlannerUnsupported`
-    (`run_planner` checks it; the published algorithm does not know the family)."""
     name: str = "static"
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:

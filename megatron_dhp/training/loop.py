@@ -23,15 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
+from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
-from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.step import reduce_gradients, run_step
@@ -97,7 +95,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
-        self.cost = self._cost_config(config)
+        policy, self.cost = job_cost(config.dhp, self.domain)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=self.cost.domain.capacity, truncate=config.dhp.truncate,
                                       vision=config.vision if config.vision.layers else None)
@@ -108,9 +106,8 @@ class Trainer:
         self.longest = longest
         """The run's longest sample: what Megatron's static CP is sized for (the static planner's CP)."""
         self.static_cp = static_cp_size(longest, self.cost.domain)
-        self.planner = StepPlanner(config.dhp, self.cost, dataset_max_tokens=longest,
-                                   pipeline_stages=config.train.pp)
-        self.pool = GroupPool(self.domain, max_groups=config.dhp.max_groups, family=self.planner.family_groups())
+        self.runtime = build_step_runtime(config.dhp, self.domain, policy, self.cost, dataset_max_tokens=longest,
+                                          pipeline_stages=config.train.pp)
         if config.train.pp > 1:
             check_pipeline(self.domain)
         self.loss_ranks = _last_stage_domain()
@@ -132,13 +129,8 @@ class Trainer:
                 f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
-                f"{self.longest} (static CP {self.static_cp}) | {self.pool.at_startup} groups created at start-up | "
+                f"{self.longest} (static CP {self.static_cp}) | {self.runtime.policy.summary()} | "
                 f"from step {self.completed + 1} of {c.train.steps}")
-
-    def _cost_config(self, config: TrainConfig) -> CostConfig:
-        """The configured cost model on this job's domain."""
-        node = domain_node_size(config.dhp, self.domain.global_ranks, dist.get_world_size())
-        return live_cost_config(config.dhp, world_size=self.domain.size, gpus_per_node=node)
 
     def resume(self, directory: str) -> int:
         """Load the latest checkpoint of `directory` into this rank; returns the steps it had completed."""
@@ -159,8 +151,8 @@ class Trainer:
         run = self.config.train
         position, size = self.domain.position, self.domain.size
         batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
-        engine = StepEngine(self.domain, self.pool, self.planner, source=lambda: next(batches, None), lookahead=True,
-                            seq_multiple=seq_multiple(self.model.config), comm=self.config.dhp.comm)
+        engine = self.runtime.engine(source=lambda: next(batches, None), lookahead=True,
+                                     seq_multiple=seq_multiple(self.model.config))
         try:
             while True:
                 start = time.perf_counter()
@@ -173,7 +165,7 @@ class Trainer:
                     self.checkpointer.save(run.save, self.completed, self.model, self.optimizer, self.scheduler)
                 yield record
         finally:
-            self.planner.close()
+            self.runtime.planner.close()
 
     def _step(self, engine: StepEngine, inputs: StepInputs, start: float) -> StepRecord:
         """Train the step the engine dispatched since `start` (the data position's, `completed`); its record."""
@@ -183,15 +175,13 @@ class Trainer:
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the learning rate of step k is the schedule's value at k
         lr = self.optimizer.param_groups[0]["lr"]
-        dhp = self.config.dhp
         dist.barrier(group=self.domain.group)
         t0 = time.perf_counter()
         if self.config.train.pp > 1:  # megatron-core's finalize_model_grads reduces the gradients inside
-            result = run_pipeline_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend)
+            result = run_pipeline_step(engine, self.model, inputs)
             t1 = time.perf_counter()
         else:
-            result = run_step(engine, self.model, inputs, comm=dhp.comm, backend=dhp.attention_backend,
-                              grad_sync=False)
+            result = run_step(engine, self.model, inputs, grad_sync=False)
             t1 = time.perf_counter()
             reduce_gradients(self.model)
         t2 = time.perf_counter()
@@ -225,7 +215,7 @@ class Trainer:
             num_samples=len(plan.samples),
             num_tokens=num_tokens,
             groups=" ".join(f"{n}x{d}" for d, n in sorted(sizes.items())),
-            groups_created=self.pool.created,
+            groups_created=self.runtime.pool.created,
             groups_p2p=groups_p2p,
             num_microbatches=plan.num_microbatches,
             predicted_s=float(plan.predicted_step_time_s or 0.0),

@@ -91,6 +91,9 @@ class GridTimer:
     """
 
     def __init__(self, config: TrainConfig, grid: list[GridPoint]) -> None:
+        import torch.distributed as dist
+
+        from megatron_dhp.integration.step_runtime import job_policy
         from megatron_dhp.runtime.dispatch import local_slice
         from megatron_dhp.runtime.domain import DynamicDomain
         from megatron_dhp.runtime.engine import StepEngine
@@ -102,10 +105,10 @@ class GridTimer:
         self.domain = DynamicDomain.from_parallel_state()
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
                                  vision=config.vision)
-        # `mixed` runs the family's groups, the ones the cost model is fitted to, by allgather: time every group by it
-        self.comm = "allgather" if config.dhp.comm == "mixed" else config.dhp.comm
+        policy = job_policy(config.dhp, self.domain, dist.get_world_size()).for_profiling()
         self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
-                                 seq_multiple=seq_multiple(self.model.config), comm=self.comm)
+                                 seq_multiple=seq_multiple(self.model.config), policy=policy,
+                                 backend=config.dhp.attention_backend)
         n, position = self.domain.size, self.domain.position
         self.steps = []
         for point in grid:
@@ -122,13 +125,12 @@ class GridTimer:
 
         from megatron_dhp.runtime.step import run_step
 
-        dhp = self.config.dhp
         for (plan, local), seen in zip(self.steps, self.times):
             inputs = self.engine.prepare(local, plan)  # fresh every round, as every training step's are
             self.model.zero_grad_buffer()
             dist.barrier(group=self.domain.group)
             start = time.perf_counter()
-            run_step(self.engine, self.model, inputs, comm=self.comm, backend=dhp.attention_backend, grad_sync=False)
+            run_step(self.engine, self.model, inputs, grad_sync=False)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.domain.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             seen.append(float(elapsed) / REPEATS)

@@ -105,4 +105,4 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
     else:
         records = trainer.train(on_step=keep_plan)
     return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size, trainer.static_cp,
-                       plans, trainer.cost, trainer.pool.at_startup)
+                       plans, trainer.cost, trainer.runtime.pool.at_startup)

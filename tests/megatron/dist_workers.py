@@ -222,11 +222,11 @@ def hooks_checks() -> dict:
     train, valid, _ = setup(megatron_args(), h.train, h.valid, None)
     runtime = train.iterable.runtime
     out["wrapped"] = (type(train).__name__, type(train.iterable).__name__, train.iterable.source is h.train.iterable)
-    out["exact"], out["counts"], out["at_startup"] = [], [], runtime.pool.at_startup
+    out["exact"], out["counts"], out["at_startup"] = [], [], runtime.steps.pool.at_startup
     for step in range(3):
         reports, loss = h.run(train)
         out["exact"].append(h.compare(step, loss))
-        out["counts"].append((len(reports), runtime.pool.created))
+        out["counts"].append((len(reports), runtime.steps.pool.created))
         if step == 0:
             # Megatron's rerun state machine replays the step: same microbatches, no loader read, same gradients
             first, pulled = h.grads(), h.pulled
@@ -241,10 +241,10 @@ def hooks_checks() -> dict:
     # --- hand plans with overlapped gradient reduction: a rank with no work, then barriers between phases.
     # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
     # by barriers, so it runs under no_sync and its reduction must be started after them.
-    runtime.planner.close()
+    runtime.steps.planner.close()
     n = runtime.domain.size
     g = Harness(seed=4, overlap_grad_reduce=True, steps=range(3, 5))
-    hand = replace(runtime, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n)))
+    hand = replace(runtime, steps=replace(runtime.steps, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n))))
     it = wrap_data_iterator(g.train, hand, lookahead=False)
     for name, step in (("idle", 3), ("barrier", 4)):
         reports, loss = g.run(it)
@@ -260,7 +260,7 @@ def hooks_checks() -> dict:
     tp2 = train.iterable.runtime
     out["tp2_domain"] = tp2.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
-    tp2.planner.close()
+    tp2.steps.planner.close()
 
     # --- TP 2 with --sequence-parallel: every shard padded to an even row count, LayerNorm grads over TP
     u = Harness(seed=7, gpt=TinyGPTConfig(sequence_parallel=True))
@@ -269,7 +269,7 @@ def hooks_checks() -> dict:
     sp = train.iterable.runtime
     out["sp"] = [u.compare(step, u.run(train)[1]) for step in range(2)]
     out["sp_multiple"] = sp.seq_multiple
-    sp.planner.close()
+    sp.steps.planner.close()
 
     # --- pipeline parallel 2: two stages of a domain of 2 through megatron-core's 1F1B; the last stage's
     # loader is not read, the first stage's TP rank 0 sends the sequences
@@ -286,7 +286,7 @@ def hooks_checks() -> dict:
         out["pp2"].append(q.compare(step, loss))
         out["pp2_counts"] = len(reports)
     out["pp2"].append(q.compare(100, q.run(valid, forward_only=True)[1], grads=False))
-    pp2.planner.close()
+    pp2.steps.planner.close()
 
     # --- MoE with expert parallelism 2 carved from the domain of 4, under hand plans where rank 3 is idle
     # and the others run different slot counts: every rank runs the same slots, so the dispatcher's
@@ -301,8 +301,8 @@ def hooks_checks() -> dict:
                             e.train, None, None)
         ep2 = train.iterable.runtime
         out["ep2_rules"][dispatcher] = (ep2.aligned_slots, ep2.equal_rows)
-        ep2.planner.close()
-        hand = replace(ep2, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4)))
+        ep2.steps.planner.close()
+        hand = replace(ep2, steps=replace(ep2.steps, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4))))
         it = wrap_data_iterator(e.train, hand, lookahead=False)
         out["ep2"] += [e.compare(step, e.run(it)[1]) for step in steps]
     dist.destroy_process_group()

@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 # What each preset promises its users, written out independently of the files (a changed preset must
 # change this table too).
 PRESETS = {
-    "llama3_8b_dhp": dict(planner="dhp", max_tokens_per_rank=8192, comm="allgather", layer_spec="te", cost="gpt7b-64",
+    "llama3_8b_dhp": dict(planner="dhp", max_tokens_per_rank=8192, effective_comm="allgather", layer_spec="te", cost="gpt7b-64",
                           gpus_per_node=8, truncate=False, max_groups=256),
-    "gpt7b_64gpu": dict(planner="dhp", max_tokens_per_rank=8192, comm="allgather", layer_spec="te", cost="gpt7b-64",
+    "gpt7b_64gpu": dict(planner="dhp", max_tokens_per_rank=8192, effective_comm="allgather", layer_spec="te", cost="gpt7b-64",
                         gpus_per_node=8, truncate=False, max_groups=512),
     "multimodal_dhp": dict(planner="dhp", max_tokens_per_rank=16384, comm="ring", layer_spec="local", cost="gpt7b-64",
                            gpus_per_node=8, truncate=True, max_groups=256),

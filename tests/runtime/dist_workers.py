@@ -13,9 +13,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.plan.family import group_family
+from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.attention import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
@@ -103,14 +102,16 @@ def domain_of_four_checks() -> dict:
     out["lru_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ulysses")
     out["lru_after"] = (small.created, small.released, len(small))
 
-    family = GroupPool(check.domain, family=group_family(4, 4).groups)  # (0,1) (2,3) (0,1,2) (1,2,3) (0,1,2,3)
-    check.pool = family
+    check.use_family(32)  # (0,1) (2,3) (0,1,2) (1,2,3) (0,1,2,3)
+    family = check.pool
     out["family_exact"] = check.check(plans["sizes 3+1 then 4"], samples, "ring")  # both groups in the family
     out["family_in"] = (family.at_startup, family.created, family.hits, len(family))
     # mixed: a group of the family runs allgather on it, any other the p2p ring on the domain's communicator
     out["mixed"] = {name: check.check(plan, samples, "mixed") for name, plan in plans.items()}
     out["mixed_pool"] = (family.created, len(family))
-    out["outside"] = [family.outside_family(plan) for plan in plans.values()]
+    mixed = check.policy("mixed")
+    out["outside"] = [len({tuple(sorted(g.ranks)) for g in plan.groups if mixed.transport(g.ranks) == "p2p"})
+                      for plan in plans.values()]
     family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
     out["family_out"] = (family.created, len(family))
 

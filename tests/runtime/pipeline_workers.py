@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.model import TinyGPTConfig

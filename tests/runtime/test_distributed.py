@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.runtime.selfcheck import TOLERANCE, random_samples
 from tests.runtime import dist_workers

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
@@ -43,9 +44,13 @@ class Recorder:
         return OverlappedReduction(no_sync=no_sync, start=lambda: self.log.append(("start",)))
 
 
-def _engine(position: int = 0) -> StepEngine:
+def _policy(comm: str, n: int = 2) -> CommPolicy:
+    return CommPolicy.resolve(comm, max_groups_per_rank=0, world_size=n, gpus_per_node=n)
+
+
+def _engine(comm: str = "allgather", position: int = 0) -> StepEngine:
     domain = DynamicDomain(global_ranks=(0, 1), rank=position, all_domains=((0, 1),))
-    return StepEngine(domain, GroupPool(domain))
+    return StepEngine(domain, GroupPool(domain), policy=_policy(comm))
 
 
 def _inputs(*sample_ids: int) -> StepInputs:
@@ -58,7 +63,7 @@ def _inputs(*sample_ids: int) -> StepInputs:
 
 def test_walk_runs_each_slot_forward_then_backward_and_overlaps_only_the_last():
     work = Recorder()
-    _engine().run(_inputs(0, 1, 2), work, comm="allgather", overlap=work.overlap())
+    _engine().run(_inputs(0, 1, 2), work, overlap=work.overlap())
     assert work.log == [
         ("F", (0,), 0, 3, True), ("B", 0, True),
         ("F", (1,), 1, 3, True), ("B", 1, True),
@@ -69,7 +74,7 @@ def test_walk_runs_each_slot_forward_then_backward_and_overlaps_only_the_last():
 def test_an_idle_position_runs_one_idle_slot():
     work = Recorder()
     inputs = _inputs(0)
-    _engine(position=1).run(StepInputs(inputs.plan, (), 4, 4), work, comm="ring")
+    _engine("ring", position=1).run(StepInputs(inputs.plan, (), 4, 4), work)
     assert work.log == [("F", (-1,), 0, 1, False), ("B", 0, False)]
 
 
@@ -77,20 +82,22 @@ def test_p2p_holds_the_reduction_back_until_the_walk_is_done():
     """The domain's communicator carries both p2p's ring and the gradient reduction: all ranks issue them in one
     order only if the reduction starts after every microbatch."""
     work = Recorder()
-    _engine().run(_inputs(0, 1), work, comm="p2p", overlap=work.overlap())
+    _engine("p2p").run(_inputs(0, 1), work, overlap=work.overlap())
     assert work.log == [("F", (0,), 0, 2, True), ("B", 0, True), ("F", (1,), 1, 2, True), ("B", 1, True), ("start",)]
 
 
 def test_p2p_slot_gets_a_peer_ring_on_the_domain_and_never_asks_the_pool():
     domain = DynamicDomain(global_ranks=(1, 3, 5, 7), rank=5, all_domains=((0, 2, 4, 6), (1, 3, 5, 7)))
-    engine = StepEngine(domain, GroupPool(domain), comm="p2p")
+    engine = StepEngine(domain, GroupPool(domain), policy=_policy("p2p", 4))
     z = torch.zeros(4, dtype=torch.int64)
     mb = MicrobatchInputs((0, 2, 3), 0, MicrobatchLayout((0,), (12,), 3, 1), z, z, torch.ones(4), z)
-    ring = engine.slot(mb, 0, 1, comm="p2p", backend="math").context.group
+    ring = engine.slot(mb, 0, 1).context.group
     assert ring == PeerRing(members=(1, 5, 7), index=1, group=None)
     assert (ring.size(), ring.rank(), ring.next, ring.previous) == (3, 1, 7, 1)
     assert PeerRing.in_domain(domain, (2,)) is None  # one rank: nothing to send
-    with pytest.raises(DhpError, match="prepares its steps for comm 'p2p'; it cannot run 'ring'"):
-        engine.slot(mb, 0, 1, comm="ring", backend="math")
     with pytest.raises(DhpError, match="group \\(0, 2, 3\\) was not prepared"):  # the other variants ask the pool
-        StepEngine(domain, GroupPool(domain)).slot(mb, 0, 1, comm="ring", backend="math")
+        StepEngine(domain, GroupPool(domain), policy=_policy("ring", 4)).slot(mb, 0, 1)
+    with pytest.raises(DhpError, match="no comm policy, so it only moves tokens"):
+        StepEngine(domain, GroupPool(domain)).slot(mb, 0, 1)
+    with pytest.raises(DhpError, match="lacks the comm policy's start-up groups"):
+        StepEngine(domain, GroupPool(domain), policy=CommPolicy.resolve("mixed", world_size=4, gpus_per_node=4))

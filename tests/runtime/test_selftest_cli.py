@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dhp.cli import main
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from tests.runtime import pipeline_workers
 
 ROOT = Path(__file__).resolve().parents[2]

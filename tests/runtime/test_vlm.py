@@ -9,8 +9,8 @@ import torch
 
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.dispatch import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.launch import launch
 from megatron_dhp.runtime.selfcheck import TOLERANCE

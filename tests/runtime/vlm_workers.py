@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
 from megatron_dhp.runtime.dispatch import gather_batch, local_slice
 from megatron_dhp.runtime.selfcheck import SelfCheck, init_distributed

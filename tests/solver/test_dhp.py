@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from megatron_dhp.cost import build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.family import group_family
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp.instance import Instance
 from megatron_dhp.solver.dhp.planner import DhpPlanner, cell_sizes, wide_degrees
@@ -113,7 +114,7 @@ def test_deterministic(gpt7b, dist):
 def test_close_to_the_lower_bound(gpt7b, dist, limit):
     # Quality is measured in bench/plan_quality.py; this only guards against a planner that regresses badly.
     batch = LengthSource.from_args(dist=dist).draw(global_batch=512, seed=0, capacity=64 * 8192)
-    plan = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, gpt7b)  # any groups (family: test_family)
+    plan = run_planner(build_planner("dhp"), batch, gpt7b)  # any groups (family: test_family)
     assert plan.predicted_step_time_s <= limit * plan.lower_bound_s
 
 
@@ -131,7 +132,7 @@ def test_groups_of_any_size_and_phases(gpt7b):
 
 def test_giant_gets_just_enough_ranks(gpt7b_config, gpt7b):
     batch = Batch((Sample(0, 470_000),) + tuple(Sample(i, 1000) for i in range(1, 200)))
-    plan = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, gpt7b)  # the family has no 58
+    plan = run_planner(build_planner("dhp"), batch, gpt7b)  # the family has no 58
     giant = next(g for g in plan.groups if 0 in g.sample_ids)
     assert giant.size == 58 and giant.microbatches == ((0,),)  # ceil(470000 / 8192): comm grows with d
     assert plan.predicted_step_time_s == pytest.approx(plan.lower_bound_s)
@@ -187,9 +188,10 @@ def test_wide_samples_may_take_a_wider_window_that_frees_up_first(index, gpt7b_c
     # dhp's own drafts, without the static fallback and without `multifit`'s
     monkeypatch.setattr("megatron_dhp.solver.dhp.planner.fastest", lambda inst, batch, candidates: candidates[0])
     monkeypatch.setattr(DhpPlanner, "probes", 0)
-    grown = run_planner(build_planner("dhp"), batch, model)
+    family = group_family(64, 8)
+    grown = run_planner(build_planner("dhp"), batch, model, family=family)
     monkeypatch.setattr(DhpPlanner, "grow", 1)  # wide samples on their own degree only
-    fixed = run_planner(build_planner("dhp"), batch, model)
+    fixed = run_planner(build_planner("dhp"), batch, model, family=family)
     assert grown.predicted_step_time_s * 1.02 <= fixed.predicted_step_time_s
 
 
@@ -221,7 +223,7 @@ def test_one_rank_samples_run_while_a_rank_waits_for_its_next_wide_group(monkeyp
 
     model = model_for(64, max_tokens_per_rank=4096)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, index=0, capacity=model.domain.capacity)
-    plan = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
+    plan = run_planner(build_planner("dhp"), batch, model)
     assert plan.predicted_step_time_s <= 1.01 * plan.lower_bound_s
     waits = [g for g in plan.groups if g.size == 1 and any(h.phase > g.phase and set(h.ranks) & set(g.ranks) and h.size > 1
                                                             for h in plan.groups)]
@@ -264,7 +266,7 @@ def test_wide_groups_of_a_node_or_less_may_straddle_nodes_without_a_family():
     work = model.sample_work(batch.samples)
     wide_s = float(model.sample_time(batch.lengths[:1], work[:1], 6, False)[0]) + model.microbatch_overhead(6)
     short_s = float(model.sample_time(batch.lengths[4:5], work[4:5], 1, True)[0]) + model.microbatch_overhead(1)
-    plan = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
+    plan = run_planner(build_planner("dhp"), batch, model)
     assert plan.predicted_step_time_s == pytest.approx(wide_s + short_s, rel=1e-3)
     assert sorted(g.ranks[0] for g in plan.groups if g.size == 6) == [0, 6, 12, 18]
 
@@ -320,6 +322,6 @@ def test_any_groups_is_never_slower_than_the_family(gpt7b_config):
     model = build_cost_model(gpt7b_config.with_overrides(max_tokens_per_rank=4096))
     batch = LengthSource.from_args(dist="bimodal").draw(global_batch=512, seed=0, index=1, capacity=model.domain.capacity)
     family = run_planner(build_planner("dhp"), batch, model)
-    free = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, model)
+    free = run_planner(build_planner("dhp"), batch, model)
     assert free.predicted_step_time_s <= family.predicted_step_time_s * (1 + 1e-9)
     assert free.predicted_step_time_s <= 1.08 * free.lower_bound_s

@@ -77,7 +77,7 @@ def test_spaced_rounds_need_more_than_one_round(gpt7b):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dhp_keeps_the_fastest_layout_and_is_never_behind_the_peers(gpt7b, seed):
     batch = long_tailed(seed)
-    dhp = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, gpt7b, pipeline_stages=4)  # any groups
+    dhp = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4)  # any groups
     inst = instance(batch, gpt7b)
     for groups in (*round_layouts(inst, batch), spaced_round_groups(inst, batch, 4)):
         assert dhp.predicted_step_time_s <= simulate(dataclasses.replace(dhp, groups=tuple(groups)), gpt7b).step_time_s
@@ -141,5 +141,5 @@ def test_dhp_with_the_family_under_pipeline_parallelism_is_close_to_any_groups(g
     # than with any groups. Built on family windows (`family_rounds`) they cost 3-8 %.
     batch = long_tailed(seed)
     family = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4).predicted_step_time_s
-    free = run_planner(build_planner("dhp", max_groups_per_rank=0), batch, gpt7b, pipeline_stages=4).predicted_step_time_s
+    free = run_planner(build_planner("dhp"), batch, gpt7b, pipeline_stages=4).predicted_step_time_s
     assert family <= 1.10 * free

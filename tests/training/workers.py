@@ -17,7 +17,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.runtime import engine
-from megatron_dhp.solver import PLANNERS, PlannerUnsupported, run_planner
+from megatron_dhp.solver import PLANNERS, Planner, PlannerUnsupported, run_planner
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from megatron_dhp.training.loop import Trainer
 from megatron_dhp.training.timing import measure
@@ -67,7 +67,7 @@ def two_rank_runs(config: TrainConfig, folder: str) -> dict:
     return out
 
 
-class RankDependentPlanner:
+class RankDependentPlanner(Planner):
     """A registered planner whose plan depends on the rank that solves it, as a MILP's under a time limit may:
     samples that fit one rank go round-robin starting at this rank, longer ones to a group of every rank."""
 
@@ -86,7 +86,7 @@ class RankDependentPlanner:
         return groups + [PlanGroup(tuple(range(n)), long, phase=1)] if long else groups
 
 
-class FailingPlanner:
+class FailingPlanner(Planner):
     """A registered planner that cannot plan any batch."""
 
     name = "failing"
@@ -109,8 +109,8 @@ def _rank_dependent_run(config: TrainConfig) -> dict:
     for record in trainer.steps():
         records.append(record)
         held.append(trainer.last_plan.fingerprint())
-    own = run_planner(RankDependentPlanner(), Batch(trainer.last_plan.samples), trainer.planner.model)
-    return {"records": records, "held": held, "own": own.fingerprint(), "solves": trainer.planner.planner.solves}
+    own = run_planner(RankDependentPlanner(), Batch(trainer.last_plan.samples), trainer.runtime.planner.model)
+    return {"records": records, "held": held, "own": own.fingerprint(), "solves": trainer.runtime.planner.planner.solves}
 
 
 def _train_error(config: TrainConfig) -> str:
@@ -210,7 +210,7 @@ def family_runs(config: TrainConfig) -> dict:
     for name, comm, bound in (("family", "allgather", None), ("any", "allgather", 0), ("mixed", "mixed", None)):
         trainer = Trainer(config.with_overrides(dhp={"comm": comm, "max_groups_per_rank": bound}))
         records = trainer.train()
-        out[name] = {"at_startup": trainer.pool.at_startup, "created": [r.groups_created for r in records],
+        out[name] = {"at_startup": trainer.runtime.pool.at_startup, "created": [r.groups_created for r in records],
                      "groups": {r.groups for r in records}, "losses": losses(records)}
     return out
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import BACKENDS, COMM_VARIANTS, DOMAIN_COMMS
+from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
+from megatron_dhp.runtime.attention import BACKENDS
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.layout import MicrobatchLayout
 

@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention import COMM_VARIANTS
+from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.runtime.attention.allgather import allgather_attention
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -30,9 +30,9 @@ import numpy as np
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.cost.simulate import simulate
-from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, GroupFamily, group_family
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
-from megatron_dhp.solver.base import PlannerUnsupported
+from megatron_dhp.solver.base import Planner, PlannerUnsupported
 from megatron_dhp.solver.dhp.columns import column_layout
 from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
 from megatron_dhp.solver.dhp.fill import fill
@@ -202,7 +202,7 @@ def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Dra
 
 
 @dataclass
-class DhpPlanner:
+class DhpPlanner(Planner):
     """Groups of any size per step (of the fixed group family by default), minimising the simulated step time
     under the cost model."""
 
@@ -223,17 +223,16 @@ class DhpPlanner:
     column_probes: ClassVar[int] = 10
     """Such a candidate is also built with its wide samples in columns of their degree (`columns`), packed
     to heights bisected this many times (cheap: no draft per probe); the faster draft counts."""
-    max_groups_per_rank: int = DEFAULT_MAX_GROUPS_PER_RANK
-    """Plan only with the groups of `group_family(N, g, this)`; 0: any contiguous window."""
     name: str = "dhp"
     plans_pipeline: ClassVar[bool] = True
+    plans_on_family: ClassVar[bool] = True
 
-    def solve(self, batch: Batch, model: CostModel, pipeline_stages: int = 1) -> list[PlanGroup]:
-        """Build candidates in order of their area bound and return the one with the shortest step."""
+    def solve(self, batch: Batch, model: CostModel, family: GroupFamily | None = None,
+              pipeline_stages: int = 1) -> list[PlanGroup]:
+        """Build candidates in order of their area bound and return the one with the shortest step: every
+        group one of `family`'s, or any contiguous window without one."""
         p = pipeline_stages
         domain = model.domain
-        family = group_family(domain.world_size, domain.gpus_per_node, self.max_groups_per_rank) \
-            if self.max_groups_per_rank else None
         inst = Instance.from_batch(batch, model, None if p == 1 else domain.max_tokens_per_rank // p, family)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
@@ -293,8 +292,9 @@ class DhpPlanner:
         floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
         if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
             others.append(static)
-        if family is None:  # with any groups, the family's plan too: its few sizes can pack wide samples better
-            others.append(replace(self, max_groups_per_rank=DEFAULT_MAX_GROUPS_PER_RANK).solve(batch, model))
+        if family is None:  # with any groups, a default family's plan too: its few sizes can pack wide samples better
+            shape = group_family(domain.world_size, domain.gpus_per_node, DEFAULT_MAX_GROUPS_PER_RANK)
+            others.append(self.solve(batch, model, family=shape))
         return fastest(inst, batch, [groups, *others]) if others else groups
 
 

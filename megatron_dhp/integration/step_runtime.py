@@ -1,0 +1,66 @@
+"""One builder of what plans and runs a job's steps, for every entry point (trainer, Megatron-LM, selftest).
+
+A job decides its comm policy and cost model from its domain (`job_policy`, `live_cost_config`), reads what
+it needs of its data with that cost model's capacity, then builds the rest (`build_step_runtime`): the
+planner, and the group pool with the policy's start-up groups. Every rank builds it in the same order, so
+the pool's collective creation of the family lines up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_dhp.cost import CostConfig
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
+from megatron_dhp.plan.comm import CommPolicy
+from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.engine import SampleSource, StepEngine
+from megatron_dhp.runtime.group_pool import GroupPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRuntime:
+    """This rank's planner, group pool and the comm policy both follow, on its dynamic domain."""
+
+    config: DhpConfig
+    domain: DynamicDomain
+    policy: CommPolicy
+    cost: CostConfig
+    planner: StepPlanner
+    pool: GroupPool
+
+    def engine(self, *, source: SampleSource | None = None, lookahead: bool = False, seq_multiple: int = 1,
+               aligned_slots: bool = False, equal_rows: bool = False) -> StepEngine:
+        """A step engine over this runtime (`StepEngine` documents the options)."""
+        return StepEngine(self.domain, self.pool, self.planner, source=source, lookahead=lookahead,
+                          seq_multiple=seq_multiple, aligned_slots=aligned_slots, equal_rows=equal_rows,
+                          policy=self.policy, backend=self.config.attention_backend)
+
+
+def job_policy(config: DhpConfig, domain: DynamicDomain, job_world_size: int) -> CommPolicy:
+    """The job's comm policy on this domain (its node size from `gpus_per_node` or torchrun's LOCAL_WORLD_SIZE)."""
+    node = domain_node_size(config, domain.global_ranks, job_world_size)
+    return config.comm_policy(world_size=domain.size, gpus_per_node=node)
+
+
+def job_cost(config: DhpConfig, domain: DynamicDomain) -> tuple[CommPolicy, CostConfig]:
+    """The job's comm policy and the cost model it plans with (the cap its communicators leave)."""
+    policy = job_policy(config, domain, dist.get_world_size())
+    return policy, live_cost_config(config, policy)
+
+
+def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPolicy, cost: CostConfig, *,
+                       dataset_max_tokens: int | None, pipeline_stages: int = 1) -> StepRuntime:
+    """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order).
+    Rank 0 logs the policy's one line."""
+    planner = StepPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages)
+    pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
+    if dist.get_rank() == 0:
+        logger.info("dhp: %s", policy.summary())
+    return StepRuntime(config, domain, policy, cost, planner, pool)
