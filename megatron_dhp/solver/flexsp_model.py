@@ -1,6 +1,7 @@
 """FlexSP's parallelism MILP for one microbatch of bucketed samples, solved with HiGHS.
 
-Re-implemented from shared/reference/flexsp.md section 3(c) (no code copied). Slots: for each power-of-two
+Re-implemented from FlexSP's `solve_flexSP_bucket_seqs` (PKU-DAIR/Hetu-Galvatron, branch `flexsp`,
+`galvatron/flexsp_solver/`; no code copied). Slots: for each power-of-two
 group size sp >= 2 there are floor(N / sp) slots, or floor((N - sp_max) / sp) below the largest size any
 bucket requires. Variables: A[k, p] >= 0 integer (samples of bucket k in slot p), m[p] binary (slot used),
 M >= 0 (makespan). Minimise M subject to
