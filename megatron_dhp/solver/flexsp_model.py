@@ -18,8 +18,8 @@ slots of one size (used slots first, loads non-increasing). FlexSP warm-starts S
 solutions (`addSol`); HiGHS takes one start, the best of them.
 
 Each MILP runs in a child process (FlexSP, too, solves in a process pool) killed at a hard deadline: HiGHS
-does not check its time limit everywhere (presolve's strengthenInequalities inside a RENS sub-MIP looped for
-over 15 minutes on a 10 s limit here; ERGO-Code/HiGHS#2226), and a planner must not hang. A MILP cut off
+does not check its time limit everywhere (presolve's strengthenInequalities inside a RENS sub-MIP can loop
+far past a 10 s limit; ERGO-Code/HiGHS#2226), and a planner must not hang. A MILP cut off
 there keeps the homogeneous warm start, as one with no incumbent does.
 """
 
