@@ -8,7 +8,7 @@ preset: `--domains mixtral-8x7b-64` gives the MoE rows (Mixtral-8x7B, EP 8; text
 sample's image tokens go through it as text).
 
 Prints per workload and domain: mean step time, step / lower bound (mean and max), solver ms (p50, p95),
-and dhp's speed-up over every other planner; then the issue-3 targets, each with the measured value. dhp
+and dhp's speed-up over every other planner; then dhp's targets, each with the measured value. dhp
 plans as under the training default `comm: mixed`, with any group (`--comm allgather`: its group family).
 A planner whose source cannot plan a batch (e.g. megatron-hcp on N = 48) is reported as n/a there.
 
@@ -28,7 +28,7 @@ flexsp-milp, minutes per batch, on the first few of the same batches) and prints
 `--multimodal` runs the planners on the multimodal workload with the encoder priced under each encoder
 placement (`--placements`, default split,replicate,global,auto; `cost.encoder`), every plan against the best
 lower bound of its placement (auto: the least over the placements), and prints per placement dhp's step / LB
-(mean, max) and dhp / each peer (mean, max) against issue 17's targets (<= 1.03 x LB on average, never more
+(mean, max) and dhp / each peer (mean, max) against their targets (<= 1.03 x LB on average, never more
 than 0.5 % behind a peer):
 
     python bench/plan_quality.py --multimodal --planners dhp,megatron-hcp,fcp-ref --domains gpt7b-64 --batches 3
@@ -182,7 +182,7 @@ def markdown_summary(records: list[dict], planners: list[str]) -> str:
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, bool]]:
-    """The issue-3 targets for dhp: (what, measured, met)."""
+    """dhp's plan-quality targets: (what, measured, met)."""
     step = planned(records)
     keys = sorted({k[:3] for k in step})
     dhp = [step[k + ("dhp",)] for k in keys if k + ("dhp",) in step]
@@ -374,7 +374,7 @@ def run_placements(args: argparse.Namespace, console: Console) -> list[dict]:
 
 
 def print_placements(records: list[dict], args: argparse.Namespace, console: Console) -> None:
-    """Per (domain, placement): dhp's step / best LB and dhp / each peer, with the issue-17 targets."""
+    """Per (domain, placement): dhp's step / best LB and dhp / each peer, with their targets."""
     peers = [p for p in args.planners if p != "dhp"]
     cols = ["domain", "placement", "dhp step/LB mean (max)", *(f"{p} step/LB mean" for p in peers),
             *(f"dhp / {p} mean (max)" for p in peers), "auto chose (dhp)", "targets met"]

@@ -2,7 +2,7 @@
 
 Prints solve time p50/p95 (and step / lower bound) for (global batch, ranks) = (512, 64), (4096, 1024) and
 (16384, 16384) on the WLB-LLM lengths under the gpt7b-64 cost model with the domain size overridden.
-Targets (issue 3): p50 <= 10 ms, <= 100 ms, <= 1 s.
+Targets: p50 <= 10 ms, <= 100 ms, <= 1 s.
 
     python bench/solver_speed.py [--batches 10] [--planner dhp] [--pp 4] [--sizes 512x64,4096x1024] [--cpu] [--json out.json]
     python bench/solver_speed.py --max-groups-per-rank 32 ...   # dhp held to its group family (comm allgather)

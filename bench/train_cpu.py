@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from megatron_dhp.training.loop import StepRecord
 
 TARGET = 1.2
-"""Issue 5: dhp at least 1.2x faster than static (the baseline) on the long-tailed demo workload."""
+"""The target: dhp at least 1.2x faster than static (the baseline) on the long-tailed demo workload."""
 
 
 def interleaved(config: TrainConfig, planners: tuple[str, ...]) -> tuple[dict[str, list[StepRecord]], dict[str, list[dict]]]:

@@ -1,6 +1,6 @@
-"""An independent, loop-by-loop evaluation of BENCHMARK.md section 2, used as the oracle in tests.
+"""An independent, loop-by-loop evaluation of the reference cost model (docs/cost-model.md), used as the oracle in tests.
 
-Deliberately written from the benchmark text with plain Python floats and no code shared with
+Deliberately written from the formulas of that page with plain Python floats and no code shared with
 `megatron_dhp.cost`, so that a bug there cannot hide in both. Beyond the benchmark it knows the cost
 config's three optional terms (absent keys are 0, as in the reference files): a per-sample overhead s on
 every rank of the sample's group, an extra per-microbatch overhead lambda on groups of more than one rank,
@@ -68,7 +68,7 @@ def step_time(cfg: dict, plan: dict) -> float:
 
 
 def lower_bound(cfg: dict, samples: list[dict]) -> float:
-    """BENCHMARK.md's bound with the base m only (lambda only adds time), plus sigma."""
+    """The reference bound with the base m only (lambda only adds time), plus sigma."""
     n, gpn, cap, m = cfg["world_size"], cfg["gpus_per_node"], cfg["max_tokens_per_rank"], cfg["microbatch_overhead_s"]
     area, longest = 0.0, 0.0
     for s in samples:

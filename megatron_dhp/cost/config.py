@@ -1,7 +1,7 @@
 """Cost-model configuration: the dynamic domain and the coefficients, loaded from YAML.
 
 The dataclass is the source of truth; YAML only loads into it (`yaml.safe_load`, every key checked).
-Keys and units follow BENCHMARK.md section 2.
+Keys and units are those of the reference model (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ class Domain:
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Every parameter of a cost model; see BENCHMARK.md section 2 for the formulas."""
+    """Every parameter of a cost model; see docs/cost-model.md for the formulas."""
 
     kind: str
-    """`reference` (BENCHMARK.md coefficients) or `profiled` (fitted by `megatron-dhp profile`)."""
+    """`reference` (the published coefficients, docs/cost-model.md) or `profiled` (fitted by `megatron-dhp profile`)."""
     world_size: int
     """N: ranks of the dynamic domain (the DP x CP ranks of one TP/PP coordinate)."""
     gpus_per_node: int
@@ -85,7 +85,7 @@ class CostConfig:
     """Encoder tokens per LLM token of an image (2x2 merge, pixel shuffle: 4; 1 feeds every patch to the LLM):
     a short-form image of P encoder tokens takes ceil(P / merge) of its sample's LLM tokens."""
     encoder_placement: str = "split"
-    """Where the vision encoder runs: split (the sample's group shares it, BENCHMARK.md section 2), replicate
+    """Where the vision encoder runs: split (the sample's group shares it, the reference formula), replicate
     (every rank of the group runs all of it), global (balanced over the domain) or auto (the planner tries
     each and keeps the fastest); see docs/cost-model.md."""
     encoder_frozen: bool = False

@@ -4,7 +4,7 @@ An item's encoder attends only inside each of its blocks (a tile, a frame), so i
     w(item) = e sum_blocks b^2 + f enc       (forward + backward; FORWARD_SHARE of it when the encoder is frozen)
 and never e enc^2. A placement decides who runs that work:
 - `split`: the sample's group spreads its items' blocks over its d ranks: w / d inside the sample's time
-  (BENCHMARK.md section 2's formula, the reference presets' default);
+  (the reference model's formula, the reference presets' default);
 - `replicate`: every rank of the group encodes all the group's items: w inside the sample's time, not divided;
 - `global`: the blocks of the whole batch are balanced over all N ranks (longest first to the least loaded)
   before the first microbatch, the embeddings go to their samples' LLM ranks in one all-to-all, and the
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from megatron_dhp.cost.config import CostConfig
 
 ENCODER_PLACEMENTS: dict[str, str] = {
-    "split": "the sample's group spreads its images' blocks over its d ranks: encoder work / d (BENCHMARK.md §2)",
+    "split": "the sample's group spreads its images' blocks over its d ranks: encoder work / d (the reference formula)",
     "replicate": "every rank of the sample's group encodes all its images (upstream CP): encoder work not divided",
     "global": "blocks balanced over the whole domain, embeddings all-to-all to the LLM ranks, backward after the "
               "last microbatch",

@@ -1,6 +1,6 @@
 """Fit a `kind: profiled` cost model to measured microbatch times.
 
-The fit is a least-squares fit of the reference form (BENCHMARK.md section 2, overlap_comm false, since
+The fit is a least-squares fit of the reference form (docs/cost-model.md, overlap_comm false, since
 gloo collectives block), relative to each measurement so that short microbatches count as much as long:
 
     T(L, d, k) = m + lambda [d > 1] + k (s + (a L^2 + b L) / d + c L (d - 1) / d)

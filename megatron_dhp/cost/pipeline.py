@@ -4,7 +4,7 @@ How a microbatch's PP = 1 time T = m (+ lambda) + sum t splits: the cost model d
 and each stage runs 1/P of its layers, so one microbatch costs T / P on every stage, a third of it in the
 forward and two thirds in the backward (F = T / 3P, B = 2T / 3P). An idle slot is a one-token microbatch on
 a group of one, priced the same way (m + t(1, 1), split alike). No cost key is added: at P = 1 this is the
-plain sum of BENCHMARK.md section 2.
+plain sum of the reference model (docs/cost-model.md).
 
 Stage s of a position runs its K slots in megatron-core's non-interleaved 1F1B order: min(P - s - 1, K)
 warm-up forwards, then one forward and one backward alternately, then the remaining backwards. F(j, s)

@@ -1,4 +1,4 @@
-"""The reference cost model of BENCHMARK.md section 2, vectorised over samples.
+"""The reference cost model (docs/cost-model.md), vectorised over samples.
 
 For a sample of length L on a group of d ranks:
     compute(L, d) = (a L^2 + b L + sum_images (e sum_blocks B^2 + f P)) / d

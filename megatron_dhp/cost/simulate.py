@@ -1,7 +1,7 @@
 """Score a plan with a cost model: when each group starts and ends, and the step time.
 
 Phases run in order. A group starts at the latest finish time of its ranks so far and its ranks finish at
-start + group time, where a group's time is the sum of its microbatches (BENCHMARK.md section 2). A plan
+start + group time, where a group's time is the sum of its microbatches (docs/cost-model.md). A plan
 with `phase_barrier` also makes every rank wait for all ranks at each phase change. Every rank starts at the
 cost model's step overhead sigma (0 unless profiled). A plan with P > 1 pipeline stages is priced per stage
 in 1F1B order instead (`cost.pipeline`).

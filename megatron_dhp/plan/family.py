@@ -13,14 +13,14 @@ It is a pure function of (N = world_size, g = gpus_per_node, K = max_groups_per_
   aligned power-of-two block of the next power of two B >= s, so the rest of a block that such a window
   leaves free is a window too. Where that block is the node (5 - 7 ranks at g = 8) one window starts the
   node, and the family also tiles the domain with s across node boundaries (windows at 0, s, 2s, ...):
-  one such sample per node left the rest of each node idle while they ran (`replicate`'s 6 - 7-rank
-  videos: dhp 1.17 x LB, 1.04 with the tiling).
+  otherwise one such sample per node would leave the rest of each node idle while it runs (`replicate`'s
+  6 - 7-rank videos).
 - across node boundaries: every ladder size s with g < s < 2g tiling the domain, once from its first rank
   (windows at 0, s, 2s, ...) and once from its last, so that N / s such groups run side by side (two per
-  rank at most, as many as windows at both ends of each node pair held, which let only one run per pair:
-  a batch of 9 - 11-rank videos then cost dhp 13 - 15 % of its step, and WLB-LLM without overlap 2.5 %).
-  Without any of these a sample that needs 9 - 15 ranks at g = 8 would get 16, which cost dhp 12 % of its
-  step time on WLB-LLM at N = 64.
+  rank at most, as many as windows at both ends of each node pair would hold, which let only one run per
+  pair and leave batches of 9 - 11-rank videos, or WLB-LLM without overlap, waiting for them).
+  Without any of these a sample that needs 9 - 15 ranks at g = 8 would get 16, a large share of its
+  step's ranks idle on WLB-LLM at N = 64.
 - across nodes: k whole nodes for every k >= 2 of the ladder, at node offsets that are multiples of k
   (aligned runs of nodes; megatron-core's power-of-two blocks above a node), and the whole domain.
 
@@ -30,8 +30,8 @@ factor 1 + 1/p. The builder takes the finest p of (8, 4, 2, 1) whose largest per
 d >= 2g it is at most min(N, g * ceil(ceil(d / g) * (1 + 1/p))): one ladder step up in whole nodes.
 
 The default K = 32 (`DEFAULT_MAX_GROUPS_PER_RANK`) fits p = 8 (every size to 16 nodes) at N = 64, p = 4
-(at most 25 % more ranks) at N = 256 and p = 2 (at most 50 %) at N = 1,024 and 16,384 with g = 8, where
-dhp's plans stay within 1 % of unrestricted groups at N = 64 and 256 (docs/planners.md, "Group family").
+(at most 25 % more ranks) at N = 256 and p = 2 (at most 50 %) at N = 1,024 and 16,384 with g = 8 (what
+the family costs dhp's plans against unrestricted groups: docs/results.md, "Group family").
 32 communicators per rank is about what megatron-core's hybrid CP plus Megatron's own ~20 groups hold,
 a few GB at the reported few hundred MB each and lazily connected since NCCL 2.22. K = 0 means no family.
 

@@ -12,7 +12,7 @@ backward, in LLM tokens: about the encoder's hidden size x layers over the LLM's
   the runtime places them) before the first microbatch and keeps the activations until after the last, so
   w x the largest share sits on every rank for the whole step, and a microbatch adds sum_S L / d.
 
-Per rank that must stay within the cap M. With w = 0 (BENCHMARK.md section 2's reference) only LLM tokens
+Per rank that must stay within the cap M. With w = 0 (the reference model's, docs/cost-model.md) only LLM tokens
 count. Tokens are whole: each sample's encoder share is rounded up. More ranks never hold more per rank, so a
 microbatch that fits d ranks fits any wider group.
 """

@@ -1,6 +1,6 @@
 """The plan of one step: which ranks form which groups, and which samples each group runs.
 
-A plan is plain data with a JSON form (`megatron-dhp/plan/v1`, see BENCHMARK.md section 1). Planners
+A plan is plain data with a JSON form (`megatron-dhp/plan/v1`, docs/plan-format.md). Planners
 produce it, the cost model scores it and the runtime executes it; none of them needs another's internals.
 """
 
@@ -223,7 +223,7 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self, *, timings: bool = True) -> dict:
-        """The plan JSON of BENCHMARK.md section 1; `timings=False` drops the measured fields."""
+        """The plan JSON (docs/plan-format.md); `timings=False` drops the measured fields."""
         out: dict = {
             "schema": SCHEMA,
             "planner": self.planner,

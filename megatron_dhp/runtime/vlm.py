@@ -71,7 +71,7 @@ class VisionTowerConfig:
 
     @property
     def merge(self) -> int:
-        """Encoder tokens per LLM token (BENCHMARK.md section 1's merge factor)."""
+        """Encoder tokens per LLM token (the merge factor of docs/plan-format.md)."""
         return self.patches_per_tile // self.tokens_per_tile
 
 

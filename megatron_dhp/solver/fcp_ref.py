@@ -1,6 +1,8 @@
-"""The DHP/FCP paper's two-stage solver as published (BENCHMARK.md section 4, `fcp-ref`).
+"""The DHP/FCP paper's two-stage solver as published (`fcp-ref`).
 
-Re-implemented from the description in shared/reference/dhp_fcp.md section 2.2 (no code copied):
+Re-implemented from the description of "DHP: Efficient Scaling of MLLM Training with Dynamic Hybrid
+Parallelism" (arXiv 2602.21788, v2 "Efficient Scaling of LLM Training with Flexible Context Parallelism") and
+the `Scheduler.compute_parallel_method` of GitHub O617/MMLC, `scheduler.py` (no code copied):
 1. min_cp(L) = ceil(L / M) per sample (ring CP: any degree, no power-of-two rounding); with encoder memory,
    the memory rule's minimum (`plan.memory`).
 2. Memory-aware best-fit decreasing: longest sample first into the existing bin with bin.min_cp >= its

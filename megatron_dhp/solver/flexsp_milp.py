@@ -1,4 +1,5 @@
-"""FlexSP as a planner (BENCHMARK.md section 4, `flexsp-milp`; shared/reference/flexsp.md section 3).
+"""FlexSP as a planner (`flexsp-milp`): "FlexSP: Accelerating Large Language Model Training via Flexible
+Sequence Parallelism" (ASPLOS 2025, arXiv 2412.01523) and its code, PKU-DAIR/Hetu-Galvatron branch `flexsp`.
 
 1. Sequence Blaster: sort the batch longest first and cut it into mb contiguous microbatches minimising the
    largest token sum; mb0 = ceil(tokens / (N M)), raised until every microbatch fits N x M; try mb0 .. mb0+3

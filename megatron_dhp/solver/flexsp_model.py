@@ -1,6 +1,7 @@
 """FlexSP's parallelism MILP for one microbatch of bucketed samples, solved with HiGHS.
 
-Re-implemented from shared/reference/flexsp.md section 3(c) (no code copied). Slots: for each power-of-two
+Re-implemented from FlexSP's `solve_flexSP_bucket_seqs` (PKU-DAIR/Hetu-Galvatron, branch `flexsp`,
+`galvatron/flexsp_solver/`; no code copied). Slots: for each power-of-two
 group size sp >= 2 there are floor(N / sp) slots, or floor((N - sp_max) / sp) below the largest size any
 bucket requires. Variables: A[k, p] >= 0 integer (samples of bucket k in slot p), m[p] binary (slot used),
 M >= 0 (makespan). Minimise M subject to
@@ -17,8 +18,8 @@ slots of one size (used slots first, loads non-increasing). FlexSP warm-starts S
 solutions (`addSol`); HiGHS takes one start, the best of them.
 
 Each MILP runs in a child process (FlexSP, too, solves in a process pool) killed at a hard deadline: HiGHS
-does not check its time limit everywhere (presolve's strengthenInequalities inside a RENS sub-MIP looped for
-over 15 minutes on a 10 s limit here; ERGO-Code/HiGHS#2226), and a planner must not hang. A MILP cut off
+does not check its time limit everywhere (presolve's strengthenInequalities inside a RENS sub-MIP can loop
+far past a 10 s limit; ERGO-Code/HiGHS#2226), and a planner must not hang. A MILP cut off
 there keeps the homogeneous warm start, as one with no incumbent does.
 """
 

@@ -1,4 +1,4 @@
-"""megatron-core's hybrid context parallel scheduler as a planner (BENCHMARK.md section 4, `megatron-hcp`).
+"""megatron-core's hybrid context parallel scheduler as a planner (`megatron-hcp`).
 
 Upstream's `BalancedCPScheduler` (megatron/core/pipeline_parallel/hybrid_cp_schedule.py) is called through
 its public class on (sample id, length) pairs. It returns successive *sets*, each a per-rank list of sample

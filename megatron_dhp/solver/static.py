@@ -1,4 +1,4 @@
-"""Megatron's static context parallelism as a planner (BENCHMARK.md section 4, `static`).
+"""Megatron's static context parallelism as a planner (`static`).
 
 One CP size for the whole run, the smallest power of two whose groups hold the dataset's longest sample;
 DP = N / CP replicas of contiguous ranks; each replica runs the same number of microbatches of at most

@@ -32,7 +32,7 @@ def test_presets_hold_what_they_promise(name):
     config = DhpConfig.load(REPO / "configs" / f"{name}.yaml")
     assert {key: getattr(config, key) for key in PRESETS[name]} == PRESETS[name]
     cost = CostConfig.load(config.cost)
-    # Every preset plans with the GPT-7B reference model of BENCHMARK.md section 2, encoder terms included.
+    # Every preset plans with the GPT-7B reference model of docs/cost-model.md, encoder terms included.
     assert (cost.kind, cost.world_size, cost.gpus_per_node, cost.max_tokens_per_rank) == ("reference", 64, 8, 8192)
     assert (cost.attn_s_per_token2, cost.linear_s_per_token, cost.microbatch_overhead_s) == (5.128e-9, 1.84e-4, 0.05)
     assert (cost.enc_attn_s_per_token2, cost.enc_linear_s_per_token) == (2.0e-9, 6.0e-5)

@@ -4,7 +4,7 @@ When wide samples are most of the work (long videos under the `replicate` encode
 4 - 7 ranks for memory, and its encoder runs whole on every rank of its group, so more ranks barely shorten
 it), the skyline's earliest-end placement mixes degrees on the same ranks, and the windows of one size then
 block the family's tilings of another (a 6-wide window at ranks 6 - 11 holds no 5-wide one): ranks wait,
-or idle at the end (dhp 1.054 x LB on a 64-rank batch; multifit on windows did not fix it). Here the wide
+or idle at the end (multifit on windows alone does not fix it). Here the wide
 samples are packed first-fit decreasing into columns opened at their own degree, to a height bisected as
 multifit does (`pack`, `column_layout`), the columns laid on windows that tile the domain from its first
 rank (`tiling`), and balanced by their real times (`balance`); the small samples then fill every column

@@ -186,7 +186,8 @@ def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Dra
 
     Earliest-end placement spreads wide samples evenly over the columns and leaves each with a last item
     that overshoots; when wide samples are most of the work (long videos under the `replicate` encoder
-    placement, each 6-7 ranks for ~15 s) that costs up to 20 % of the step, and the limit packs them tighter.
+    placement, each 6-7 ranks for most of the step) that overshoot sets the step, and the limit packs them
+    tighter.
     """
     lo, hi = cand.bound_s, draft.makespan_s
     misses = 0
@@ -337,8 +338,8 @@ def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], sta
     run by the 1F1B simulator with its microbatches priced from the instance's tables.
 
     Without PP the candidates are dhp's plan and static CP's layout: a batch with little work and one sample
-    that dominates it (a video of a CPU-sized multimodal batch) made dhp give that sample a wide group whose
-    collectives cost more than they saved, up to 1.4x static CP's step."""
+    that dominates it (a video of a CPU-sized multimodal batch) can make dhp give that sample a wide group
+    whose collectives cost more than they save, where static CP's layout is faster."""
     plans = [draft_plan(inst, batch, groups, stages) for groups in candidates]
     times = [pipeline_step_time(plan, inst.model, dict(enumerate(inst.layout_times(plan.groups)))) if stages > 1
              else simulate(plan, inst.model).step_time_s for plan in plans]
