@@ -17,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
-from megatron_dhp.megatron.arguments import dhp_config_from_args
+from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -27,8 +27,10 @@ from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
 
 
+@exits_on_dhp_error()
 def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
-    """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group."""
+    """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group (a
+    `DhpError`: one line on rank 0, exit 2 on every rank)."""
     return with_dynamic_cp(spec, backend=dhp_config_from_args(args).layer_spec)
 
 
@@ -52,12 +54,14 @@ def layer_spec_provider(spec: ModuleSpec | Callable | None, args: argparse.Names
     return provide
 
 
+@exits_on_dhp_error()
 def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iterator: object,
           test_data_iterator: object) -> tuple[object, object, object]:
     """Start megatron-dhp and return Megatron's three data iterators as iterators of planned steps.
 
     Call on every rank once the model and Megatron's data iterators exist. Collective. The iterators carry
-    this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators.
+    this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators. A `DhpError`
+    (e.g. a --seq-length the domain cannot hold) is one line on rank 0 and exit 2 on every rank, as a refusal.
     """
     config = dhp_config_from_args(args)
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
