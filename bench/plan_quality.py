@@ -27,9 +27,11 @@ flexsp-milp, minutes per batch, on the first few of the same batches) and prints
 
 `--multimodal` runs the planners on the multimodal workload with the encoder priced under each encoder
 placement (`--placements`, default split,replicate,global,auto; `cost.encoder`), every plan against the best
-lower bound of its placement (auto: the least over the placements), and prints per placement dhp's step / LB
-(mean, max) and dhp / each peer (mean, max) against issue 17's targets (<= 1.03 x LB on average, never more
-than 0.5 % behind a peer):
+lower bound of its placement (auto: the least over the placements), and prints per placement dhp's step / best
+LB (mean, max) and dhp / each peer (mean, max) against issue 17's targets (<= 1.03 x best LB on average, never
+more than 0.5 % behind a peer). The best bound (`best_lower_bound`: the larger of the reference bound and the
+coupled one, at P = 1) is another quantity than a plan's `lower_bound_s`, the bound of the main table, of
+`Plan.summary` (the Megatron plan line) and of `--variants`' "ref LB" column:
 
     python bench/plan_quality.py --multimodal --planners dhp,megatron-hcp,fcp-ref --domains gpt7b-64 --batches 3
 """
@@ -378,9 +380,10 @@ def run_placements(args: argparse.Namespace, console: Console) -> list[dict]:
 
 
 def print_placements(records: list[dict], args: argparse.Namespace, console: Console) -> None:
-    """Per (domain, placement): dhp's step / best LB and dhp / each peer, with the issue-17 targets."""
+    """Per (domain, placement): dhp's step / best LB (not the plan's own bound) and dhp / each peer, with the
+    issue-17 targets."""
     peers = [p for p in args.planners if p != "dhp"]
-    cols = ["domain", "placement", "dhp step/LB mean (max)", *(f"{p} step/LB mean" for p in peers),
+    cols = ["domain", "placement", "dhp step/best LB mean (max)", *(f"{p} step/best LB mean" for p in peers),
             *(f"dhp / {p} mean (max)" for p in peers), "auto chose (dhp)", "targets met"]
     table = Table(title=f"multimodal, encoder placements: {args.batches} batches of {args.global_batch}")
     for col in cols:
