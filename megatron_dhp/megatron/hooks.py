@@ -20,6 +20,7 @@ from megatron_dhp.integration.planning import StepPlanner, domain_node_size, liv
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
@@ -113,7 +114,7 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, stage
     """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
 
     Under pipeline parallelism a stage keeps up to P microbatches in flight, so one holds M // P per rank."""
-    per_rank = config.max_tokens_per_rank // stages
+    per_rank = pipeline_token_cap(config.max_tokens_per_rank, stages)
     capacity = domain.size * per_rank
     if seq_length <= capacity:
         return None

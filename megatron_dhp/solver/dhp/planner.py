@@ -31,6 +31,7 @@ from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.dhp.columns import column_layout
@@ -234,7 +235,7 @@ class DhpPlanner:
         domain = model.domain
         family = group_family(domain.world_size, domain.gpus_per_node, self.max_groups_per_rank) \
             if self.max_groups_per_rank else None
-        inst = Instance.from_batch(batch, model, None if p == 1 else domain.max_tokens_per_rank // p, family)
+        inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p), family)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
             raise PlannerUnsupported(
