@@ -202,4 +202,11 @@ def test_global_under_pipelining_is_its_encoder_phase_around_the_1f1b_slots(smal
     timeline = simulate(plan, model)
     assert timeline.step_time_s == pytest.approx(simulate(text, model).step_time_s + phase.total_s)
     assert (timeline.encoder_before_s, timeline.encoder_after_s) == (phase.before_s, phase.after_s)
-    assert plan.predicted_step_time_s == pytest.approx(timeline.step_time_s)
+    # The memory rule from its definition: each rank keeps w x its longest-first share of the batch's items all
+    # step, so a microbatch has M less the largest share (whole tokens) for its sum_S L / d.
+    loads = [0] * small.world_size
+    for enc in sorted((item.enc for s in batch.samples for item in s.images), reverse=True):
+        loads[loads.index(min(loads))] += enc
+    fp = model.footprint(batch.samples)
+    assert fp.cap == small.max_tokens_per_rank - math.ceil(W * max(loads))
+    assert fp.shared.tolist() == [s.tokens for s in batch.samples] and not fp.held.any()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_dhp.cost import simulate
-from megatron_dhp.plan import Plan, PlanError, PlanGroup
+from megatron_dhp.plan import Plan, PlanError, PlanGroup, pipeline_token_cap
 from megatron_dhp.workload import Sample, VisualItem
 from tests import reference_eval
 
@@ -119,3 +119,9 @@ def test_simulate_phases_start_when_ranks_are_free(gpt7b_config, gpt7b):
     barrier = simulate(Plan("t", 4, 2, samples, plan.groups, phase_barrier=True), gpt7b)
     assert barrier.spans[2].start_s == pytest.approx(max(t[0] + t[1], t[3]))
     assert 0 < tl.idle_fraction < 1
+
+
+@pytest.mark.parametrize(("m", "p"), [(8192, 1), (8192, 4), (8191, 4), (3, 4)])
+def test_pipeline_token_cap_is_the_largest_whose_p_microbatches_in_flight_fit_m(m, p):
+    cap = pipeline_token_cap(m, p)
+    assert p * cap <= m < p * (cap + 1)

@@ -46,10 +46,6 @@ class Domain:
         """The longest sample the whole domain can hold: N x M."""
         return self.world_size * self.max_tokens_per_rank
 
-    def node_of(self, rank: int) -> int:
-        """The node a domain position sits on."""
-        return rank // self.gpus_per_node
-
 
 @dataclass(frozen=True)
 class CostConfig:

@@ -9,7 +9,7 @@ In the order a run meets them (file names of the upstream checkout; `patches/` h
   over each microbatch's dynamic group.
 - `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
   iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator) that carry them to
-  the schedule.
+  the schedule. `layer_spec` and `setup` stop on a `DhpError` as `refuse_or_config` does.
 - `dhp_forward_backward` (training.py, train and evaluate): the schedule of one planned step.
 - `forward_step` (pretrain_gpt.py's forward_step): one planned microbatch through the model.
 

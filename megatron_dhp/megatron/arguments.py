@@ -4,7 +4,8 @@
 override the same keys of the `--dhp-config` YAML; `dhp_config_from_args` merges them into the one
 `DhpConfig` the run uses. `validate_dhp_args` rejects, before anything is built, every flag combination
 of the `refusals.REFUSALS` table, each in one line that names the flag and the nearest supported setting;
-`refuse_or_config` is its Megatron-LM entry, which prints them once and exits instead of raising.
+`refuse_or_config` is its Megatron-LM entry, which prints them once and exits instead of raising, as the
+hooks do with any `DhpError` at start-up (`exits_on_dhp_error`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.cost import CostConfig
@@ -99,14 +101,16 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
     return config
 
 
-def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
-    """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank.
+@contextmanager
+def exits_on_dhp_error() -> Iterator[None]:
+    """A `DhpError` raised inside (e.g. by the Megatron-LM hooks at start-up) becomes each of its lines on rank
+    0, then exit 2 on every rank; also a decorator.
 
-    A refusal is the user's to fix, not a crash: every rank raising would print one traceback per rank and
+    Such an error is the user's to fix, not a crash: every rank raising would print one traceback per rank and
     hide the message under them.
     """
     try:
-        return validate_dhp_args(args)
+        yield
     except DhpError as e:
         if _rank() == 0:
             sys.stderr.writelines(f"megatron-dhp: {line}\n" for line in str(e).splitlines())
@@ -114,6 +118,12 @@ def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
         else:
             time.sleep(_SILENT_RANK_EXIT_DELAY_S)
         raise SystemExit(2) from None
+
+
+@exits_on_dhp_error()
+def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
+    """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank."""
+    return validate_dhp_args(args)
 
 
 def _rank() -> int:

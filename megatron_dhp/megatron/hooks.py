@@ -17,17 +17,20 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
-from megatron_dhp.megatron.arguments import dhp_config_from_args
+from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
 
 
+@exits_on_dhp_error()
 def layer_spec(spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
-    """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group."""
+    """The transformer layer spec Megatron chose, with attention and RoPE over each microbatch's group (a
+    `DhpError`: one line on rank 0, exit 2 on every rank)."""
     return with_dynamic_cp(spec, backend=dhp_config_from_args(args).layer_spec)
 
 
@@ -51,12 +54,14 @@ def layer_spec_provider(spec: ModuleSpec | Callable | None, args: argparse.Names
     return provide
 
 
+@exits_on_dhp_error()
 def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iterator: object,
           test_data_iterator: object) -> tuple[object, object, object]:
     """Start megatron-dhp and return Megatron's three data iterators as iterators of planned steps.
 
     Call on every rank once the model and Megatron's data iterators exist. Collective. The iterators carry
-    this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators.
+    this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators. A `DhpError`
+    (e.g. a --seq-length the domain cannot hold) is one line on rank 0 and exit 2 on every rank, as a refusal.
     """
     config = dhp_config_from_args(args)
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
@@ -104,7 +109,7 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, stage
     """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
 
     Under pipeline parallelism a stage keeps up to P microbatches in flight, so one holds M // P per rank."""
-    per_rank = config.max_tokens_per_rank // stages
+    per_rank = pipeline_token_cap(config.max_tokens_per_rank, stages)
     capacity = domain.size * per_rank
     if seq_length <= capacity:
         return None

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from megatron_dhp.plan.plan import Plan
 
 
+def pipeline_token_cap(max_tokens_per_rank: int, stages: int) -> int:
+    """Tokens per rank one microbatch may hold at `stages` pipeline stages: M // P, so that the P microbatches
+    stage 0 keeps in flight under 1F1B hold at most M per rank (M itself without pipelining)."""
+    return max_tokens_per_rank // stages
+
+
 class Slot(NamedTuple):
     """One real microbatch of a position's slot list: `plan.groups[group].microbatches[microbatch]`."""
 

@@ -9,7 +9,7 @@ The plan places every sample's LLM tokens (zigzag over its group); the encoder p
 - `global`: the images of the whole batch spread over the whole domain (OrchMLLM, MindSpeed-MM), then an
   all-to-all of embeddings to the LLM owners.
 
-Execution is the same for all three (`run_vlm_step`): each rank encodes its images once, before the step's
+Execution is the same for all three (`step.run_step`): each rank encodes its images once, before the step's
 first microbatch; one all-to-all over the domain moves the embedding rows the LLM positions need; every
 microbatch fills its image rows from them; after the last microbatch the embeddings' gradients go back in
 one all-to-all and the encoder's backward runs once. No collective runs inside a microbatch's autograd, so

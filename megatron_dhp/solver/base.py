@@ -14,6 +14,7 @@ from megatron_dhp.cost.pipeline import lower_bound as pipeline_lower_bound
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import GroupFamily
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.solver.encoder_auto import plan_best_placement
 from megatron_dhp.workload.batches import fit_to_domain
@@ -110,7 +111,7 @@ def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, st
     """The model a planner that does not plan for pipelining plans with at `stages` stages (see `run_planner`)."""
     if stages == 1:
         return model
-    cap = model.domain.max_tokens_per_rank // stages
+    cap = pipeline_token_cap(model.domain.max_tokens_per_rank, stages)
     # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
     longest = max(int(batch.lengths.max()), planner.dataset_max_tokens or 0)
     n = model.domain.world_size

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,19 +35,46 @@ def test_layer_spec_swaps_attention_in_megatron_specs():
     assert base.submodules.self_attention.submodules.core_attention is DotProductAttention  # a copy, not in place
 
 
-def test_layer_spec_rejects_what_it_cannot_convert(tmp_path):
+def refused(capsys: pytest.CaptureFixture, hook: Callable[[], object]) -> list[str]:
+    """What a hook that refuses the run leaves: it exits 2 (no traceback), and the lines it printed."""
+    with pytest.raises(SystemExit) as exited:
+        hook()
+    assert exited.value.code == 2 and exited.value.__suppress_context__
+    return capsys.readouterr().err.splitlines()
+
+
+def test_layer_spec_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys, monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_dhp.megatron import layer_spec
 
+    monkeypatch.delenv("RANK", raising=False)
     mla = get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(DhpError, match="self_attention is megatron's SelfAttention"):
-        layer_spec(mla, dhp_args())
+    (line,) = refused(capsys, lambda: layer_spec(mla, dhp_args()))
+    assert line.startswith("megatron-dhp: ") and "self_attention is megatron's SelfAttention" in line
     te = tmp_path / "te.yaml"
     te.write_text("layer_spec: te\n")
     if not torch.cuda.is_available():
-        with pytest.raises(DhpError, match="'te' layer spec needs"):
-            layer_spec(get_gpt_layer_local_spec(), dhp_args(dhp_config=str(te)))
+        (line,) = refused(capsys, lambda: layer_spec(get_gpt_layer_local_spec(), dhp_args(dhp_config=str(te))))
+        assert line.startswith("megatron-dhp: ") and "'te' layer spec needs" in line
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(capsys, monkeypatch, rank):
+    """A new user's PP 2 run at --dhp-max-tokens-per-rank 32: 2 ranks hold 2 x 32 // 2 = 32 tokens, not 64;
+    rank 0 says so in one line, every rank exits 2 (the domain and PP stubbed: no process group here)."""
+    from megatron_dhp.megatron import arguments, hooks
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(arguments, "_SILENT_RANK_EXIT_DELAY_S", 0.0)
+    monkeypatch.setattr(hooks, "DynamicDomain", SimpleNamespace(from_parallel_state=lambda timeout: SimpleNamespace(size=2)))
+    monkeypatch.setattr(hooks.parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(hooks, "check_pipeline", lambda domain: None)
+    args = dhp_args(dhp_max_tokens_per_rank=32, seq_length=64, distributed_timeout_minutes=1)
+    printed = refused(capsys, lambda: hooks.setup(args, None, None, None))
+    assert printed == ([] if rank == "1" else [
+        "megatron-dhp: --seq-length 64 exceeds what the domain of 2 ranks holds at max_tokens_per_rank 32 // 2 "
+        "pipeline stages (32 tokens); raise --dhp-max-tokens-per-rank to at least 64 or set truncate: true"])
 
 
 def test_layer_spec_provider_resolves_megatron_019_choices():

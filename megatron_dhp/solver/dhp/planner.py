@@ -31,6 +31,7 @@ from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, GroupFamily, group_family
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
 from megatron_dhp.solver.base import Planner, PlannerUnsupported
 from megatron_dhp.solver.dhp.columns import column_layout
@@ -234,7 +235,7 @@ class DhpPlanner(Planner):
         group one of `family`'s, or any contiguous window without one."""
         p = pipeline_stages
         domain = model.domain
-        inst = Instance.from_batch(batch, model, None if p == 1 else domain.max_tokens_per_rank // p, family)
+        inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p), family)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
             raise PlannerUnsupported(
