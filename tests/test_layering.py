@@ -16,6 +16,7 @@ FLOORS = (
     ("solver",),
     ("viz",),
     ("runtime",),
+    ("testing",),
     ("integration",),
     ("training", "megatron"),
     ("cli", "__main__", "__init__"),

@@ -32,7 +32,7 @@ from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.model import seq_multiple
+from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.step import reduce_gradients, run_step
 from megatron_dhp.solver import static_cp_size

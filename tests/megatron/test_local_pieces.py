@@ -136,7 +136,7 @@ def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
-    from megatron_dhp.runtime.model import with_dynamic_cp
+    from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
     class TEDotProductAttention:
         cp_stream = None
@@ -162,7 +162,7 @@ def test_a_decoder_block_spec_gets_dynamic_cp_attention_in_every_layer():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
-    from megatron_dhp.runtime.model import with_dynamic_cp
+    from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
     config = TransformerConfig(num_layers=3, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
                                moe_layer_freq=[0, 1, 1], use_cpu_initialization=True)

@@ -41,4 +41,4 @@ LAYER_SPECS: dict[str, str] = {
     "local": "megatron-dhp's core attention (any device, any linear layers)",
     "te": "TransformerEngine's core attention (GPU; --transformer-impl transformer_engine)",
 }
-"""Which core attention the layer spec holds (see `runtime.model.dhp_layer_spec`)."""
+"""Which core attention the layer spec holds (see `runtime.layer_spec.dhp_layer_spec`)."""
