@@ -19,7 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_dhp.runtime.dispatch import TokenSample
+from megatron_dhp.runtime.step_data import TokenSample
 from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt
 
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
@@ -27,6 +26,7 @@ from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
+from megatron_dhp.runtime.step_data import TokenSample, local_slice
 from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.testing.vlm import TinyVLM, TinyVLMConfig

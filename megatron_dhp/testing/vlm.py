@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.dispatch import ImageInput, TokenSample
+from megatron_dhp.runtime.step_data import ImageInput, TokenSample
 from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, init_weights_
 from megatron_dhp.workload.sample import Batch
 

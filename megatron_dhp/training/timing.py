@@ -91,11 +91,11 @@ class GridTimer:
     """
 
     def __init__(self, config: TrainConfig, grid: list[GridPoint]) -> None:
-        from megatron_dhp.runtime.dispatch import local_slice
         from megatron_dhp.runtime.domain import DynamicDomain
         from megatron_dhp.runtime.engine import StepEngine
         from megatron_dhp.runtime.group_pool import GroupPool
         from megatron_dhp.runtime.layer_spec import seq_multiple
+        from megatron_dhp.runtime.step_data import local_slice
         from megatron_dhp.training.model import build_model
 
         self.config = config

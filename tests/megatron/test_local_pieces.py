@@ -9,7 +9,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.dispatch import StepInputs
+from megatron_dhp.runtime.step_data import StepInputs
 from megatron_dhp.workload.sample import Batch
 
 
@@ -86,10 +86,10 @@ def _plan(groups, *, barrier=False, n=3) -> Plan:
 
 
 def test_work_items_follow_phases_with_barriers_and_fill_idle_ranks():
-    from megatron_dhp.runtime.dispatch import MicrobatchInputs
     from megatron_dhp.runtime.layout import MicrobatchLayout
     from megatron_dhp.runtime.slots import PHASE_BARRIER as BARRIER
     from megatron_dhp.runtime.slots import work_items
+    from megatron_dhp.runtime.step_data import MicrobatchInputs
 
     def mb(phase):
         layout = MicrobatchLayout((0,), (4,), 1, 0)

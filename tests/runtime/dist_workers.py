@@ -16,9 +16,9 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS, DOMAIN_COMMS
-from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.cpu_compat import apply_cpu_compat
 from megatron_dhp.testing.gpt import TinyGPTConfig
 from megatron_dhp.testing.selfcheck import SelfCheck, init_distributed, random_samples

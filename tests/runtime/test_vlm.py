@@ -11,7 +11,7 @@ from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
-from megatron_dhp.runtime.dispatch import GatheredImage, ImageInput, TokenSample
+from megatron_dhp.runtime.step_data import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.vision import encoder_ranks
 from megatron_dhp.testing.launch import launch
 from megatron_dhp.testing.selfcheck import TOLERANCE

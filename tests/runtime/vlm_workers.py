@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.attention import COMM_VARIANTS
-from megatron_dhp.runtime.dispatch import gather_batch, local_slice
+from megatron_dhp.runtime.collectives import gather_batch
+from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.cpu_compat import apply_cpu_compat
 from megatron_dhp.testing.selfcheck import SelfCheck, init_distributed
 from megatron_dhp.testing.vlm import TinyVLMConfig, random_vlm_samples
