@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
 from megatron_dhp.runtime.attention import ANY_GROUP_COMMS, BACKENDS, STEP_COMMS
 

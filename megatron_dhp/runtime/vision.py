@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.collectives import all_to_all_rows
 from megatron_dhp.runtime.domain import DynamicDomain

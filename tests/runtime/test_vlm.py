@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.step_data import GatheredImage, ImageInput, TokenSample

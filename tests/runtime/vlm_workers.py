@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.attention import COMM_VARIANTS
 from megatron_dhp.runtime.collectives import gather_batch
 from megatron_dhp.runtime.step_data import local_slice
