@@ -270,7 +270,7 @@ def te_attention(layout: MicrobatchLayout, scale: float) -> Callable:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
-    from megatron_dhp.runtime.model import dhp_layer_spec
+    from megatron_dhp.runtime.layer_spec import dhp_layer_spec
 
     core = dhp_layer_spec(backend="te").submodules.self_attention.submodules.core_attention
     params = DhpPackedSeqParams.for_microbatch(CPContext(layout, None), device=DEVICE)
@@ -296,8 +296,8 @@ def one_rank_job() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dhp.runtime.launch import free_port
-    from megatron_dhp.runtime.selfcheck import init_distributed
+    from megatron_dhp.testing.launch import free_port
+    from megatron_dhp.testing.selfcheck import init_distributed
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}

@@ -51,9 +51,9 @@ from rich.table import Table
 from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 

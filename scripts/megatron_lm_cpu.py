@@ -33,7 +33,7 @@ TRAINING_MODULES = (
 
 def answer_cuda_on_cpu() -> None:
     """Make Megatron-LM's CUDA assumptions hold on a CPU-only machine (megatron-core's shim first)."""
-    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat, redirect_cuda_literals
+    from megatron_dhp.testing.cpu_compat import apply_cpu_compat, redirect_cuda_literals
 
     apply_cpu_compat()
     torch.cuda.device_count = lambda: 1  # Megatron initialises model parallelism only "with devices"

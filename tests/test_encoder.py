@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS, FORWARD_SHARE
+from megatron_dhp.cost.encoder import FORWARD_SHARE
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.plan.memory import longest_first_makespan
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.solver import build_planner, run_planner

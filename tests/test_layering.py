@@ -1,4 +1,5 @@
-"""Imports go one way: a package imports only from the floors below it (docs/architecture.md)."""
+"""Imports go one way: a package imports only from the floors below it, and the runtime never imports cost or solver
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ FLOORS = (
     ("solver",),
     ("viz",),
     ("runtime",),
+    ("testing",),
     ("integration",),
     ("training", "megatron"),
     ("cli", "__main__", "__init__"),
@@ -24,15 +26,33 @@ FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
 PURE = ("workload", "plan", "cost", "solver")
 """Planning code: runs in a planner thread or a notebook, never touches process groups."""
 
+NEVER = {"runtime": ("cost", "solver")}
+"""Floors below a package that it still must not import: the runtime receives a plan (or a function that makes
+one) and never prices or solves one itself. (`testing` sits above `runtime`, so the floors keep it out.)"""
+
 
 def _imports(path: Path) -> list[str]:
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names  # `from megatron_dhp import cost`
+                      if _is_module(f"{node.module}.{alias.name}")]
         elif isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
     return names
+
+
+def _is_module(name: str) -> bool:
+    """Whether `name` is a module or package of this project (not a name defined in one)."""
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def _package(name: str) -> str | None:
+    """The sub-package of `megatron_dhp` an imported name lies in (None outside the project)."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "megatron_dhp" and len(parts) > 1 else None
 
 
 def _modules() -> list[tuple[str, Path]]:
@@ -56,4 +76,10 @@ def test_no_import_goes_up_a_floor():
 def test_planning_code_imports_no_torch_distributed():
     offenders = [f"{path.relative_to(PACKAGE)} imports {name}" for top, path in _modules() if top in PURE
                  for name in _imports(path) if name.startswith(("torch.distributed", "megatron.core.parallel_state"))]
+    assert offenders == []
+
+
+def test_runtime_imports_no_cost_model_or_planner():
+    offenders = [f"{path.relative_to(PACKAGE)} imports {name}" for top, path in _modules() if top in NEVER
+                 for name in _imports(path) if _package(name) in NEVER[top]]
     assert offenders == []

@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
-from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")

@@ -1,4 +1,4 @@
-"""Where the vision encoder runs, and what its work costs under each placement.
+"""Where the vision encoder runs, and what its work costs under each placement (their names: `plan.encoder`).
 
 An item's encoder attends only inside each of its blocks (a tile, a frame), so its seconds on one rank are
     w(item) = e sum_blocks b^2 + f enc       (forward + backward; FORWARD_SHARE of it when the encoder is frozen)
@@ -28,18 +28,6 @@ from megatron_dhp.workload.sample import Sample
 
 if TYPE_CHECKING:
     from megatron_dhp.cost.config import CostConfig
-
-ENCODER_PLACEMENTS: dict[str, str] = {
-    "split": "the sample's group spreads its images' blocks over its d ranks: encoder work / d (the reference formula)",
-    "replicate": "every rank of the sample's group encodes all its images (upstream CP): encoder work not divided",
-    "global": "blocks balanced over the whole domain, embeddings all-to-all to the LLM ranks, backward after the "
-              "last microbatch",
-    "auto": "plan under each of split, replicate and global and keep the lowest predicted step",
-}
-"""Encoder placements by name (the cost key `encoder_placement`), each with one line on what it does."""
-
-CONCRETE_PLACEMENTS = ("split", "replicate", "global")
-"""The placements a plan is priced and run with (`auto` resolves to one of them)."""
 
 FORWARD_SHARE = 1.0 / 3.0
 """The forward's share of an encoder's forward+backward seconds (a backward costs about twice the forward):

@@ -26,7 +26,7 @@ class CostModel(Protocol):
     step_overhead_s: float
     """sigma: fixed seconds every step pays before its first microbatch, on every rank."""
     encoder_placement: str
-    """Where the vision encoder runs (`cost.encoder.ENCODER_PLACEMENTS`); `auto` is resolved by the planner."""
+    """Where the vision encoder runs (`plan.encoder.ENCODER_PLACEMENTS`); `auto` is resolved by the planner."""
 
     def with_placement(self, placement: str) -> CostModel:
         """The same model with the encoder run as `placement`."""

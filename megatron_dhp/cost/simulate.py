@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS, EncoderPhase
+from megatron_dhp.cost.encoder import EncoderPhase
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.cost.pipeline import pipeline_ops
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
-from megatron_dhp.cost.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
+from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.runtime.attention import BACKENDS
 
 

@@ -1,7 +1,7 @@
 """Planning a training step from its gathered batch, optionally one step ahead of execution.
 
 The step engine asks only global rank 0's `StepPlanner` for plans and broadcasts them
-(`runtime.dispatch.broadcast_plan`), so a planner need not be deterministic across ranks and the others
+(`runtime.collectives.broadcast_plan`), so a planner need not be deterministic across ranks and the others
 never solve. Every rank still builds one (cheap: solvers keep no state between solves), so a bad planner
 setting stops every rank at start-up. With `overlap_planning` the plan of step t+1 is solved in a
 background thread while step t trains, so the solver never stalls the step.

@@ -25,7 +25,7 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.runtime.dispatch import StepInputs, TokenSample
+from megatron_dhp.runtime.step_data import StepInputs, TokenSample
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from megatron_dhp.megatron.data import wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.model import seq_multiple, with_dynamic_cp
+from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
 

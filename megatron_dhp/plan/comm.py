@@ -47,7 +47,7 @@ LAYER_SPECS: dict[str, str] = {
     "local": "megatron-dhp's core attention (any device, any linear layers)",
     "te": "TransformerEngine's core attention (GPU; --transformer-impl transformer_engine)",
 }
-"""Which core attention the layer spec holds (`runtime.model.dhp_layer_spec`)."""
+"""Which core attention the layer spec holds (`runtime.layer_spec.dhp_layer_spec`)."""
 
 DEFAULT_COMMUNICATOR_MB = 600.0
 """GPU memory one NCCL communicator takes: 389 MiB measured for its fixed part on an H200 (NCCL 2.28, one

@@ -2,10 +2,10 @@
 
 `StepEngine` owns the order of a step's collectives, which must be the same on every rank of the world:
 
-1. **gather** every sample's id, length and loss-token count over the domain (`dispatch.gather_batch`);
+1. **gather** every sample's id, length and loss-token count over the domain (`collectives.gather_batch`);
 2. **plan** the gathered batch on global rank 0 only (a `StepPlanning`, e.g. `integration.planning.StepPlanner`)
-   and broadcast the plan to every rank (`dispatch.broadcast_plan`), or take a plan given with the samples;
-3. **check** that every rank holds the same valid plan (`dispatch.check_plan`);
+   and broadcast the plan to every rank (`collectives.broadcast_plan`), or take a plan given with the samples;
+3. **check** that every rank holds the same valid plan (`collectives.check_plan`);
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective) unless the comm policy runs any group
@@ -44,21 +44,18 @@ from megatron_dhp.plan.comm import DOMAIN_COMMS, CommPolicy
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.dispatch import (
+from megatron_dhp.runtime.collectives import (
     PLANNING_RANK,
-    GatheredBatch,
-    MicrobatchInputs,
-    StepInputs,
-    TokenSample,
     broadcast_plan,
     check_plan,
     check_world,
     gather_batch,
-    move_tokens,
 )
+from megatron_dhp.runtime.dispatch import move_tokens
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, work_items
+from megatron_dhp.runtime.step_data import GatheredBatch, MicrobatchInputs, StepInputs, TokenSample
 from megatron_dhp.runtime.vision import move_images
 from megatron_dhp.workload.sample import Batch
 

@@ -7,6 +7,8 @@ every rank gets the same number of tokens and a balanced share of the causal wor
 TransformerEngine's THD context-parallel convention, which lets their RoPE and attention read the same
 layout). Padding sits at the end of each sample: under the causal mask no real query can see it, and the
 loss mask drops it. A group of one rank keeps the sample whole and unpadded.
+`microbatches_of` lays out every microbatch a domain position runs under a plan; dispatch (tokens) and
+vision (image rows) both route by it.
 
 Under sequence parallelism megatron-core splits every rank's THD rows over its T tensor-parallel ranks, so
 each sample's shard must also divide by T (`seq_multiple`): samples are padded to a multiple of
@@ -25,6 +27,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
+
+from megatron_dhp.plan.plan import Plan
 
 
 def shard_multiple(group_size: int, seq_multiple: int = 1) -> int:
@@ -178,4 +182,25 @@ class MicrobatchLayout:
 def _cumsum(values: tuple[int, ...]) -> torch.Tensor:
     out = torch.zeros(len(values) + 1, dtype=torch.int32)
     out[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int64), 0).to(torch.int32)
+    return out
+
+
+SlotRows = tuple[tuple[int, ...], ...]
+"""Local rows of the k-th slot of each phase, `rows[phase][k]`, the same on every rank of the domain."""
+
+
+def microbatches_of(plan: Plan, position: int, lengths: dict[int, int], seq_multiple: int,
+                     slot_rows: SlotRows | None) -> list[tuple[MicrobatchLayout, tuple[int, ...], int]]:
+    """(layout, sorted group ranks, phase) of every microbatch `position` runs, in execution order."""
+    out = []
+    for group in plan.groups_of_rank(position):
+        ranks = tuple(sorted(group.ranks))
+        for k, mb in enumerate(group.microbatches):
+            layout = MicrobatchLayout(
+                sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position),
+                seq_multiple=seq_multiple,
+            )
+            if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
+                layout = layout.with_rows(slot_rows[group.phase][k])
+            out.append((layout, ranks, group.phase))
     return out

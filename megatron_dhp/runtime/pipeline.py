@@ -33,12 +33,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import Slot, StepEngine
-from megatron_dhp.runtime.model import seq_multiple
+from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.slots import pipeline_work
 from megatron_dhp.runtime.step import StepResult, forward_thd, masked_loss_sum
+from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
 
 
 class PlannedShapes(P2PCommunicator):

@@ -32,8 +32,8 @@ import torch
 
 from megatron_dhp.plan.pipeline import pipeline_slots
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, SlotRows, StepInputs
-from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.layout import MicrobatchLayout, SlotRows
+from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
 
 PHASE_BARRIER = None
 """An item of `work_items`: a barrier over the domain between two phases."""

@@ -17,8 +17,9 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs, all_to_all_rows
+from megatron_dhp.runtime.collectives import all_to_all_rows
 from megatron_dhp.runtime.engine import Slot, StepEngine
+from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class _LossSum:
 
 
 class VisionLanguageModel(Protocol):
-    """What a step with images needs of the model (`runtime.vlm.TinyVLM` has it)."""
+    """What a step with images needs of the model (`testing.vlm.TinyVLM` has it)."""
 
     language: torch.nn.Module
     """A megatron GPT with dynamic-CP attention, fed `embed`'s output as its decoder input."""

@@ -21,38 +21,18 @@ and megatron DDP's sum over the domain adds up every image's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import (
-    GatheredBatch,
-    GatheredImage,
-    SlotRows,
-    TokenSample,
-    all_to_all_rows,
-    microbatches_of,
-)
+from megatron_dhp.runtime.collectives import all_to_all_rows
 from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.layout import SlotRows, microbatches_of
+from megatron_dhp.runtime.step_data import GatheredBatch, GatheredImage, TokenSample, VisionInputs
 
 ImageKey = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class VisionInputs:
-    """This rank's part of a step's images: the tiles it encodes and where their embedding rows go."""
-
-    pixels: torch.Tensor
-    """[tiles, 3, h, w]: the tiles of the images this rank encodes, image after image in canonical order."""
-    send_rows: torch.Tensor
-    """Rows of this rank's encoder output to send, destination after destination."""
-    send_counts: list[int]
-    recv_counts: list[int]
-    microbatch_rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    """Per microbatch of this rank (execution order): its image slots, and the received rows that fill them."""
 
 
 def encoder_ranks(plan: Plan, images: Sequence[GatheredImage], placement: str) -> dict[ImageKey, tuple[int, ...]]:

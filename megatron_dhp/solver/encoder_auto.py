@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.workload.sample import Batch
 

@@ -15,8 +15,8 @@ from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, t
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.presets import resolve_preset
-from megatron_dhp.runtime.model import TinyGPTConfig
-from megatron_dhp.runtime.vlm import TinyVLMConfig, VisionTowerConfig
+from megatron_dhp.testing.gpt import TinyGPTConfig
+from megatron_dhp.testing.vlm import TinyVLMConfig, VisionTowerConfig
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ModelConfig(TinyGPTConfig):
 
 @dataclass(frozen=True)
 class VisionConfig(VisionTowerConfig):
-    """An InternVL-shaped vision tower in front of the GPT (`runtime.vlm`); 0 layers: a text-only GPT.
+    """An InternVL-shaped vision tower in front of the GPT (`testing.vlm`); 0 layers: a text-only GPT.
 
     With it the data's images (a multimodal source, e.g. `multimodal`) become tiles of random pixels: each
     tile is `(tile_px / patch_px)^2` encoder tokens, one block of the encoder's attention, and a quarter as

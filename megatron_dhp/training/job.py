@@ -1,7 +1,7 @@
 """Where a training job's ranks come from: spawned here (gloo, one compute thread each) or torchrun's.
 
 Under torchrun (RANK and WORLD_SIZE set) the process is one rank and runs the function itself; otherwise
-`train.nproc` local ranks are spawned with `runtime.launch`, which gives each the torchrun environment and
+`train.nproc` local ranks are spawned with `testing.launch`, which gives each the torchrun environment and
 OMP_NUM_THREADS=1 so that wall time reflects the plan rather than core contention. A `DhpError` on a rank
 comes back as a `DhpError` in the caller (one line for the CLI), not as a traceback.
 """
@@ -40,7 +40,7 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
     if under_torchrun():
         results = [rank_main(fn, config, *args)]
     else:
-        from megatron_dhp.runtime.launch import LaunchError, launch
+        from megatron_dhp.testing.launch import LaunchError, launch
 
         # megatron-core warns about missing TransformerEngine / Apex while a spawned rank unpickles its
         # function, before any code of ours runs there; the environment is the only way to reach that.
@@ -60,8 +60,8 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
-    from megatron_dhp.runtime.selfcheck import init_distributed
+    from megatron_dhp.testing.cpu_compat import apply_cpu_compat
+    from megatron_dhp.testing.selfcheck import init_distributed
 
     warnings.filterwarnings("ignore")  # megatron-core warns once per rank about missing TE / Apex
     backend = "nccl" if torch.cuda.is_available() else "gloo"

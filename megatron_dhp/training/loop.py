@@ -27,12 +27,12 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import all_gather_single
-from megatron_dhp.runtime.dispatch import StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
-from megatron_dhp.runtime.model import seq_multiple
+from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
 from megatron_dhp.runtime.step import reduce_gradients, run_step
+from megatron_dhp.runtime.step_data import StepInputs
 from megatron_dhp.solver import static_cp_size
 from megatron_dhp.training.checkpoint import Checkpointer
 from megatron_dhp.training.config import TrainConfig

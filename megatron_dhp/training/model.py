@@ -14,14 +14,15 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.model import build_tiny_gpt, dhp_layer_spec
-from megatron_dhp.runtime.vlm import TinyVLM
+from megatron_dhp.runtime.layer_spec import dhp_layer_spec
+from megatron_dhp.testing.gpt import build_tiny_gpt
+from megatron_dhp.testing.vlm import TinyVLM
 from megatron_dhp.training.config import ModelConfig, RunConfig, VisionConfig
 
 
 def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local",
                 vision: VisionConfig | None = None) -> DistributedDataParallel:
-    """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`runtime.vlm`);
+    """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`testing.vlm`);
     weights a function of `seed` only (any rank or TP count)."""
     spec = dhp_layer_spec(backend=layer_spec)
     vlm = vision.model(config) if vision is not None else None

@@ -66,7 +66,7 @@ def microbatches(point: GridPoint) -> list[list[int]]:
 def point_plan(point: GridPoint, n: int, config: TrainConfig):
     """The plan of one grid point: n // d groups of d ranks, each running the point's microbatches."""
     from megatron_dhp.plan.plan import Plan, PlanGroup
-    from megatron_dhp.runtime.selfcheck import random_samples
+    from megatron_dhp.testing.selfcheck import random_samples
     from megatron_dhp.workload.sample import Batch
 
     d = point.group_size
@@ -94,11 +94,11 @@ class GridTimer:
         import torch.distributed as dist
 
         from megatron_dhp.integration.step_runtime import job_policy
-        from megatron_dhp.runtime.dispatch import local_slice
         from megatron_dhp.runtime.domain import DynamicDomain
         from megatron_dhp.runtime.engine import StepEngine
         from megatron_dhp.runtime.group_pool import GroupPool
-        from megatron_dhp.runtime.model import seq_multiple
+        from megatron_dhp.runtime.layer_spec import seq_multiple
+        from megatron_dhp.runtime.step_data import local_slice
         from megatron_dhp.training.model import build_model
 
         self.config = config

@@ -11,7 +11,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.dispatch import StepInputs
+from megatron_dhp.runtime.step_data import StepInputs
 from megatron_dhp.workload.sample import Batch
 
 
@@ -115,10 +115,10 @@ def _plan(groups, *, barrier=False, n=3) -> Plan:
 
 
 def test_work_items_follow_phases_with_barriers_and_fill_idle_ranks():
-    from megatron_dhp.runtime.dispatch import MicrobatchInputs
     from megatron_dhp.runtime.layout import MicrobatchLayout
     from megatron_dhp.runtime.slots import PHASE_BARRIER as BARRIER
     from megatron_dhp.runtime.slots import work_items
+    from megatron_dhp.runtime.step_data import MicrobatchInputs
 
     def mb(phase):
         layout = MicrobatchLayout((0,), (4,), 1, 0)
@@ -165,7 +165,7 @@ def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
-    from megatron_dhp.runtime.model import with_dynamic_cp
+    from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
     class TEDotProductAttention:
         cp_stream = None
@@ -191,7 +191,7 @@ def test_a_decoder_block_spec_gets_dynamic_cp_attention_in_every_layer():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
-    from megatron_dhp.runtime.model import with_dynamic_cp
+    from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
     config = TransformerConfig(num_layers=3, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
                                moe_layer_freq=[0, 1, 1], use_cpu_initialization=True)

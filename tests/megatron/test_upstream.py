@@ -22,7 +22,7 @@ import pytest
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.patching import SUPPORTED_TAGS, apply, detect, patch_file, patched_files
-from megatron_dhp.runtime.launch import free_port
+from megatron_dhp.testing.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

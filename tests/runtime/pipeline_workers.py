@@ -9,10 +9,10 @@ import torch.distributed as dist
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.dispatch import local_slice
 from megatron_dhp.runtime.engine import dispatch
-from megatron_dhp.runtime.model import TinyGPTConfig
-from megatron_dhp.runtime.selfcheck import SelfCheck, random_samples
+from megatron_dhp.runtime.step_data import local_slice
+from megatron_dhp.testing.gpt import TinyGPTConfig
+from megatron_dhp.testing.selfcheck import SelfCheck, random_samples
 from tests.runtime.dist_workers import SAMPLE_SEED, batch, start_cpu_rank
 
 

@@ -12,11 +12,11 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.attention.comm import PeerRing
-from megatron_dhp.runtime.dispatch import MicrobatchInputs, StepInputs
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import OverlappedReduction, StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
 from megatron_dhp.workload.sample import Batch
 
 

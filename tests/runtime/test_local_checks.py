@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.dispatch import TokenSample
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.step_data import TokenSample
 from megatron_dhp.workload.sample import Sample
 
 
@@ -67,7 +67,8 @@ def test_attention_and_spec_reject_what_they_cannot_run():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention
-    from megatron_dhp.runtime.model import TinyGPTConfig, dhp_layer_spec
+    from megatron_dhp.runtime.layer_spec import dhp_layer_spec
+    from megatron_dhp.testing.gpt import TinyGPTConfig
 
     config = TinyGPTConfig().transformer_config()
     config.attention_dropout = 0.1
@@ -83,7 +84,7 @@ def test_attention_and_spec_reject_what_they_cannot_run():
 
 
 def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
-    from megatron_dhp.runtime.cpu_compat import apply_cpu_compat
+    from megatron_dhp.testing.cpu_compat import apply_cpu_compat
 
     if torch.cuda.is_available():
         assert apply_cpu_compat() is False

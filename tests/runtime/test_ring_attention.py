@@ -11,7 +11,7 @@ import torch
 
 from megatron_dhp.runtime.attention import blocks
 from megatron_dhp.runtime.attention.math import block_attention, visible
-from megatron_dhp.runtime.launch import launch
+from megatron_dhp.testing.launch import launch
 from tests.runtime import ring_workers
 from tests.runtime.test_attention_math import shuffled_tokens
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dhp.cost.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.dispatch import GatheredImage, ImageInput, TokenSample
-from megatron_dhp.runtime.launch import launch
-from megatron_dhp.runtime.selfcheck import TOLERANCE
+from megatron_dhp.runtime.step_data import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.vision import encoder_ranks
+from megatron_dhp.testing.launch import launch
+from megatron_dhp.testing.selfcheck import TOLERANCE
 from megatron_dhp.workload.sample import Batch
 from tests.runtime import vlm_workers
 

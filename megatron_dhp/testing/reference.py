@@ -19,8 +19,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_dhp.runtime.dispatch import TokenSample
-from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt
+from megatron_dhp.runtime.step_data import TokenSample
+from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt
 
 
 @dataclass
@@ -79,7 +79,7 @@ def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> Reference
 
 
 def _logits(model: torch.nn.Module, sample: TokenSample, causal: torch.Tensor) -> torch.Tensor:
-    """A GPT's logits of one sample; a vision-language model (`runtime.vlm.TinyVLM`) first encodes the
+    """A GPT's logits of one sample; a vision-language model (`testing.vlm.TinyVLM`) first encodes the
     sample's images, each on its own, and puts their rows at their positions."""
     positions = torch.arange(sample.length)[None]
     if not hasattr(model, "language"):

@@ -5,7 +5,7 @@ domain) and the oracle (the same weights, megatron's local attention, one proces
 comm)` runs a full step under the plan and compares the loss and every parameter gradient (TP shards
 gathered; under pipeline parallelism each stage its own, by whole-model name) with the oracle; the
 differences are reduced over the world so every rank returns the same verdict. With PP > 1 the step runs
-through megatron-core's 1F1B (`pipeline.run_pipeline_step`).
+through megatron-core's 1F1B (`runtime.pipeline.run_pipeline_step`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
-from megatron_dhp.runtime.dispatch import TokenSample, local_slice
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.model import TinyGPTConfig, build_tiny_gpt, global_names, seq_multiple
+from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
-from megatron_dhp.runtime.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
-from megatron_dhp.runtime.vlm import TinyVLM, TinyVLMConfig
+from megatron_dhp.runtime.step_data import TokenSample, local_slice
+from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, global_names
+from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
+from megatron_dhp.testing.vlm import TinyVLM, TinyVLMConfig
 from megatron_dhp.workload.sample import Batch
 
 TOLERANCE = 1e-5
@@ -75,7 +76,7 @@ def init_distributed(
     """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
     megatron-core carves the expert-parallel groups from the data-parallel ranks).
 
-    On a CPU-only machine the caller switches on `runtime.cpu_compat` first; this leaves megatron-core as is.
+    On a CPU-only machine the caller switches on `testing.cpu_compat` first; this leaves megatron-core as is.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

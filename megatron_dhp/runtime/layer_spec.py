@@ -1,0 +1,103 @@
+"""The layer spec that puts dynamic-CP attention into a megatron-core GPT, and what its sequence parallelism
+asks of the layout.
+
+Integration is one entry in megatron-core's own layer spec: the self-attention module (so RoPE follows the
+dynamic group) and its core attention. Everything else is megatron-core as shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.comm import LAYER_SPECS
+from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
+
+
+def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSpec:
+    """megatron-core's GPT layer spec with dynamic context-parallel attention.
+
+    `local`: megatron's local spec with `DynamicCPAttention` as core attention (any device; the CPU
+    reference). `te`: the TransformerEngine spec, whose `TEDotProductAttention` runs context parallelism over
+    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed; TE's
+    variant is the config's `cp_comm_type`, `p2p` or `all_gather` for THD; untested here, no GPU). In
+    both, the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
+    """
+    _check_backend(backend)
+    if backend == "local":
+        return with_dynamic_cp(get_gpt_layer_local_spec(**spec_kwargs), backend=backend)
+    _require_te()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return with_dynamic_cp(get_gpt_layer_with_transformer_engine_spec(**spec_kwargs), backend=backend)
+
+
+def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
+    """A copy of a GPT layer spec (megatron's local or TE one, or a user's) with dynamic-CP attention.
+
+    The self-attention module becomes `DynamicCPSelfAttention`; `local` also swaps the core attention for
+    `DynamicCPAttention` (whatever the linear layers are), `te` keeps `TEDotProductAttention`. A decoder
+    block spec (megatron's MoE and heterogeneous models: one spec per layer) has each layer's swapped.
+    """
+    _check_backend(backend)
+    spec = copy.deepcopy(spec)
+    for layer in spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]:
+        _swap_attention(layer, backend)
+    return spec
+
+
+def _swap_attention(spec: ModuleSpec, backend: str) -> None:
+    """`with_dynamic_cp` on one layer spec, in place (idempotent: layers may share one spec object)."""
+    attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    if not isinstance(attention, ModuleSpec) or not (
+        isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)
+    ):
+        raise DhpError(
+            f"dynamic CP needs a GPT layer spec whose self_attention is megatron's SelfAttention, got "
+            f"{getattr(attention, 'module', attention)!r}; use a standard (non-MLA) GPT layer or decoder block spec"
+        )
+    if backend == "local":
+        attention.submodules.core_attention = DynamicCPAttention
+    else:
+        te_attention = _require_te()
+        if not (isinstance(attention.submodules.core_attention, type)
+                and issubclass(attention.submodules.core_attention, te_attention)):
+            raise DhpError(
+                f"layer spec 'te' needs TEDotProductAttention as core attention, the spec has "
+                f"{attention.submodules.core_attention!r}; build it with --transformer-impl transformer_engine"
+            )
+    attention.module = DynamicCPSelfAttention
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in LAYER_SPECS:
+        raise DhpError(f"layer-spec backend {backend!r} is unknown; use {' or '.join(map(repr, LAYER_SPECS))}")
+
+
+def _require_te() -> type:
+    """TE's core attention class, with the CP stream that static CP 1 never allocates."""
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError as e:
+        raise DhpError(f"the 'te' layer spec needs TransformerEngine ({e}); install it or use backend='local'") from None
+    if not torch.cuda.is_available():
+        raise DhpError("the 'te' layer spec needs a CUDA device; use backend='local' on CPU")
+    # megatron-core only allocates TE's CP stream when the static CP size is > 1; dynamic groups run with
+    # static CP 1, so it would stay None and TE would fail on the first dynamic group (Megatron-LM #6821).
+    if TEDotProductAttention.cp_stream is None:
+        TEDotProductAttention.cp_stream = torch.cuda.Stream()
+    return TEDotProductAttention
+
+
+def seq_multiple(config: TransformerConfig | argparse.Namespace) -> int:
+    """What each sample's shard must divide by (`layout`): the TP size under sequence parallelism, else 1.
+    Megatron-LM's parsed args name both settings as the model config does."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
