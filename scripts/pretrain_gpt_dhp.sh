@@ -31,8 +31,10 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # Cluster-specific; uncomment and adapt (InfiniBand HCAs, the interface for bootstrap traffic):
 # export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3
 # export NCCL_SOCKET_IFNAME=eth0
-# megatron-dhp keeps up to max_groups communicators alive (configs/llama3_8b_dhp.yaml); each holds NCCL
-# buffers, so lower max_groups if GPU memory is tight.
+# megatron-dhp creates its group family at start-up (at most max_groups_per_rank communicators per rank,
+# logged with their estimated memory); NCCL children split from a parent share its buffers with this set
+# before the first communicator (torch splits new groups from a default group bound to a device).
+export NCCL_COMM_SPLIT_SHARE_RESOURCES="${NCCL_COMM_SPLIT_SHARE_RESOURCES:-1}"
 
 DISTRIBUTED_ARGS=(
   --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"

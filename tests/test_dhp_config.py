@@ -6,7 +6,7 @@ import pytest
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
+from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
 from megatron_dhp.workload import Batch
 
 
@@ -61,7 +61,7 @@ def test_node_size_counts_the_domains_ranks_on_a_node_of_gpus(monkeypatch):
 def test_prefetched_plan_equals_a_direct_one(overlap):
     config = DhpConfig(max_tokens_per_rank=2048, overlap_planning=overlap)
     policy = config.comm_policy(world_size=4, gpus_per_node=4)
-    planner = StepPlanner(config, live_cost_config(config, policy), policy)
+    planner = JobPlanner(config, live_cost_config(config, policy), policy)
     batch, other = Batch.from_lengths([100, 3000, 50, 8000, 700]), Batch.from_lengths([5, 6])
     planner.prefetch(batch)
     ahead = planner.plan(batch)

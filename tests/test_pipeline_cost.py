@@ -17,7 +17,7 @@ from megatron_dhp.cost.pipeline import (
     slot_units,
 )
 from megatron_dhp.cost.simulate import group_microbatch_times
-from megatron_dhp.plan import Plan, PlanError, PlanGroup, Slot, pipeline_slots
+from megatron_dhp.plan import Plan, PlanError, PlanGroup, SlotRef, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import Batch, Sample
@@ -83,13 +83,13 @@ def test_slot_layout_pads_every_phase_but_the_last():
         PlanGroup((0,), ((0,), (1,), (2,))), PlanGroup((1, 2), ((3,),)),
         PlanGroup((0, 1), ((4,), (5,)), 1), PlanGroup((2,), ((6,),), 2)), pipeline_stages=2)
     slots = pipeline_slots(plan)
-    assert slots[0] == [Slot(0, 0), Slot(0, 1), Slot(0, 2), Slot(2, 0), Slot(2, 1)]  # last phase: not padded
-    assert slots[1] == [Slot(1, 0), None, None, Slot(2, 0), Slot(2, 1)]
-    assert slots[2] == [Slot(1, 0), None, None, None, None, Slot(3, 0)]
+    assert slots[0] == [SlotRef(0, 0), SlotRef(0, 1), SlotRef(0, 2), SlotRef(2, 0), SlotRef(2, 1)]  # last phase: not padded
+    assert slots[1] == [SlotRef(1, 0), None, None, SlotRef(2, 0), SlotRef(2, 1)]
+    assert slots[2] == [SlotRef(1, 0), None, None, None, None, SlotRef(3, 0)]
     # a group's microbatch sits at the same slot on all its members
     for gi, g in enumerate(plan.groups):
         for j in range(len(g.microbatches)):
-            assert len({slots[r].index(Slot(gi, j)) for r in g.ranks}) == 1
+            assert len({slots[r].index(SlotRef(gi, j)) for r in g.ranks}) == 1
 
 
 def test_idle_slot_costs_a_one_token_microbatch(gpt7b):
@@ -100,7 +100,7 @@ def test_idle_slot_costs_a_one_token_microbatch(gpt7b):
     t = gpt7b.microbatch_time([samples[0]], [0])
     assert idle_slot_time(gpt7b) == pytest.approx(0.05 + 1.84e-4 + 5.128e-9)
     # Position 1 runs [t, idle] at P = 2; by hand, its stage 0 ends with B(idle) after B(t): t + 2 i / 6.
-    assert pipeline_slots(plan)[1] == [Slot(1, 0), None]
+    assert pipeline_slots(plan)[1] == [SlotRef(1, 0), None]
     assert tl.rank_finish_s[1] == pytest.approx(t + idle_slot_time(gpt7b) / 3)
     assert tl.rank_busy_s[1] == pytest.approx((t + idle_slot_time(gpt7b)) / 2)
 

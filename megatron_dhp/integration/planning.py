@@ -1,6 +1,6 @@
 """Planning a training step from its gathered batch, optionally one step ahead of execution.
 
-The step engine asks only global rank 0's `StepPlanner` for plans and broadcasts them
+The step engine asks only global rank 0's `JobPlanner` for plans and broadcasts them
 (`runtime.collectives.broadcast_plan`), so a planner need not be deterministic across ranks and the others
 never solve. Every rank still builds one (cheap: solvers keep no state between solves), so a bad planner
 setting stops every rank at start-up. With `overlap_planning` the plan of step t+1 is solved in a
@@ -38,8 +38,9 @@ def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_s
     return sum(1 for rank in global_ranks if rank // gpus == first_node)
 
 
-class StepPlanner:
-    """Turns each step's gathered batch into its plan; `prefetch` starts the next one in the background."""
+class JobPlanner:
+    """A job's planner (a solver with its cost model and the comm policy's family): turns each step's gathered
+    batch into its plan; `prefetch` starts the next one in the background."""
 
     def __init__(self, config: DhpConfig, cost: CostConfig, policy: CommPolicy, *,
                  dataset_max_tokens: int | None = None, pipeline_stages: int = 1) -> None:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import StepPlanner, domain_node_size, live_cost_config
+from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
-from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.group_pool import GroupPool, nccl_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +32,18 @@ class StepRuntime:
     domain: DynamicDomain
     policy: CommPolicy
     cost: CostConfig
-    planner: StepPlanner
+    planner: JobPlanner
     pool: GroupPool
+    pipeline_stages: int = 1
+    """P: the planner plans 1F1B slots and the engines run megatron-core's 1F1B when > 1."""
 
     def engine(self, *, source: SampleSource | None = None, lookahead: bool = False, seq_multiple: int = 1,
                aligned_slots: bool = False, equal_rows: bool = False) -> StepEngine:
-        """A step engine over this runtime (`StepEngine` documents the options)."""
+        """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP."""
         return StepEngine(self.domain, self.pool, self.planner, source=source, lookahead=lookahead,
                           seq_multiple=seq_multiple, aligned_slots=aligned_slots, equal_rows=equal_rows,
-                          policy=self.policy, backend=self.config.attention_backend)
+                          policy=self.policy, backend=self.config.attention_backend,
+                          pipelined=self.pipeline_stages > 1)
 
 
 def job_policy(config: DhpConfig, domain: DynamicDomain, job_world_size: int) -> CommPolicy:
@@ -59,8 +62,11 @@ def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPol
                        dataset_max_tokens: int | None, pipeline_stages: int = 1) -> StepRuntime:
     """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order).
     Rank 0 logs the policy's one line."""
-    planner = StepPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages)
+    planner = JobPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages)
     pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())
-    return StepRuntime(config, domain, policy, cost, planner, pool)
+        sharing = nccl_sharing()
+        if sharing is not None and policy.startup_groups:
+            logger.info("dhp: %s", sharing)
+    return StepRuntime(config, domain, policy, cost, planner, pool, pipeline_stages)

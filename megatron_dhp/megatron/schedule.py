@@ -7,8 +7,8 @@ The step engine's walk (`runtime/engine.py`) does that; this function hands it M
 per-microbatch `forward_step` / `backward_step`, so loss functions, gradient scaling, timers and
 `finalize_model_grads` behave as upstream.
 
-Under pipeline parallelism the step's slots run through megatron-core's own non-interleaved 1F1B with the
-script's `forward_step` (`runtime.pipeline.run_1f1b`), which finalizes the gradients itself.
+Under pipeline parallelism the engine runs the step's slots through megatron-core's own non-interleaved 1F1B
+with the script's `forward_step` (`StepEngine.run`), which finalizes the gradients itself.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.data import step_iterator
 from megatron_dhp.runtime.engine import OverlappedReduction, Slot
-from megatron_dhp.runtime.pipeline import run_1f1b, stage_slots
 
 # megatron-core 0.16 passes the model type to backward_step; 0.19 dropped the argument
 _BACKWARD_TAKES_MODEL_TYPE = "model_type" in inspect.signature(schedules.backward_step).parameters
@@ -57,16 +55,14 @@ def dhp_forward_backward(
     steps = step_iterator(data_iterator)
     steps.expect(num_microbatches)
     inputs = next(data_iterator)  # a replayed step reuses its groups: the engine prepared them when it dispatched
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        slots = stage_slots(steps.engine, inputs)
-        return run_1f1b(forward_step_func, slots, model, forward_only=forward_only,
-                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-
     config = get_model_config(model)
+    work = _MegatronWork(forward_step_func, model, config, collect_non_loss_data, first_val_step, forward_only,
+                         pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if steps.engine.pipelined:  # megatron-core's 1F1B, which times and finalizes the step itself
+        return steps.engine.run(inputs, work)
+
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    work = _MegatronWork(forward_step_func, model, config, collect_non_loss_data, first_val_step, forward_only)
     overlap = None
     if config.no_sync_func is not None and not forward_only:
         overlap = OverlappedReduction(no_sync=config.no_sync_func, start=model.start_grad_sync)
@@ -87,23 +83,27 @@ def dhp_forward_backward(
 class _MegatronWork:
     """Each slot through megatron-core's own `forward_step` and `backward_step`: the script's loss function,
     gradient scaling and timers behave as upstream, and the loss stays a per-token sum whose division by the
-    token count `finalize_model_grads` does (the engine's normalisation rule)."""
+    token count `finalize_model_grads` does (the engine's normalisation rule). Under PP 1F1B calls the script's
+    `forward_step` itself (`forward_step`, `schedule_options`)."""
 
     def __init__(self, forward_step_func, model, config, collect_non_loss_data: bool, first_val_step: bool | None,
-                 forward_only: bool) -> None:
-        self.forward_step_func = forward_step_func
+                 forward_only: bool, *, pg_collection: object = None, force_all_reduce: bool | None = False) -> None:
+        self.forward_step = forward_step_func
         self.model = model
         self.config = config
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
         self.forward_only = forward_only
+        self.schedule_options = {"forward_only": forward_only, "collect_non_loss_data": collect_non_loss_data,
+                                 "first_val_step": first_val_step, "pg_collection": pg_collection,
+                                 "force_all_reduce": force_all_reduce}
         self.store: list = []
         """The loss reports, Megatron's `forward_data_store`."""
         self.total_tokens = torch.zeros([], dtype=torch.int, device=_device())
 
     def forward(self, slot: Slot) -> torch.Tensor:
         output, num_tokens = schedules.forward_step(
-            self.forward_step_func,
+            self.forward_step,
             iter([slot]),
             self.model,
             slot.count,

@@ -25,26 +25,26 @@ def pipeline_token_cap(max_tokens_per_rank: int, stages: int) -> int:
     return max_tokens_per_rank // stages
 
 
-class Slot(NamedTuple):
+class SlotRef(NamedTuple):
     """One real microbatch of a position's slot list: `plan.groups[group].microbatches[microbatch]`."""
 
     group: int
     microbatch: int
 
 
-def pipeline_slots(plan: Plan) -> list[list[Slot | None]]:
+def pipeline_slots(plan: Plan) -> list[list[SlotRef | None]]:
     """Each domain position's slots, in slot order; None is an idle slot (every phase but the last padded to
     the same offset on all positions)."""
     groups_by_phase: list[list[int]] = [[] for _ in range(plan.num_phases)]
     for gi, g in enumerate(plan.groups):
         groups_by_phase[g.phase].append(gi)
-    slots: list[list[Slot | None]] = [[] for _ in range(plan.world_size)]
+    slots: list[list[SlotRef | None]] = [[] for _ in range(plan.world_size)]
     offset, last = 0, plan.num_phases - 1
     for phase, members in enumerate(groups_by_phase):
         for gi in members:
             g = plan.groups[gi]
             for r in g.ranks:
-                slots[r] += [Slot(gi, j) for j in range(len(g.microbatches))]
+                slots[r] += [SlotRef(gi, j) for j in range(len(g.microbatches))]
         if phase < last:
             offset += max((len(plan.groups[gi].microbatches) for gi in members), default=0)
             for row in slots:
@@ -52,7 +52,7 @@ def pipeline_slots(plan: Plan) -> list[list[Slot | None]]:
     return slots
 
 
-def slot_tokens_per_rank(plan: Plan, slots: list[Slot | None], footprint: Footprint) -> list[float]:
+def slot_tokens_per_rank(plan: Plan, slots: list[SlotRef | None], footprint: Footprint) -> list[float]:
     """Tokens per rank of each slot of one position under the plan's `footprint` (an idle slot's single
     token is not counted: the cap is for the microbatches a plan places)."""
     out = []

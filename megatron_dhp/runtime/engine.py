@@ -3,7 +3,7 @@
 `StepEngine` owns the order of a step's collectives, which must be the same on every rank of the world:
 
 1. **gather** every sample's id, length and loss-token count over the domain (`collectives.gather_batch`);
-2. **plan** the gathered batch on global rank 0 only (a `StepPlanning`, e.g. `integration.planning.StepPlanner`)
+2. **plan** the gathered batch on global rank 0 only (a `PlanSource`, e.g. `integration.planning.JobPlanner`)
    and broadcast the plan to every rank (`collectives.broadcast_plan`), or take a plan given with the samples;
 3. **check** that every rank holds the same valid plan (`collectives.check_plan`);
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
@@ -32,11 +32,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
@@ -54,14 +55,15 @@ from megatron_dhp.runtime.collectives import (
 from megatron_dhp.runtime.dispatch import move_tokens
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, work_items
+from megatron_dhp.runtime.pipeline import run_1f1b
+from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, pipeline_work, work_items
 from megatron_dhp.runtime.step_data import GatheredBatch, MicrobatchInputs, StepInputs, TokenSample
 from megatron_dhp.runtime.vision import move_images
 from megatron_dhp.workload.sample import Batch
 
 
-class StepPlanning(Protocol):
-    """Plans gathered batches; `prefetch` may start one in the background (`integration.planning.StepPlanner`).
+class PlanSource(Protocol):
+    """Plans gathered batches; `prefetch` may start one in the background (`integration.planning.JobPlanner`).
 
     The engine calls both on global rank 0 only and broadcasts the plan, so a planning need not be
     deterministic across ranks and holds no collective of its own."""
@@ -93,7 +95,13 @@ class Slot:
 
 
 class MicrobatchWork(Protocol):
-    """What the caller runs per microbatch: a forward that returns what its backward needs."""
+    """What the caller runs per microbatch. The engine's walk calls `forward` then `backward` slot by slot;
+    under pipeline parallelism megatron-core's 1F1B calls `forward_step` and runs the backward itself."""
+
+    model: torch.nn.Module
+    """The model (under PP this rank's stage) that 1F1B runs."""
+    schedule_options: Mapping[str, object]
+    """Further keyword arguments of megatron-core's 1F1B (`pipeline.run_1f1b`), e.g. `forward_only`."""
 
     def forward(self, slot: Slot) -> object:
         """Run the slot's microbatch forward."""
@@ -101,6 +109,11 @@ class MicrobatchWork(Protocol):
 
     def backward(self, output: object) -> None:
         """Run the backward of what `forward` returned (or nothing, e.g. in evaluation)."""
+        ...
+
+    def forward_step(self, slots: Iterator[Slot], stage: torch.nn.Module) -> tuple[object, Callable]:
+        """1F1B's forward of the next slot (megatron's `forward_step_func`): the stage's output and the loss
+        function the last stage applies to it."""
         ...
 
 
@@ -129,7 +142,7 @@ class StepEngine:
         self,
         domain: DynamicDomain,
         pool: GroupPool | None = None,
-        planning: StepPlanning | None = None,
+        planning: PlanSource | None = None,
         *,
         source: SampleSource | None = None,
         lookahead: bool = False,
@@ -138,6 +151,7 @@ class StepEngine:
         equal_rows: bool = False,
         policy: CommPolicy | None = None,
         backend: str = "auto",
+        pipelined: bool = False,
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
@@ -148,6 +162,8 @@ class StepEngine:
         """How each group talks and whether a step creates any (None: the engine only moves tokens)."""
         self.backend = backend
         """The local attention kernel (`runtime.attention.BACKENDS`)."""
+        self.pipelined = pipelined
+        """`run` drives megatron-core's 1F1B over this position's slots (pipeline parallelism) instead of the walk."""
         self.planning = planning
         self.source = source
         self.lookahead = lookahead
@@ -192,7 +208,21 @@ class StepEngine:
             plan = self._plan(current.gathered.batch)
         return self._dispatch(current, plan, read_ahead=False)
 
-    def run(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> None:
+    def run(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> list:
+        """Run this rank's part of the step: megatron-core's 1F1B over its slots when `pipelined` (which
+        finalizes the gradients with the model config's `finalize_model_grads_func`; returns 1F1B's loss
+        reports), else the walk (`walk`; returns []). Collective."""
+        if self.pipelined:
+            return run_1f1b(work.forward_step, self.pipeline_slots(inputs), work.model, **work.schedule_options)
+        self.walk(inputs, work, overlap=overlap)
+        return []
+
+    def pipeline_slots(self, inputs: StepInputs) -> list[Slot]:
+        """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
+        work = pipeline_work(inputs, self.domain.position, aligned=self.aligned_slots)
+        return [self.slot(mb, index, len(work)) for index, mb in enumerate(work)]
+
+    def walk(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> None:
         """Walk this rank's work list of the step: barriers over the domain, each slot's forward and backward.
 
         With `overlap` the reduction starts during the last backward, unless the plan has phase barriers:
@@ -265,7 +295,7 @@ class StepEngine:
 
 
 def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,
-             planner: StepPlanning | None = None) -> StepInputs:
+             planner: PlanSource | None = None) -> StepInputs:
     """This rank's inputs of one step (given plan, or planned by `planner` on rank 0), creating no groups:
     what a caller that only looks at the moved tokens needs. Collective."""
     if (plan is None) == (planner is None):

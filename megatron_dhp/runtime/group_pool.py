@@ -20,6 +20,7 @@ policy runs it on the domain's communicator instead (`plan.comm.CommPolicy.trans
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
@@ -31,6 +32,26 @@ from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.domain import DynamicDomain
 
 GroupKey = tuple[int, ...]
+
+SHARE_RESOURCES = "NCCL_COMM_SPLIT_SHARE_RESOURCES"
+"""NCCL reads it when it first splits a communicator: 1 lets the children share their parent's buffers."""
+
+
+def nccl_sharing() -> str | None:
+    """Whether the communicators this process creates from now on share NCCL resources, as one line for the
+    start-up log (None off NCCL). torch creates a new group by splitting the default one (`ncclCommSplit`) when
+    that is bound to a device (`init_process_group(device_id=...)`); NCCL then shares the parent's buffers
+    if `NCCL_COMM_SPLIT_SHARE_RESOURCES=1` was set before its first split (`testing.selfcheck.init_distributed`
+    does both; scripts/pretrain_gpt_dhp.sh exports the variable)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    shared = os.environ.get(SHARE_RESOURCES) == "1"
+    if bound and shared:
+        return "NCCL: groups split from the default communicator, sharing its resources"
+    fix = [] if bound else ["bind the default group to a device (init_process_group(device_id=...))"]
+    fix += [] if shared else [f"export {SHARE_RESOURCES}=1 before the job starts"]
+    return f"NCCL: groups {'split but not sharing resources' if bound else 'not split'}; to share, {' and '.join(fix)}"
 
 
 class GroupPool:

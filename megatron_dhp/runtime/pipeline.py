@@ -20,13 +20,12 @@ with `num_microbatches` its own slot count; slot alignment makes it deadlock-fre
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -34,11 +33,10 @@ from megatron.core.utils import get_model_config
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.engine import Slot, StepEngine
 from megatron_dhp.runtime.layer_spec import seq_multiple
-from megatron_dhp.runtime.slots import pipeline_work
-from megatron_dhp.runtime.step import StepResult, forward_thd, masked_loss_sum
-from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
+
+if TYPE_CHECKING:  # the engine runs `run_1f1b`; a slot is its data
+    from megatron_dhp.runtime.engine import Slot
 
 
 class PlannedShapes(P2PCommunicator):
@@ -81,12 +79,6 @@ def check_pipeline(domain: DynamicDomain) -> None:
         raise DhpError(f"the pipeline of rank {domain.rank} joins domain positions {positions}; they must be one")
 
 
-def stage_slots(engine: StepEngine, inputs: StepInputs) -> list[Slot]:
-    """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
-    work = pipeline_work(inputs, engine.domain.position, aligned=engine.aligned_slots)
-    return [engine.slot(mb, index, len(work)) for index, mb in enumerate(work)]
-
-
 def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Module, *, forward_only: bool = False,
              collect_non_loss_data: bool = False, first_val_step: bool | None = None,
              pg_collection: ProcessGroupCollection | None = None, force_all_reduce: bool | None = False) -> list:
@@ -108,35 +100,4 @@ def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Mod
                                        [slot.inputs.layout.num_slots for slot in slots]),
         pg_collection=pg_collection or ProcessGroupCollection.use_mpu_process_groups(),
         force_all_reduce=force_all_reduce,
-    )
-
-
-def run_pipeline_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> StepResult:
-    """Forward and backward this position's slots of a prepared step through megatron-core's 1F1B, then
-    finalize the gradients (domain reduction, tied embedding, per-token division). `model` is a megatron
-    DDP stage with `calculate_per_token_loss`; gradients accumulate into it. The loss is the last stage's."""
-    config = model.config
-    if not config.calculate_per_token_loss:
-        raise DhpError("pipeline steps need calculate_per_token_loss=True (per-token normalisation over the pipeline)")
-    last = parallel_state.is_pipeline_last_stage()
-    totals = {"loss": 0.0, "loss_tokens": 0}
-
-    def loss_func(mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        loss, count = masked_loss_sum(per_token, mb)
-        totals["loss"] += float(loss.detach())
-        totals["loss_tokens"] += count
-        return loss, torch.tensor(count, dtype=torch.int, device=per_token.device), {}
-
-    def forward_step(data: Iterator[Slot], stage: torch.nn.Module):
-        slot = next(data)
-        return forward_thd(stage, slot.inputs, slot.context, labels=last), functools.partial(loss_func, slot.inputs)
-
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    run_1f1b(forward_step, stage_slots(engine, inputs), model)
-    return StepResult(
-        loss_sum=totals["loss"],
-        num_loss_tokens=totals["loss_tokens"],
-        num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches) if last else 0,
-        global_loss_tokens=inputs.num_loss_tokens,
     )

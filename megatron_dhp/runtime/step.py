@@ -1,17 +1,23 @@
-"""The plain step runner: a megatron GPT's per-token loss per microbatch, walked by the step engine.
+"""The plain step runner: a megatron GPT's per-token loss per microbatch, run by the step engine.
 
-It follows the engine's normalisation rule (`engine` module docstring) by dividing each microbatch's loss
-sum by the step's global loss-token count before its backward; the data-parallel reduction sums (megatron
-DDP with `calculate_per_token_loss`, static CP 1, over the whole domain). `train`, `demo`, `profile` and
-`selftest` run their steps with it; the Megatron-LM schedule runs megatron-core's own forward and backward.
+`run_step` serves every layout: the engine walks the slots, or under pipeline parallelism drives megatron-
+core's 1F1B over them (`StepEngine.run`). Either way it follows the engine's normalisation rule (`engine`
+module docstring): the walk divides each microbatch's loss sum by the step's global loss-token count
+before its backward, and the data-parallel reduction sums (megatron DDP with `calculate_per_token_loss`,
+static CP 1, over the whole domain); under PP the loss function reports each slot's loss tokens and
+megatron-core's `finalize_model_grads` divides once. `train`, `demo`, `profile` and `selftest` run their
+steps with it; the Megatron-LM schedule runs megatron-core's own forward and backward through the engine.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -58,7 +64,10 @@ def masked_loss_sum(per_token: torch.Tensor, mb: MicrobatchInputs) -> tuple[torc
 
 
 class _LossSum:
-    """Forward: the microbatch's masked loss sum; backward: that sum / the global loss-token count."""
+    """Forward: the microbatch's masked loss sum; backward: that sum / the global loss-token count. Under PP
+    (`forward_step`) the last stage's loss function reports the sum and its loss tokens to 1F1B instead."""
+
+    schedule_options: Mapping[str, object] = {}
 
     def __init__(self, model: torch.nn.Module, global_loss_tokens: int) -> None:
         self.model = model
@@ -67,10 +76,33 @@ class _LossSum:
         self.loss_tokens = 0
 
     def forward(self, slot: Slot) -> torch.Tensor:
-        loss, count = masked_loss_sum(self.per_token(slot), slot.inputs)
+        return self.loss(slot.inputs, self.per_token(slot))
+
+    def loss(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> torch.Tensor:
+        """The microbatch's masked loss sum, counted into this rank's totals."""
+        loss, count = masked_loss_sum(per_token, mb)
         self.loss_sum += float(loss.detach())
         self.loss_tokens += count
         return loss
+
+    def forward_step(self, slots: Iterator[Slot], stage: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        slot = next(slots)
+        last = parallel_state.is_pipeline_last_stage()
+        return forward_thd(stage, slot.inputs, slot.context, labels=last), functools.partial(self._reported, slot.inputs)
+
+    def _reported(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """1F1B's loss function: the loss sum and its loss tokens, which `finalize_model_grads` divides by."""
+        loss = self.loss(mb, per_token)
+        return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=per_token.device), {}
+
+    def result(self, inputs: StepInputs, *, computed: bool = True) -> StepResult:
+        """This rank's part of the step; `computed` False: a pipeline stage that computes no loss, so no tokens."""
+        return StepResult(
+            loss_sum=self.loss_sum,
+            num_loss_tokens=self.loss_tokens,
+            num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches) if computed else 0,
+            global_loss_tokens=inputs.num_loss_tokens,
+        )
 
     def per_token(self, slot: Slot) -> torch.Tensor:
         return forward_thd(self.model, slot.inputs, slot.context)
@@ -129,7 +161,8 @@ def run_step(
     Gradients accumulate into the model (zero them before the step, as Megatron's train step does). With a
     megatron `DistributedDataParallel` model the domain-wide reduction runs here (`reduce_gradients`)
     unless `grad_sync` is False, which leaves it to the caller (the train loop times it apart from the
-    forward and backward the plan predicts).
+    forward and backward the plan predicts). Under PP (`engine.pipelined`; `model` is this rank's megatron
+    DDP stage) 1F1B finalizes the gradients itself and only the last stage computes the loss and tokens.
     """
     config = getattr(model, "config", None)
     if hasattr(model, "finish_grad_sync") and config is not None and not config.calculate_per_token_loss:
@@ -137,6 +170,15 @@ def run_step(
             "the model's DDP averages gradients over the domain (calculate_per_token_loss=False), which "
             "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
         )
+    if engine.pipelined:
+        if inputs.vision is not None:
+            raise DhpError("a step with images under pipeline parallelism is not supported; use PP 1 for a "
+                           "vision-language model")
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads  # with the loss tokens 1F1B's loss function reports
+        work = _LossSum(model, inputs.num_loss_tokens)
+        engine.run(inputs, work)
+        return work.result(inputs, computed=parallel_state.is_pipeline_last_stage())
     # A MoE router's load-balancing loss (a sum over a microbatch's tokens under per-token loss) is
     # divided by the same global loss-token count as the main loss.
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
@@ -147,12 +189,7 @@ def run_step(
         work = _run_with_images(engine, model, inputs)
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)
-    return StepResult(
-        loss_sum=work.loss_sum,
-        num_loss_tokens=work.loss_tokens,
-        num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches),
-        global_loss_tokens=inputs.num_loss_tokens,
-    )
+    return work.result(inputs)
 
 
 def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> _LossSum:

@@ -5,7 +5,7 @@ domain) and the oracle (the same weights, megatron's local attention, one proces
 comm)` runs a full step under the plan and compares the loss and every parameter gradient (TP shards
 gathered; under pipeline parallelism each stage its own, by whole-model name) with the oracle; the
 differences are reduced over the world so every rank returns the same verdict. With PP > 1 the step runs
-through megatron-core's 1F1B (`runtime.pipeline.run_pipeline_step`).
+through megatron-core's 1F1B, which the step engine drives (`StepEngine.run`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
-from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.group_pool import SHARE_RESOURCES, GroupPool
 from megatron_dhp.runtime.layer_spec import seq_multiple
-from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
+from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
@@ -81,9 +81,12 @@ def init_distributed(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    bound = {}
+    if backend == "nccl":  # new groups split from the default one and share its buffers (`group_pool.nccl_sharing`)
+        os.environ.setdefault(SHARE_RESOURCES, "1")
+        bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(bound["device_id"])
+    dist.init_process_group(backend=backend, timeout=timeout, **bound)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -159,12 +162,11 @@ class SelfCheck:
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.model.config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
-        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend)
-        inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         pipelined = self.pp_group.size() > 1
-        run = run_pipeline_step if pipelined else run_step
-        step = run(engine, self.model, inputs)
+        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
+                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined)
+        inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
+        step = run_step(engine, self.model, inputs)
         device = self.domain.device
         totals = torch.tensor([step.loss_sum, step.num_tokens, step.num_loss_tokens], dtype=torch.float64, device=device)
         dist.all_reduce(totals, group=self.domain.group)

@@ -3,8 +3,8 @@
 Per step t (the collectives' order is the engine's, `runtime/engine.py`):
 1. the engine takes step t's plan (solved in the background while step t-1 trained), checks it on every
    rank, gathers step t+1's lengths and starts planning it, creates step t's groups and moves its tokens;
-2. the microbatches run (`run_step`, the engine's walk; under PP megatron-core's 1F1B over this position's
-   slots, `runtime.pipeline.run_pipeline_step`);
+2. the microbatches run (`run_step`: the engine's walk, or under PP megatron-core's 1F1B over this
+   position's slots, which the engine drives);
 3. gradients are reduced over the domain (under PP inside `finalize_model_grads`, so in "meas"), the
    megatron-core optimizer steps, the step's numbers are gathered (loss and tokens from the last stage).
 
@@ -30,7 +30,7 @@ from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.layer_spec import seq_multiple
-from megatron_dhp.runtime.pipeline import check_pipeline, run_pipeline_step
+from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.step import reduce_gradients, run_step
 from megatron_dhp.runtime.step_data import StepInputs
 from megatron_dhp.solver import static_cp_size
@@ -177,12 +177,9 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         dist.barrier(group=self.domain.group)
         t0 = time.perf_counter()
-        if self.config.train.pp > 1:  # megatron-core's finalize_model_grads reduces the gradients inside
-            result = run_pipeline_step(engine, self.model, inputs)
-            t1 = time.perf_counter()
-        else:
-            result = run_step(engine, self.model, inputs, grad_sync=False)
-            t1 = time.perf_counter()
+        result = run_step(engine, self.model, inputs, grad_sync=False)
+        t1 = time.perf_counter()
+        if not engine.pipelined:  # under PP megatron-core's finalize_model_grads reduced the gradients inside
             reduce_gradients(self.model)
         t2 = time.perf_counter()
         ok, grad_norm, _ = self.optimizer.step()

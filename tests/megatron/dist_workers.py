@@ -164,7 +164,7 @@ class Harness:
 
 
 class HandPlanner:
-    """A stand-in for `StepPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
+    """A stand-in for `JobPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
 
     def __init__(self, *makers) -> None:
         self.makers = list(makers)

@@ -99,3 +99,20 @@ def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
 def test_loss_mask_must_be_binary():
     with pytest.raises(DhpError, match="loss_mask must hold only 0 and 1"):
         TokenSample(1, torch.arange(3), torch.arange(3), torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_the_start_up_note_says_whether_nccl_groups_share_resources(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_dhp.runtime import group_pool
+
+    assert group_pool.nccl_sharing() is None  # no process group here
+    fake = SimpleNamespace(is_initialized=lambda: True, get_backend=lambda: "nccl",
+                           group=SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=None)))
+    monkeypatch.setattr(group_pool, "dist", fake)
+    monkeypatch.delenv(group_pool.SHARE_RESOURCES, raising=False)
+    note = group_pool.nccl_sharing()
+    assert note.startswith("NCCL: groups not split") and "device_id" in note and "NCCL_COMM_SPLIT_SHARE_RESOURCES=1" in note
+    fake.group.WORLD.bound_device_id = "cuda:0"
+    monkeypatch.setenv(group_pool.SHARE_RESOURCES, "1")
+    assert group_pool.nccl_sharing() == "NCCL: groups split from the default communicator, sharing its resources"
