@@ -33,7 +33,8 @@ gpu_check = _load()
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
 
 
 def test_help():

@@ -59,34 +59,37 @@ def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, s
 def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:
     """Forward and backward every sample on its own ([s, 1] layout, explicit causal mask; a vision-language
     model's images encoded one by one); a MoE router's load-balancing loss is therefore per sample, as under
-    a plan whose microbatches are single samples."""
+    a plan whose microbatches are single samples. Runs on the model's device; the gradients come back on the CPU."""
+    device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / num_tokens))  # shaped as megatron-core sets it
     total = 0.0
     for s in samples:
         n = s.input_ids.numel()
-        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)[None, None]
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
         # Logits, not megatron's loss: its unfused vocab-parallel cross entropy reads the TP group from
         # parallel_state, not from the model's collection, and would reduce over the job's TP group.
         logits = _logits(model, s, causal)
-        per_token = F.cross_entropy(logits[0].float(), s.labels, reduction="none")
-        loss = (per_token * s.loss_mask.float()).sum()
+        per_token = F.cross_entropy(logits[0].float(), s.labels.to(device), reduction="none")
+        loss = (per_token * s.loss_mask.float().to(device)).sum()
         (loss / num_tokens).backward()
         total += float(loss.detach())
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
     return ReferenceResult(loss=total / num_tokens, num_tokens=num_tokens, grads=grads)
 
 
 def _logits(model: torch.nn.Module, sample: TokenSample, causal: torch.Tensor) -> torch.Tensor:
     """A GPT's logits of one sample; a vision-language model (`testing.vlm.TinyVLM`) first encodes the
     sample's images, each on its own, and puts their rows at their positions."""
-    positions = torch.arange(sample.length)[None]
+    device = causal.device
+    positions = torch.arange(sample.length, device=device)[None]
+    tokens = sample.input_ids[None].to(device)
     if not hasattr(model, "language"):
-        return model(sample.input_ids[None], positions, causal)
+        return model(tokens, positions, causal)
     rows = torch.cat([torch.arange(im.start, im.start + im.llm_tokens) for im in sample.images] or
-                     [torch.empty(0, dtype=torch.int64)])
-    encoded = [model.encode(im.pixels) for im in sample.images]
-    merged = model.embed(sample.input_ids[None], positions, rows,
-                         torch.cat(encoded) if encoded else torch.empty(0, model.config.hidden_size))
-    return model.language(sample.input_ids[None], positions, causal, decoder_input=merged)
+                     [torch.empty(0, dtype=torch.int64)]).to(device)
+    encoded = [model.encode(im.pixels.to(device)) for im in sample.images]
+    merged = model.embed(tokens, positions, rows,
+                         torch.cat(encoded) if encoded else torch.empty(0, model.config.hidden_size, device=device))
+    return model.language(tokens, positions, causal, decoder_input=merged)

@@ -141,6 +141,8 @@ class SelfCheck:
                                      seed=seed)
         else:
             self.reference = build_reference_gpt(config, single_rank_groups(), seed=seed, tied_embeddings=tied_embeddings)
+        if torch.cuda.is_available():  # on the model's device: megatron's RoPE puts its table on the current GPU
+            self.reference.cuda()
 
     def use_family(self, max_groups_per_rank: int) -> None:
         """A fresh pool with the group family of this bound (one node of the whole domain) created now, as a
