@@ -296,8 +296,8 @@ def one_rank_job() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_dhp.runtime.distributed import init_distributed
     from megatron_dhp.testing.launch import free_port
-    from megatron_dhp.testing.selfcheck import init_distributed
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}

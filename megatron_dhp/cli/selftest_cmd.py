@@ -161,10 +161,11 @@ def worker(options: SelftestOptions) -> int:
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
     from megatron_dhp.plan.plan import Plan
+    from megatron_dhp.runtime.distributed import init_distributed
     from megatron_dhp.solver.random_plan import random_plan
     from megatron_dhp.testing.cpu_compat import apply_cpu_compat
     from megatron_dhp.testing.gpt import TinyGPTConfig
-    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, init_distributed, random_samples
+    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
     from megatron_dhp.testing.vlm import TinyVLMConfig, random_vlm_samples
     from megatron_dhp.workload.sample import Batch
 

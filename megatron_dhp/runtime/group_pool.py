@@ -41,7 +41,7 @@ def nccl_sharing() -> str | None:
     """Whether the communicators this process creates from now on share NCCL resources, as one line for the
     start-up log (None off NCCL). torch creates a new group by splitting the default one (`ncclCommSplit`) when
     that is bound to a device (`init_process_group(device_id=...)`); NCCL then shares the parent's buffers
-    if `NCCL_COMM_SPLIT_SHARE_RESOURCES=1` was set before its first split (`testing.selfcheck.init_distributed`
+    if `NCCL_COMM_SPLIT_SHARE_RESOURCES=1` was set before its first split (`runtime.distributed.init_distributed`
     does both; scripts/pretrain_gpt_dhp.sh exports the variable)."""
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return None

@@ -10,9 +10,7 @@ through megatron-core's 1F1B, which the step engine drives (`StepEngine.run`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
-from megatron_dhp.runtime.group_pool import SHARE_RESOURCES, GroupPool
+from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import moe_slot_rules
@@ -67,33 +65,6 @@ class CheckResult:
             and self.tokens_computed == self.batch_tokens
             and self.loss_tokens_computed == self.batch_loss_tokens
         )
-
-
-def init_distributed(
-    *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-    seed: int = 0, timeout: timedelta = timedelta(seconds=120)
-) -> None:
-    """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
-    megatron-core carves the expert-parallel groups from the data-parallel ranks).
-
-    On a CPU-only machine the caller switches on `testing.cpu_compat` first; this leaves megatron-core as is.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    bound = {}
-    if backend == "nccl":  # new groups split from the default one and share its buffers (`group_pool.nccl_sharing`)
-        os.environ.setdefault(SHARE_RESOURCES, "1")
-        bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(bound["device_id"])
-    dist.init_process_group(backend=backend, timeout=timeout, **bound)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        expert_model_parallel_size=expert_parallel,
-        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
-    )
-    model_parallel_cuda_manual_seed(seed)
 
 
 def random_samples(batch: Batch, *, vocab_size: int, seed: int) -> list[TokenSample]:

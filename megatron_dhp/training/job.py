@@ -60,8 +60,8 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    from megatron_dhp.runtime.distributed import init_distributed
     from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-    from megatron_dhp.testing.selfcheck import init_distributed
 
     warnings.filterwarnings("ignore")  # megatron-core warns once per rank about missing TE / Apex
     backend = "nccl" if torch.cuda.is_available() else "gloo"

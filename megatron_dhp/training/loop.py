@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
+from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -96,8 +97,10 @@ class Trainer:
         self.config = config
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
         policy, self.cost = job_cost(config.dhp, self.domain)
+        # under PP a microbatch holds M // P per rank (P in flight), so that is what a sample may fill
+        capacity = self.domain.size * pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
-                                      capacity=self.cost.domain.capacity, truncate=config.dhp.truncate,
+                                      capacity=capacity, truncate=config.dhp.truncate,
                                       vision=config.vision if config.vision.layers else None)
         longest = self.pipeline.longest(config.train.steps)
         if longest > config.model.max_sequence_length:

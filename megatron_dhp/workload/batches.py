@@ -66,7 +66,7 @@ def fit_to_domain(batch: Batch, capacity: int, *, truncate: bool = False) -> Bat
         s = too_long[0]
         raise DhpError(
             f"sample {s.id} has {s.tokens} tokens but the whole domain holds at most {capacity} "
-            f"(world_size x max_tokens_per_rank); raise --world-size or --max-tokens-per-rank, "
+            f"(world_size x max_tokens_per_rank, over the pipeline stages under PP); raise --world-size or --max-tokens-per-rank, "
             f"or pass --truncate to cut {len(too_long)} such sample(s)"
         )
     return Batch(tuple(truncate_sample(s, capacity) for s in batch.samples), seed=batch.seed)

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.cpu_compat import apply_cpu_compat
 from megatron_dhp.testing.gpt import TinyGPTConfig
-from megatron_dhp.testing.selfcheck import SelfCheck, init_distributed, random_samples
+from megatron_dhp.testing.selfcheck import SelfCheck, random_samples
 from megatron_dhp.workload.sample import Batch
 
 LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)

@@ -8,9 +8,10 @@ import torch.distributed as dist
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.collectives import gather_batch
+from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-from megatron_dhp.testing.selfcheck import SelfCheck, init_distributed
+from megatron_dhp.testing.selfcheck import SelfCheck
 from megatron_dhp.testing.vlm import TinyVLMConfig, random_vlm_samples
 from tests.runtime.dist_workers import batch, plans_of_four
 

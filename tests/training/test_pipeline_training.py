@@ -38,6 +38,7 @@ def test_pp2_loss_curves_equal_pp1_under_static_and_dhp(runs):
             assert math.isclose(a, c, rel_tol=RELATIVE) and math.isclose(b, c, rel_tol=RELATIVE), (a, b, c)
         assert [r.num_tokens for r in rank["dhp"]] == [r.num_tokens for r in runs["pp1"]]
         assert [r.groups for r in rank["static"]] != [r.groups for r in rank["dhp"]]  # the plans really differ
+        assert rank["capacity"] == 2 * (72 // 2)  # the data is checked against N x M // P, what a plan can hold
 
 
 def test_pp2_checkpoint_resumes_exactly_and_refuses_another_pp(runs):

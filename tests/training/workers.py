@@ -194,6 +194,7 @@ def pipeline_runs(config: TrainConfig, folder: str) -> dict:
     resumed = Trainer(config.with_overrides(dhp={"planner": "dhp"}))
     resumed.resume(str(Path(folder) / f"step_{PP_SAVE_AT:06d}"))
     out["resumed"] = resumed.train()
+    out["capacity"] = resumed.pipeline.capacity
     out["other_pp"] = _load_error(config.with_overrides(train={"pp": 1}), Path(folder))
     return out
 

@@ -1,0 +1,42 @@
+"""Join a job: the process group (gloo, or NCCL bound to this rank's GPU) and megatron's parallel state.
+
+Every entry point that starts ranks itself (`megatron-dhp train`, `demo`, `profile`, `selftest`) joins here;
+under Megatron-LM, Megatron's own `initialize_megatron` does this instead.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.runtime.group_pool import SHARE_RESOURCES
+
+
+def init_distributed(
+    *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+    seed: int = 0, timeout: timedelta = timedelta(seconds=120)
+) -> None:
+    """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
+    megatron-core carves the expert-parallel groups from the data-parallel ranks).
+
+    On a CPU-only machine the caller switches on `testing.cpu_compat` first; this leaves megatron-core as is.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    bound = {}
+    if backend == "nccl":  # new groups split from the default one and share its buffers (`group_pool.nccl_sharing`)
+        os.environ.setdefault(SHARE_RESOURCES, "1")
+        bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(bound["device_id"])
+    dist.init_process_group(backend=backend, timeout=timeout, **bound)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
+        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
+    )
+    model_parallel_cuda_manual_seed(seed)
