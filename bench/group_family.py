@@ -56,7 +56,7 @@ def run_domain(n: int, args: argparse.Namespace, progress: Progress, task) -> di
         batch = source.draw(global_batch=512, seed=0, index=k, capacity=model.domain.capacity)
         for key, on in families.items():
             plan = run_planner(planner, batch, model, family=on)
-            steps[key].append(list(dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1)))
+            steps[key].append(list(plan.multi_rank_groups()))
             times[key].append(plan.predicted_step_time_s)
         progress.advance(task)
     row = {"n": n, "family_groups": len(family), "family_per_rank": family.max_membership}

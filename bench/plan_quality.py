@@ -52,9 +52,16 @@ from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.errors import DhpError
-from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
+from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
-from megatron_dhp.solver import PLANNERS, PlannerContext, PlannerUnsupported, build_planner, run_planner
+from megatron_dhp.solver import (
+    PLANNERS,
+    PlannerContext,
+    PlannerUnsupported,
+    build_planner,
+    planner_comm_policy,
+    run_planner,
+)
 from megatron_dhp.workload import LengthSource
 
 WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")
@@ -78,8 +85,8 @@ def batches_and_planners(model, workload: str, args: argparse.Namespace) -> tupl
 def planning_family(name: str, model, args: argparse.Namespace):
     """The family planner `name` keeps to under `--comm` on the model's domain (None: any group)."""
     d = model.domain
-    return CommPolicy.resolve(args.comm, keeps_to_family=PLANNERS[name].plans_on_family, world_size=d.world_size,
-                              gpus_per_node=d.gpus_per_node).planning_family
+    return planner_comm_policy(name, args.comm, world_size=d.world_size, gpus_per_node=d.gpus_per_node).planning_family
+
 
 def run(args: argparse.Namespace, console: Console) -> list[dict]:
     """Plan every batch with every planner; one record per (domain, workload, batch, planner)."""

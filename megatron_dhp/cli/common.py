@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
-from megatron_dhp.plan.comm import DOMAIN_COMMS, STEP_COMMS, CommPolicy
+from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -71,11 +71,10 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
 
 def comm_policy(args: argparse.Namespace, name: str, config: CostConfig) -> CommPolicy:
     """The comm policy planner `name` plans under for the flags (--comm, --max-groups-per-rank) on the domain."""
-    from megatron_dhp.solver import PLANNERS
+    from megatron_dhp.solver import planner_comm_policy
 
-    return CommPolicy.resolve(args.comm, max_groups_per_rank=args.max_groups_per_rank,
-                              keeps_to_family=PLANNERS[name].plans_on_family, world_size=config.world_size,
-                              gpus_per_node=config.gpus_per_node)
+    return planner_comm_policy(name, args.comm, world_size=config.world_size, gpus_per_node=config.gpus_per_node,
+                               max_groups_per_rank=args.max_groups_per_rank)
 
 
 def group_usage(used: dict[str, tuple[CommPolicy, set]]) -> str:
@@ -88,15 +87,10 @@ def group_usage(used: dict[str, tuple[CommPolicy, set]]) -> str:
             return f"{len(groups)}"
         if not policy.any_group:
             return f"{len(groups)} (any groups, each created when first needed)"
-        return f"{len(groups)} (any groups; {sum(policy.transport(g) in DOMAIN_COMMS for g in groups)} on p2p)"
+        return f"{len(groups)} (any groups; {policy.on_domain(groups)} on p2p)"
 
     counts = ", ".join(f"{name} {count(policy, groups)}" for name, (policy, groups) in used.items())
     return f"{family.summary() if family is not None else 'no group family'}; distinct multi-rank groups used: {counts}"
-
-
-def multi_rank_groups(plan) -> set[tuple[int, ...]]:
-    """The plan's groups of more than one rank, as sorted rank tuples (each is a communicator)."""
-    return {tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1}
 
 
 def add_planning_args(p: argparse.ArgumentParser, *, default_dist: str | None = None,

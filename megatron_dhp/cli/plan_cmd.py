@@ -8,7 +8,6 @@ from megatron_dhp.cli.common import (
     add_planning_args,
     comm_policy,
     group_usage,
-    multi_rank_groups,
     planning_inputs,
 )
 
@@ -40,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
     print(plan.summary())
     if plan.pipeline_stages > 1:
         print(f"lower bound at {plan.pipeline_stages} pipeline stages: {plan.lower_bound_s:.3f}s")
-    print(group_usage({planner.name: (policy, multi_rank_groups(plan))}))
+    print(group_usage({planner.name: (policy, set(plan.multi_rank_groups()))}))
     print(f"wrote {args.out} ({len(plan.samples)} samples, {len(plan.groups)} groups, fingerprint {plan.fingerprint()})")
     return 0

@@ -11,7 +11,6 @@ from megatron_dhp.cli.common import (
     add_planning_args,
     comm_policy,
     group_usage,
-    multi_rank_groups,
     planning_inputs,
 )
 
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                         "solve_time_ms": plan.solve_time_ms, "summary": plan.summary(),
                         "encoder_placement": plan.encoder_placement,
                     })
-                    used[planner.name][1].update(multi_rank_groups(plan))
+                    used[planner.name][1].update(plan.multi_rank_groups())
                     if k == 0:
                         first_plans[label] = plan
                 progress.advance(task)

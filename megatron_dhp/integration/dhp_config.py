@@ -103,11 +103,11 @@ class DhpConfig:
 
     def comm_policy(self, *, world_size: int, gpus_per_node: int) -> CommPolicy:
         """The job's comm policy on a domain of `world_size` ranks, `gpus_per_node` of them per node."""
-        from megatron_dhp.solver import PLANNERS
+        from megatron_dhp.solver import planner_comm_policy
 
-        return CommPolicy.resolve(self.comm, layer_spec=self.layer_spec, max_groups_per_rank=self.max_groups_per_rank,
-                                  keeps_to_family=PLANNERS[self.planner].plans_on_family, world_size=world_size,
-                                  gpus_per_node=gpus_per_node, communicator_mb=self.communicator_mb)
+        return planner_comm_policy(self.planner, self.comm, world_size=world_size, gpus_per_node=gpus_per_node,
+                                   max_groups_per_rank=self.max_groups_per_rank, layer_spec=self.layer_spec,
+                                   communicator_mb=self.communicator_mb)
 
     def token_cap(self, policy: CommPolicy) -> int:
         """The tokens per rank a microbatch may hold: max_tokens_per_rank, less the communicators' memory

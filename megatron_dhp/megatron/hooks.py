@@ -69,8 +69,8 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if stages > 1:
         check_pipeline(domain)
-    cap = _sample_cap(args.seq_length, domain, config, stages)
     policy, cost = job_cost(config, domain)
+    cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages)
     share_group, share_source = _loader_sharing()
     aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                          getattr(args, "moe_token_dispatcher_type", None))
@@ -105,11 +105,13 @@ def _loader_sharing() -> tuple[dist.ProcessGroup | None, int]:
     return group, dist.get_process_group_ranks(group)[coordinates.index((0, 0))]
 
 
-def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, stages: int) -> int | None:
+def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token_cap: int, stages: int) -> int | None:
     """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
 
-    Under pipeline parallelism a stage keeps up to P microbatches in flight, so one holds M // P per rank."""
-    per_rank = pipeline_token_cap(config.max_tokens_per_rank, stages)
+    `token_cap` is the M the planner holds (`DhpConfig.token_cap`: max_tokens_per_rank, less the communicators'
+    memory when it is counted). Under pipeline parallelism a stage keeps up to P microbatches in flight, so one
+    holds M // P per rank."""
+    per_rank = pipeline_token_cap(token_cap, stages)
     capacity = domain.size * per_rank
     if seq_length <= capacity:
         return None
@@ -118,7 +120,7 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, stage
     at = f" // {stages} pipeline stages" if stages > 1 else ""
     raise DhpError(
         f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
-        f"{config.max_tokens_per_rank}{at} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
-        f"{-(-seq_length // domain.size) * stages} or set truncate: true"
+        f"{token_cap}{at} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
+        f"{-(-seq_length // domain.size) * stages + config.max_tokens_per_rank - token_cap} or set truncate: true"
     )
 

@@ -18,7 +18,7 @@ Pure: no torch, no process group, so every answer is testable on its own.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_dhp.errors import DhpError
@@ -131,6 +131,10 @@ class CommPolicy:
         if comm != "mixed":
             return comm
         return "allgather" if len(ranks) == 1 or (self.family is not None and self.family.contains(ranks)) else "p2p"
+
+    def on_domain(self, groups: Iterable[Sequence[int]]) -> int:
+        """How many of these groups run on the domain's communicator (`DOMAIN_COMMS`) rather than their own."""
+        return sum(self.transport(ranks) in DOMAIN_COMMS for ranks in groups)
 
     @property
     def communicators_per_rank(self) -> int:

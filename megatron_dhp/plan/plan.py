@@ -110,6 +110,11 @@ class Plan:
         """Microbatches over all groups."""
         return sum(len(g.microbatches) for g in self.groups)
 
+    def multi_rank_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The distinct rank sets of more than one rank, sorted, in plan order: each needs a communicator (or a
+        ring on the domain's)."""
+        return tuple(dict.fromkeys(tuple(sorted(g.ranks)) for g in self.groups if g.size > 1))
+
     def groups_of_rank(self, rank: int) -> list[PlanGroup]:
         """The groups `rank` belongs to, in execution (phase) order."""
         return sorted((g for g in self.groups if rank in g.ranks), key=lambda g: g.phase)

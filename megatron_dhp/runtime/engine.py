@@ -254,8 +254,7 @@ class StepEngine:
 
     def groups_on_p2p(self, plan: Plan) -> int:
         """The plan's distinct multi-rank groups that run on the domain's communicator (`CommPolicy.transport`)."""
-        groups = {tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1}
-        return sum(self.policy.transport(ranks) in DOMAIN_COMMS for ranks in groups)
+        return self.policy.on_domain(plan.multi_rank_groups())
 
     def slot(self, mb: MicrobatchInputs, index: int, count: int) -> Slot:
         """Microbatch `mb` as slot `index` of `count`, with this rank's communicator for its group as the policy's

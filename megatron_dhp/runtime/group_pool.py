@@ -96,7 +96,7 @@ class GroupPool:
 
     def prepare(self, plan: Plan) -> None:
         """Create the plan's missing groups, in plan order. Collective: every rank of the world calls it."""
-        keys = dict.fromkeys(tuple(sorted(g.ranks)) for g in plan.groups if g.size > 1)
+        keys = plan.multi_rank_groups()
         needed = [key for key in keys if key not in self._fixed]
         self.hits += len(keys) - len(needed)
         if len(needed) > self.max_groups:

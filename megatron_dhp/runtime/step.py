@@ -76,14 +76,14 @@ class _LossSum:
         self.loss_tokens = 0
 
     def forward(self, slot: Slot) -> torch.Tensor:
-        return self.loss(slot.inputs, self.per_token(slot))
+        return self.loss(slot.inputs, self.per_token(slot))[0]
 
-    def loss(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> torch.Tensor:
-        """The microbatch's masked loss sum, counted into this rank's totals."""
+    def loss(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The microbatch's masked loss sum and loss tokens, counted into this rank's totals."""
         loss, count = masked_loss_sum(per_token, mb)
         self.loss_sum += float(loss.detach())
         self.loss_tokens += count
-        return loss
+        return loss, count
 
     def forward_step(self, slots: Iterator[Slot], stage: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         slot = next(slots)
@@ -92,8 +92,8 @@ class _LossSum:
 
     def _reported(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """1F1B's loss function: the loss sum and its loss tokens, which `finalize_model_grads` divides by."""
-        loss = self.loss(mb, per_token)
-        return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=per_token.device), {}
+        loss, count = self.loss(mb, per_token)
+        return loss, torch.tensor(count, dtype=torch.int, device=per_token.device), {}
 
     def result(self, inputs: StepInputs, *, computed: bool = True) -> StepResult:
         """This rank's part of the step; `computed` False: a pipeline stage that computes no loss, so no tokens."""

@@ -63,9 +63,15 @@ def test_layer_spec_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys,
 def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(capsys, monkeypatch, rank):
     """A new user's PP 2 run at --dhp-max-tokens-per-rank 32: 2 ranks hold 2 x 32 // 2 = 32 tokens, not 64;
     rank 0 says so in one line, every rank exits 2 (the domain and PP stubbed: no process group here)."""
+    from megatron_dhp.integration.planning import live_cost_config
     from megatron_dhp.megatron import arguments, hooks
 
+    def job_cost(config, domain):  # the job's policy and cost model on the stubbed 2-rank domain (one node)
+        policy = config.comm_policy(world_size=domain.size, gpus_per_node=domain.size)
+        return policy, live_cost_config(config, policy)
+
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(hooks, "job_cost", job_cost)
     monkeypatch.setattr(arguments, "_SILENT_RANK_EXIT_DELAY_S", 0.0)
     monkeypatch.setattr(hooks, "DynamicDomain", SimpleNamespace(from_parallel_state=lambda timeout: SimpleNamespace(size=2)))
     monkeypatch.setattr(hooks.parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)

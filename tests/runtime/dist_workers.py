@@ -111,8 +111,7 @@ def domain_of_four_checks() -> dict:
     out["mixed"] = {name: check.check(plan, samples, "mixed") for name, plan in plans.items()}
     out["mixed_pool"] = (family.created, len(family))
     mixed = check.policy("mixed")
-    out["outside"] = [len({tuple(sorted(g.ranks)) for g in plan.groups if mixed.transport(g.ranks) == "p2p"})
-                      for plan in plans.values()]
+    out["outside"] = [mixed.on_domain(plan.multi_rank_groups()) for plan in plans.values()]
     family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
     out["family_out"] = (family.created, len(family))
 
