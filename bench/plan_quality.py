@@ -483,7 +483,7 @@ def main() -> None:
     else:
         records = run(args, console)
     print_tables(records, args, console)
-    table = Table(title="issue-3 targets for dhp")
+    table = Table(title="targets for dhp")
     for col in ("target", "measured", "met"):
         table.add_column(col)
     results = targets(records) if "dhp" in args.planners else []
