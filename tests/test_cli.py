@@ -42,6 +42,19 @@ def test_plan_overrides_domain(tmp_path, capsys):
     assert code == 0 and (obj["world_size"], obj["gpus_per_node"], obj["max_tokens_per_rank"]) == (12, 4, 16384)
 
 
+def test_rank_speeds_reach_the_plan_and_simulate_adds_speed_blind_dhp(tmp_path, capsys):
+    speeds, out, js = tmp_path / "speeds.json", tmp_path / "plan.json", tmp_path / "sim.json"
+    speeds.write_text(json.dumps([1.0] * 5 + [0.5] + [1.0] * 10))
+    common = ["--dist", "wlbllm", "--global-batch", 64, "--world-size", 16, "--rank-speeds", speeds]
+    code, stdout, _ = run_cli(["plan", *common, "--out", out], capsys)
+    assert code == 0 and "slow r5@0.50" in stdout
+    assert json.loads(out.read_text())["rank_speeds"][5] == 0.5
+    code, stdout, _ = run_cli(["simulate", *common, "--batches", 1, "--planners", "dhp,static", "--json", js], capsys)
+    results = json.loads(js.read_text())["results"]
+    assert code == 0 and set(results) == {"dhp", "dhp-blind", "static"}
+    assert results["dhp"][0]["step_time_s"] < results["dhp-blind"][0]["step_time_s"]
+
+
 def test_plan_whole_length_file(tmp_path, capsys):
     lengths = tmp_path / "l.json"
     lengths.write_text("[300, 9000, 120, 40]")
@@ -79,6 +92,11 @@ def test_dists_lists_every_distribution(capsys):
         (["plan", "--lengths", "{tmp}/ok.json", "--world-size", "0"], "world_size = 0 must be an integer >= 1"),
         (["plan", "--dist", "bimodal"], "needs --global-batch"),
         (["simulate", "--batches", "0"], "--batches 0 must be at least 1"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/missing.json"], "rank speeds file .* does not exist"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/bad.json"], "rank speeds file .* is not valid JSON"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/speeds_obj.json"], "must hold a JSON list of numbers"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/float.json"], "rank_speeds holds 1 speeds but the domain has 64 ranks"),
+        (["plan", "--lengths", "{tmp}/ok.json", "--world-size", "2", "--rank-speeds", "{tmp}/neg.json"], "rank speed -5.0 must be a finite number > 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, capsys, gpt7b_config, args, match):
@@ -88,6 +106,7 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, gpt7b_config, args, match
     (tmp_path / "float.json").write_text("[1.5]")
     (tmp_path / "long.json").write_text("[600000]")
     (tmp_path / "ok.json").write_text("[1000, 2000]")
+    (tmp_path / "speeds_obj.json").write_text('{"0": 1.0}')
     good = gpt7b_config.to_dict()
     (tmp_path / "unknown.yaml").write_text("\n".join(f"{k}: {v}" for k, v in {**good, "gpus_per_nod": 8}.items() if k != "overlap_comm") + "\noverlap_comm: true")
     (tmp_path / "missing.yaml").write_text("\n".join(f"{k}: {v}" for k, v in good.items() if k not in ("world_size", "overlap_comm")) + "\noverlap_comm: true")

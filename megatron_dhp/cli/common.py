@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.cost.speeds import load_rank_speeds
 from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
@@ -35,6 +36,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--world-size", type=int, metavar="N", help="ranks in the dynamic domain (overrides the YAML)")
     g.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (overrides the YAML)")
     g.add_argument("--max-tokens-per-rank", type=int, metavar="M", help="per-rank token cap (overrides the YAML)")
+    g.add_argument("--rank-speeds", metavar="FILE",
+                   help="JSON list of N relative rank speeds (1.0: the cost model's rank; 0.5: half as fast): dhp "
+                        "plans with them, the peers stay speed-blind, every plan is priced with them")
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +121,8 @@ def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1)
     """Batches `first` .. `first + count - 1` of the flags' workload (batch k depends only on the seed and k),
     the cost config of --cost with the domain flags, and the planner context of those batches."""
     config = CostConfig.load(args.cost).with_overrides(
-        world_size=args.world_size, gpus_per_node=args.gpus_per_node, max_tokens_per_rank=args.max_tokens_per_rank
+        world_size=args.world_size, gpus_per_node=args.gpus_per_node, max_tokens_per_rank=args.max_tokens_per_rank,
+        rank_speeds=load_rank_speeds(args.rank_speeds) if args.rank_speeds else None,
     )
     source, batches = draw_batches(args, config, range(first, first + count))
     return PlanningInputs(config, source, batches,

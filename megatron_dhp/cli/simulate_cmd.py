@@ -52,17 +52,19 @@ def run(args: argparse.Namespace) -> int:
     inputs = planning_inputs(args, count=args.batches)
     config, source, batches = inputs.config, inputs.source, inputs.batches
     model = build_cost_model(config)
-    planners = [build_planner(n, inputs.context) for n in names]
-    policies = {p.name: comm_policy(args, p.name, config) for p in planners}
+    planners = [(n, build_planner(n, inputs.context)) for n in names]
+    if not config.domain.nominal and "dhp" in names:  # what knowing the speeds buys: dhp planning without them
+        planners.insert(names.index("dhp") + 1, ("dhp-blind", build_planner("dhp", inputs.context, speed_aware=False)))
+    policies = {p.name: comm_policy(args, p.name, config) for _, p in planners}
     # One row per planner, or per (planner, encoder placement) with --placements.
     placements = [p.strip() for p in args.placements.split(",") if p.strip()] if args.placements else [None]
-    rows = [(p.name if pl is None else f"{p.name} @{pl}", p, model if pl is None else model.with_placement(pl))
-            for pl in placements for p in planners]
+    rows = [(n if pl is None else f"{n} @{pl}", p, model if pl is None else model.with_placement(pl))
+            for pl in placements for n, p in planners]
     names = [label for label, _, _ in rows]
 
     results: dict[str, list[dict]] = {n: [] for n in names}
     first_plans = {}
-    used = {p.name: (policies[p.name], set()) for p in planners}
+    used = {p.name: (policies[p.name], set()) for _, p in planners}
     console = Console()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("planning", total=len(batches) * len(rows))

@@ -76,33 +76,57 @@ OVERHEAD_SHARES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 """The dual feasible functions the bound tries, by name; each gives a valid bound on its own."""
 
 
-def best_times(model: CostModel, tokens: np.ndarray, work: np.ndarray) -> np.ndarray:
-    """(samples, N): t(L, d) for d = 1..N at whichever placement is faster (inside a node only when d fits one)."""
+def best_times(model: CostModel, tokens: np.ndarray, work: np.ndarray, speed: np.ndarray | float = 1.0) -> np.ndarray:
+    """(samples, N): t(L, d) for d = 1..N at whichever placement is faster (inside a node only when d fits one),
+    on ranks at `speed` (one for all degrees, or one per degree)."""
     n, gpn = model.domain.world_size, model.domain.gpus_per_node
     d = np.arange(1, n + 1)
-    inter = model.sample_time(tokens[:, None], work[:, None], d[None, :], False)
-    intra = model.sample_time(tokens[:, None], work[:, None], d[None, :], True)
+    speed = speed if np.isscalar(speed) else np.asarray(speed)[None, :]
+    inter = model.sample_time(tokens[:, None], work[:, None], d[None, :], False, speed)
+    intra = model.sample_time(tokens[:, None], work[:, None], d[None, :], True, speed)
     return np.where(d[None, :] <= gpn, np.minimum(intra, inter), inter)
 
 
 def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray, footprint: Footprint,
                          share: Callable[[np.ndarray], np.ndarray] = identity_share) -> float:
     """T* of the module docstring for one overhead share f (without sigma), from tokens, `sample_work` and the
-    samples' `Footprint` (a sample's fill of a microbatch on d ranks: its memory per rank over the cap)."""
+    samples' `Footprint` (a sample's fill of a microbatch on d ranks: its memory per rank over the cap).
+
+    With rank speeds, as `ReferenceCostModel.lower_bound_arrays` argues, the larger of two: the speed-blind
+    T* over the fastest rank's speed (if above 1), and T* with each degree's area priced at the slowest
+    rank's speed and spread over the sum of the speeds, each sample ending no sooner than on the d fastest."""
     n, m = model.domain.world_size, model.microbatch_overhead(1)
     tokens = np.asarray(tokens, dtype=np.float64)
     lo = footprint.min_degree()
     if np.any(lo > n):
         raise ValueError("the bound needs every sample to fit the domain; check with fit_to_domain first")
+    work = np.asanyarray(work)
+    if model.domain.nominal:
+        times = best_times(model, tokens, work)
+        return _event_bound(times, times, m, m, lo, footprint, share, float(n))
+    speeds = model.domain.speeds
+    blind = coupled_bound_arrays(model.with_speeds(()), tokens, work, footprint, share) / max(1.0, float(speeds.max()))
+    slow, fastest = float(speeds.min()), np.sort(speeds)[::-1]
+    times = best_times(model, tokens, work, fastest)
+    area_times = slow * best_times(model, tokens, work, slow)
+    return max(blind, _event_bound(times, area_times, m, (m / fastest)[None, :], lo, footprint, share, float(speeds.sum())))
+
+
+def _event_bound(times: np.ndarray, area_times: np.ndarray, m: float, end_overhead: np.ndarray | float,
+                 lo: np.ndarray, footprint: Footprint, share: Callable[[np.ndarray], np.ndarray], capacity: float) -> float:
+    """The sweep over T of the module docstring: `times` (samples, N) of every degree, `area_times` the same
+    as the area prices them (with m per microbatch), `end_overhead` the overhead before a sample ends (m, or
+    one per degree), `capacity` the rank-seconds the domain has per second."""
+    n = times.shape[1]
     d = np.arange(1, n + 1, dtype=np.float64)
-    times = best_times(model, tokens, np.asanyarray(work))
     fill = (footprint.shared[:, None] / d[None, :] + footprint.held[:, None]) / footprint.cap
-    area = d[None, :] * (times + m * share(fill))
+    area = d[None, :] * (area_times + m * share(fill))
     feasible = d[None, :] >= lo[:, None]
-    times = np.where(feasible, times, np.inf)
-    # Per sample, degrees by time: T allows a prefix of them, and its cheapest area is the prefix minimum.
-    order = np.argsort(times, axis=1, kind="stable")
-    ends = m + np.take_along_axis(times, order, axis=1)
+    ends = np.where(feasible, end_overhead + times, np.inf)
+    # Per sample, degrees by end: T allows a prefix of them, and its cheapest area is the prefix minimum.
+    # (With one m for all degrees they are ordered by time, as the sum would order them but for rounding.)
+    order = np.argsort(np.where(feasible, times, np.inf) if np.isscalar(end_overhead) else ends, axis=1, kind="stable")
+    ends = np.take_along_axis(ends, order, axis=1)
     cheapest = np.minimum.accumulate(np.take_along_axis(np.where(feasible, area, np.inf), order, axis=1), axis=1)
     # Events: sample s's cheapest area drops from cheapest[k - 1] to cheapest[k] at T = ends[k].
     drop = np.diff(cheapest, axis=1, prepend=np.inf)
@@ -117,9 +141,9 @@ def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
     start = int(np.searchsorted(at, float(ends[:, 0].max()), side="right")) - 1
     at, total = at[start:], total[start:]
     nxt = np.r_[at[1:], np.inf]
-    fits = total / n < nxt
+    fits = total / capacity < nxt
     j = int(np.argmax(fits))
-    return max(float(at[j]), float(total[j]) / n)
+    return max(float(at[j]), float(total[j]) / capacity)
 
 
 def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:

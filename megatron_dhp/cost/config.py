@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
@@ -19,8 +20,23 @@ from megatron_dhp.presets import resolve_preset
 COST_KINDS = ("reference", "profiled")
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
-                 "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token")
+                 "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
+                 "rank_speeds")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
+
+
+SPEED_GRID = 1.02
+"""Bounds price groups of ranks at speeds rounded up to powers of this (`Domain.speed_levels`)."""
+
+
+def check_speeds(speeds: tuple[float, ...], world_size: int) -> None:
+    """A `DhpError` unless `speeds` is empty or holds one finite positive speed per rank."""
+    if speeds and len(speeds) != world_size:
+        raise DhpError(f"rank_speeds holds {len(speeds)} speeds but the domain has {world_size} ranks; give one "
+                       "relative speed per domain position (or none: every rank at 1.0)")
+    bad = next((v for v in speeds if not (np.isfinite(v) and v > 0)), None)
+    if bad is not None:
+        raise DhpError(f"rank speed {bad!r} must be a finite number > 0 (1.0: the model's nominal rank)")
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,8 @@ class Domain:
     """Ranks per node; a group inside one node communicates at the intra-node bandwidth."""
     max_tokens_per_rank: int
     """Memory capacity M: the most tokens one rank may hold in a microbatch."""
+    rank_speeds: tuple[float, ...] = ()
+    """Each domain position's relative compute speed (1.0: the model's nominal rank; `plan.speeds`); empty: all 1."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -40,6 +58,32 @@ class Domain:
             value = getattr(self, name)
             if value < 1:
                 raise DhpError(f"{name} = {value!r} must be an integer >= 1 (set --{name.replace('_', '-')})")
+        check_speeds(self.rank_speeds, self.world_size)
+
+    @property
+    def speeds(self) -> np.ndarray:
+        """Every position's speed (ones when `rank_speeds` is empty)."""
+        return np.asarray(self.rank_speeds, dtype=np.float64) if self.rank_speeds else np.ones(self.world_size)
+
+    @property
+    def nominal(self) -> bool:
+        """Whether every rank runs at speed 1 (then every plan and number is the speed-blind one)."""
+        return all(v == 1.0 for v in self.rank_speeds)
+
+    def speed_levels(self) -> list[tuple[float, int, int]]:
+        """(v, a, b): the fastest group of d ranks, a <= d <= b, computes at most at speed v, the d-th fastest
+        rank's speed rounded up to `SPEED_GRID` (so there are few levels; rounding up keeps bounds valid)."""
+        grid = np.log(SPEED_GRID)
+        ranked = np.sort(self.speeds)[::-1]
+        levels = np.exp(np.ceil(np.round(np.log(ranked) / grid, 9)) * grid)
+        levels = np.where(np.isclose(ranked, levels, rtol=1e-12), ranked, levels)  # exact where it is on the grid
+        out: list[tuple[float, int, int]] = []
+        for d, v in enumerate(levels.tolist(), start=1):
+            if out and out[-1][0] == v:
+                out[-1] = (v, out[-1][1], d)
+            else:
+                out.append((v, d, d))
+        return out
 
     @property
     def capacity(self) -> int:
@@ -116,6 +160,10 @@ class CostConfig:
     expert_parallel_size: int = 1
     """EP: ranks of the static expert-parallel groups the all-to-all runs on, consecutive domain ranks tiling the
     domain (must divide world_size); intra-node bandwidth when every group sits in one node."""
+    rank_speeds: tuple[float, ...] = ()
+    """Each domain position's relative compute speed, 1.0 the rank these coefficients describe (a throttled
+    or older GPU: below 1); empty, the default, is every rank at 1. A group computes at its slowest member's
+    speed; communication is not scaled (docs/cost-model.md)."""
     description: str = ""
     """Free text: where the numbers come from."""
 
@@ -144,9 +192,9 @@ class CostConfig:
     @property
     def domain(self) -> Domain:
         """The domain fields as a `Domain`."""
-        return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank)
+        return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank, self.rank_speeds)
 
-    def with_overrides(self, **overrides: int | None) -> CostConfig:
+    def with_overrides(self, **overrides: int | tuple[float, ...] | None) -> CostConfig:
         """Replace the given fields, ignoring None (how CLI flags override the YAML)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -22,7 +22,7 @@ class CostModel(Protocol):
     """Seconds of samples and microbatches on groups of ranks, memory feasibility, and the step lower bound."""
 
     domain: Domain
-    """The ranks, their nodes and the per-rank token cap M the model prices."""
+    """The ranks, their nodes, their speeds and the per-rank token cap M the model prices."""
     step_overhead_s: float
     """sigma: fixed seconds every step pays before its first microbatch, on every rank."""
     encoder_placement: str
@@ -45,16 +45,28 @@ class CostModel(Protocol):
         """Per-sample figure the time methods take back (in the reference model, compute seconds on one rank)."""
         ...
 
-    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
-        """t(L, d): seconds each sample takes on a group of `degree` ranks, inside one node or not (broadcasts)."""
+    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool,
+                    speed: np.ndarray | float = 1.0) -> np.ndarray:
+        """t(L, d): seconds each sample takes on a group of `degree` ranks, inside one node or not, whose
+        slowest rank computes at `speed` (broadcasts)."""
+        ...
+
+    def group_speed(self, ranks: Sequence[int]) -> float:
+        """The speed a group of these domain positions computes at (its slowest rank's; 1.0 when nominal)."""
+        ...
+
+    def with_speeds(self, speeds: tuple[float, ...]) -> CostModel:
+        """The same model with the domain's ranks at `speeds` (empty: every rank at 1, the speed-blind model)."""
         ...
 
     def time_table(self, tokens: np.ndarray, work: np.ndarray, degrees: np.ndarray) -> np.ndarray:
         """(samples, degrees): t(L_i, d) of every sample on every group size, each group at its best placement."""
         ...
 
-    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """min over d in [lo, hi] of t(L, d) at the best placement, and the smallest d that attains it."""
+    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int,
+                  speed: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """min over d in [lo, hi] of t(L, d) at the best placement (on ranks at `speed`), and the smallest d
+        that attains it."""
         ...
 
     def is_intra(self, ranks: Sequence[int]) -> bool:
@@ -69,9 +81,9 @@ class CostModel(Protocol):
         """Each sample's memory under `memory_rule` on this domain (its `min_degree`, its load in a microbatch)."""
         ...
 
-    def microbatch_overhead(self, group_size: int) -> float:
-        """Fixed seconds of one microbatch on a group of `group_size` ranks; `microbatch_overhead(1)` is the
-        base m that every microbatch pays, larger groups may pay more (lambda)."""
+    def microbatch_overhead(self, group_size: int, speed: float = 1.0) -> float:
+        """Fixed seconds of one microbatch on a group of `group_size` ranks whose slowest runs at `speed`;
+        `microbatch_overhead(1)` is the base m that every microbatch pays, larger groups may pay more (lambda)."""
         ...
 
     def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:

@@ -174,6 +174,8 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     """
     if stages == 1:
         return model.lower_bound(samples)
+    if not model.domain.nominal:  # every time is at least the nominal one over the fastest rank's speed (if > 1)
+        return lower_bound(model.with_speeds(()), samples, stages) / max(1.0, float(model.domain.speeds.max()))
     phase_s = model.encoder_phase(samples, bound=True).total_s  # `global`'s, outside the pipeline (0 otherwise)
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)

@@ -82,17 +82,32 @@ class ReferenceCostModel:
         """The step-level encoder time outside the groups (`global`; zero otherwise); `bound`: a lower bound."""
         return global_phase(self.config, samples, bound=bound) if self._pricing == "global" else EncoderPhase()
 
-    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool) -> np.ndarray:
-        """t(L, d): seconds each sample takes on a group of `degree` ranks (broadcasts over arrays)."""
+    def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool,
+                    speed: np.ndarray | float = 1.0) -> np.ndarray:
+        """t(L, d): seconds each sample takes on a group of `degree` ranks whose slowest computes at `speed`
+        (broadcasts over arrays): compute and the per-sample overhead divide by the speed, comm does not."""
         c = self.config
         d = np.asarray(degree, dtype=np.float64)
         bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
         fixed = fixed_work(work)
         work = np.asarray(work, dtype=np.float64)
         compute = work / d if fixed is None else (work - fixed) / d + fixed
+        nominal = np.isscalar(speed) and speed == 1.0
+        if not nominal:
+            compute = compute / speed
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
         t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
-        return t + c.sample_overhead_s if c.sample_overhead_s else t
+        if not c.sample_overhead_s:
+            return t
+        return t + (c.sample_overhead_s if nominal else c.sample_overhead_s / speed)
+
+    def group_speed(self, ranks: Sequence[int]) -> float:
+        """The speed a group computes at: its slowest member's."""
+        return 1.0 if self.domain.nominal else float(self.domain.speeds[list(ranks)].min())
+
+    def with_speeds(self, speeds: tuple[float, ...]) -> ReferenceCostModel:
+        """This model with the ranks at `speeds` (empty: all at 1, the speed-blind model)."""
+        return self if tuple(speeds) == self.domain.rank_speeds else type(self)(replace(self.config, rank_speeds=tuple(speeds)))
 
     def is_intra(self, ranks: Sequence[int]) -> bool:
         """Whether a group's ranks all sit on one node."""
@@ -117,23 +132,28 @@ class ReferenceCostModel:
         """Each sample's memory under `memory_rule` on this domain."""
         return self.memory_rule().footprint(samples, self.domain.world_size)
 
-    def microbatch_overhead(self, group_size: int) -> float:
-        """m, plus the optional lambda (`cp_microbatch_overhead_s`) on a group of more than one rank."""
-        return self.config.microbatch_overhead_s + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
+    def microbatch_overhead(self, group_size: int, speed: float = 1.0) -> float:
+        """m (over the group's `speed`: it is compute), plus the optional lambda (`cp_microbatch_overhead_s`,
+        collective latency, not scaled) on a group of more than one rank."""
+        m = self.config.microbatch_overhead_s if speed == 1.0 else self.config.microbatch_overhead_s / speed
+        return m + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
 
     def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
-        """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks."""
+        """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks at their slowest's speed."""
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-        t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks))
-        return self.microbatch_overhead(len(ranks)) + float(t.sum())
+        speed = self.group_speed(ranks)
+        t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks), speed)
+        return self.microbatch_overhead(len(ranks), speed) + float(t.sum())
 
     def with_token_cap(self, max_tokens_per_rank: int) -> ReferenceCostModel:
         """This model with another per-rank token cap M."""
         return type(self)(replace(self.config, max_tokens_per_rank=max_tokens_per_rank))
 
     # ------------------------------------------------------------------ best degree
-    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """min over d in [lo, hi] of t(L, d) with the best placement, and the d that attains it.
+    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int,
+                  speed: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """min over d in [lo, hi] of t(L, d) with the best placement (on ranks at `speed`), and the d that
+        attains it.
 
         Within one bandwidth regime t(d) = max((W - F)/d + F, c(d-1)/d) (F: the undivided part, 0 but under
         `replicate`) is minimised where the two terms cross, at d* = 1 + W/(c - F), and t(d) = (W - F)/d + F +
@@ -144,6 +164,8 @@ class ReferenceCostModel:
         fixed = fixed_work(work)
         fixed = np.zeros_like(tokens) if fixed is None else np.broadcast_to(fixed, tokens.shape)
         plain = np.asarray(work, dtype=np.float64)
+        if speed != 1.0:  # compute at `speed` is compute at 1 with the work scaled
+            fixed, plain = fixed / speed, plain / speed
         c = self.config
         g = self.domain.gpus_per_node
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), tokens.shape)
@@ -160,7 +182,7 @@ class ReferenceCostModel:
         best_d = lo.copy()
         for d in cands:
             d = np.clip(d, lo, hi)
-            t = self.sample_time(tokens, work, d, d <= g)
+            t = self.sample_time(tokens, work, d, d <= g, speed)
             better = (t < best_t) | ((t == best_t) & (d < best_d))
             best_t = np.where(better, t, best_t)
             best_d = np.where(better, d, best_d)
@@ -182,13 +204,33 @@ class ReferenceCostModel:
 
     def lower_bound_arrays(self, tokens: np.ndarray, work: np.ndarray, footprint: Footprint) -> float:
         """The groups' part of `lower_bound` (without sigma) from the samples' token counts, `sample_work` and
-        `footprint`, for planners that compare it with their own makespans."""
+        `footprint`, for planners that compare it with their own makespans.
+
+        With rank speeds (docs/cost-model.md) the work spreads over the sum of the speeds S: a rank of speed s
+        in a group whose slowest runs at s_g <= s delivers s t(L, d, s_g) >= s_lo t(L, d, s_lo) of nominal
+        work (s_lo the slowest rank), so the first term is sum_s lo s_lo t(L, lo, s_lo) + m sum L / M, over
+        S; and a sample on d ranks runs no faster than on the d fastest, so the second takes each degree at
+        the d-th fastest speed (`Domain.speed_levels`). No time is shorter than at speed 1 over the fastest
+        rank's speed (if above 1), so the speed-blind bound over that holds too; the largest counts (the
+        speeds' area discounts communication on every rank as on the slowest, which the blind one does not)."""
         n, m = self.domain.world_size, self.config.microbatch_overhead_s
         lo = footprint.min_degree()
         if np.any(lo > n):
             raise ValueError("lower_bound needs every sample to fit the domain; check with fit_to_domain first")
         tokens = np.asarray(tokens, dtype=np.float64)
-        area = lo * self.sample_time(tokens, work, lo, self.best_placement_intra(lo))
-        bound_area = (float(area.sum()) + m * float(footprint.shared.sum()) / footprint.cap) / n
-        best_t, _ = self.best_time(tokens, work, lo=lo, hi=n)
-        return max(bound_area, m + float(best_t.max()))
+        overheads = m * float(footprint.shared.sum()) / footprint.cap
+        if self.domain.nominal:
+            area = lo * self.sample_time(tokens, work, lo, self.best_placement_intra(lo))
+            best_t, _ = self.best_time(tokens, work, lo=lo, hi=n)
+            return max((float(area.sum()) + overheads) / n, m + float(best_t.max()))
+        speeds = self.domain.speeds
+        nominal = self.with_speeds(()).lower_bound_arrays(tokens, work, footprint) / max(1.0, float(speeds.max()))
+        slow = float(speeds.min())
+        area = lo * slow * self.sample_time(tokens, work, lo, self.best_placement_intra(lo), slow)
+        longest = np.full(tokens.shape, np.inf)
+        for v, a, b in self.domain.speed_levels():
+            reach = lo <= b
+            if reach.any():
+                t, _ = self.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)
+                longest = np.minimum(longest, np.where(reach, m / v + t, np.inf))
+        return max(nominal, (float(area.sum()) + overheads) / float(speeds.sum()), float(longest.max()))

@@ -70,7 +70,8 @@ class Timeline:
 
 
 def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tuple[float, ...]:
-    """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d)."""
+    """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d),
+    at its slowest rank's speed."""
     return _group_times(plan, group_index, model)[0]
 
 
@@ -80,10 +81,13 @@ def _group_times(plan: Plan, group_index: int, model: CostModel) -> tuple[tuple[
     ids = g.sample_ids
     samples = [plan.sample(i) for i in ids]
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-    t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks))
+    speed = model.group_speed(g.ranks)
+    t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks), speed)
     enc = model.encoder_time(samples, g.size)
+    if speed != 1.0:
+        enc = enc / speed
     bounds = np.cumsum([0] + [len(mb) for mb in g.microbatches])
-    overhead = model.microbatch_overhead(g.size)
+    overhead = model.microbatch_overhead(g.size, speed)
     spans = list(zip(bounds[:-1], bounds[1:]))
     return (tuple(overhead + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans))
 

@@ -19,6 +19,10 @@ from megatron_dhp.plan.pipeline import pipeline_slots, slot_tokens_per_rank
 from megatron_dhp.workload.sample import Sample
 
 SCHEMA = "megatron-dhp/plan/v1"
+SLOW_BELOW = 0.9
+"""`Plan.slow_ranks` names ranks below this fraction of the fastest one's speed."""
+SUMMARY_SLOW = 4
+"""The summary line names at most this many slow ranks."""
 
 
 class PlanError(DhpError):
@@ -79,6 +83,8 @@ class Plan:
     the plan was priced with; the runtime runs it so."""
     enc_memory_per_token: float = 0.0
     """w: an encoder token's activations in LLM tokens, which count against the cap (`plan.memory`)."""
+    rank_speeds: tuple[float, ...] = ()
+    """Each position's relative speed the plan was priced with (empty: all 1); recorded, not executed."""
     predicted_step_time_s: float | None = None
     lower_bound_s: float | None = None
     solve_time_ms: float | None = None
@@ -88,6 +94,7 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", tuple(self.samples))
         object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "rank_speeds", tuple(float(v) for v in self.rank_speeds))
         object.__setattr__(self, "_by_id", {s.id: s for s in self.samples})
         object.__setattr__(self, "_position", {s.id: k for k, s in enumerate(self.samples)})
 
@@ -130,6 +137,9 @@ class Plan:
         if self.encoder_placement != "split":
             parts.append(f"encoder {self.encoder_placement}")
         parts.append(f"{self.num_microbatches} mb")
+        slow = self.slow_ranks()
+        if slow:
+            parts.append("slow " + " ".join(f"r{r}@{v:.2f}" for r, v in slow[:SUMMARY_SLOW]) + (" ..." if len(slow) > SUMMARY_SLOW else ""))
         if self.predicted_step_time_s is not None:
             pred = f"pred {self.predicted_step_time_s:.3f}s"
             if self.lower_bound_s:
@@ -138,6 +148,11 @@ class Plan:
         if self.solve_time_ms is not None:
             parts.append(f"solve {self.solve_time_ms:.1f} ms")
         return f"{self.planner}: " + " | ".join(parts)
+
+    def slow_ranks(self, below: float = SLOW_BELOW) -> list[tuple[int, float]]:
+        """(position, speed) of the ranks priced below `below` times the fastest, slowest first."""
+        top = max(self.rank_speeds, default=1.0)
+        return sorted(((r, v) for r, v in enumerate(self.rank_speeds) if v < below * top), key=lambda rv: (rv[1], rv[0]))
 
     # ------------------------------------------------------------------ invariants
     def validate(self, max_tokens_per_rank: int | None = None) -> None:
@@ -248,6 +263,8 @@ class Plan:
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
+            if self.rank_speeds:
+                out["rank_speeds"] = [round(v, 4) for v in self.rank_speeds]
             for key in ("predicted_step_time_s", "lower_bound_s", "solve_time_ms"):
                 value = getattr(self, key)
                 if value is not None:
@@ -290,6 +307,7 @@ class Plan:
                 pipeline_stages=obj.get("pipeline_stages", 1),
                 encoder_placement=str(obj.get("encoder_placement", "split")),
                 enc_memory_per_token=float(obj.get("enc_memory_per_token", 0.0)),
+                rank_speeds=tuple(obj.get("rank_speeds", ())),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),
                 solve_time_ms=obj.get("solve_time_ms"),

@@ -44,6 +44,9 @@ class Planner(Protocol):
     groups are family groups, and by default it is held to none (`CommPolicy.resolve`)."""
     dataset_max_tokens: int | None = None
     """The dataset's longest sample, for a planner that sizes its groups by it (static)."""
+    speed_aware: bool = False
+    """It plans with the ranks' speeds (dhp); else it plans on the speed-blind model, as published, and
+    `run_planner` prices its plan with the speeds."""
 
     def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
         """Groups covering every rank and every sample of `batch` once (see `Plan.validate`)."""
@@ -52,7 +55,8 @@ class Planner(Protocol):
 
 def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: GroupFamily | None = None,
                 pipeline_stages: int = 1) -> Plan:
-    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound.
+    """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound (both
+    under the model's rank speeds, which the plan records).
 
     With a `family` (the comm policy's `planning_family`) every group of the plan is one of its groups: a
     planner that `plans_on_family` plans on it, any other is `PlannerUnsupported` when it forms another.
@@ -68,7 +72,8 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
     domain, rule = model.domain, model.memory_rule()
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
     rule.check(batch.samples, domain.world_size)  # nor may its images' encoder memory overflow it
-    planning_model = model if planner.plans_pipeline else pipeline_planning_model(planner, batch, model, pipeline_stages)
+    seen = model if planner.speed_aware else model.with_speeds(())
+    planning_model = seen if planner.plans_pipeline else pipeline_planning_model(planner, batch, seen, pipeline_stages)
     options = {"pipeline_stages": pipeline_stages} if planner.plans_pipeline else {}
     if planner.plans_on_family:
         options["family"] = family
@@ -87,6 +92,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
         pipeline_stages=pipeline_stages,
         encoder_placement=model.encoder_placement,
         enc_memory_per_token=rule.enc_memory_per_token,
+        rank_speeds=domain.rank_speeds,
     )
     plan.validate()
     return replace(

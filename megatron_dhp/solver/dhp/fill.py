@@ -5,7 +5,7 @@ bin's size. Samples are taken by decreasing work and each goes where it finishes
 open microbatch when its tokens fit (no new overhead). Local moves then take samples off the bin that
 ends last while that lowers the makespan.
 
-Bins of one (size, placement) class give a sample the same time, so each class keeps its bins sorted by
+Bins of one (size, placement, speed) class give a sample the same time, so each class keeps its bins sorted by
 finish time: the earliest finish, or the earliest among bins with room, is a short scan from the front
 (at most `SCAN` bins, so that a start with many empty bins stays linear).
 """
@@ -24,7 +24,7 @@ SCAN = 32
 
 
 class BinSet:
-    """Bins grouped by (size, placement) class, each class sorted by finish time."""
+    """Bins grouped by (size, placement, speed) class, each class sorted by finish time."""
 
     def __init__(self, inst: Instance, bins: list[DraftGroup]) -> None:
         gpn = inst.model.domain.gpus_per_node
@@ -33,11 +33,11 @@ class BinSet:
         self.shared = inst.footprint.shared.tolist()
         self.held = inst.footprint.held.tolist()
         self.min_degree = inst.min_degree.tolist()
-        keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn) for b in bins]
+        keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn, b.speed) for b in bins]
         self.classes = sorted(set(keys))
         self.class_of = [self.classes.index(k) for k in keys]
-        self.times = [inst.times(s, intra).tolist() for s, intra in self.classes]
-        self.class_overhead = [inst.overhead(s) for s, _ in self.classes]
+        self.times = [inst.times(*key).tolist() for key in self.classes]
+        self.class_overhead = [inst.overhead(s, speed) for s, _, speed in self.classes]
         self.room = [max(b.rooms, default=0) for b in bins]
         self.key = [(b.finish_s, k) for k, b in enumerate(bins)]
         self.by_class: list[list[tuple[float, int]]] = [[] for _ in self.classes]
@@ -63,7 +63,7 @@ class BinSet:
         """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
         lo = self.min_degree[item]
         best = (math.inf, -1)
-        for c, (size, _) in enumerate(self.classes):
+        for c, (size, _, _) in enumerate(self.classes):
             if size < lo:
                 continue
             length = self.load(item, size)

@@ -30,7 +30,7 @@ class Instance:
     encoder share, which `footprint.cap` takes off)."""
     family: GroupFamily | None = None
     """The groups the plan may use (None: any contiguous window)."""
-    _times: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False)
+    _times: dict[tuple[int, bool, float], np.ndarray] = field(default_factory=dict, repr=False)
     _order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
 
     @classmethod
@@ -64,26 +64,47 @@ class Instance:
         """Tokens sample `item` takes of a microbatch's room of size x `footprint.cap` on `size` ranks."""
         return int(self.footprint.load(item, size))
 
-    def overhead(self, size: int) -> float:
-        """The fixed cost of one microbatch on a group of `size` ranks (m, plus any multi-rank latency)."""
-        return self.model.microbatch_overhead(size)
+    @property
+    def nominal(self) -> bool:
+        """Whether every rank runs at speed 1 (the search then prices every group as it always has)."""
+        return self.model.domain.nominal
 
-    def times(self, size: int, intra: bool) -> np.ndarray:
-        """t(L, size) of every sample on a group of `size` ranks, cached per (size, placement)."""
-        key = (size, intra)
+    @property
+    def speeds(self) -> np.ndarray:
+        """Every rank's speed."""
+        return self.model.domain.speeds
+
+    def speed(self, first: int, size: int) -> float:
+        """The speed ranks [first, first + size) compute at: the slowest one's."""
+        return self.model.group_speed(range(first, first + size))
+
+    def overhead(self, size: int, speed: float = 1.0) -> float:
+        """The fixed cost of one microbatch on a group of `size` ranks at `speed` (m, plus any multi-rank latency)."""
+        return self.model.microbatch_overhead(size, speed)
+
+    def times(self, size: int, intra: bool, speed: float = 1.0) -> np.ndarray:
+        """t(L, size) of every sample on a group of `size` ranks at `speed`, cached per (size, placement, speed)."""
+        key = (size, intra, speed)
         if key not in self._times:
-            self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra)
+            self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra, speed)
         return self._times[key]
+
+    def window_times(self, item: int, size: int, intra: np.ndarray, speed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample `item`'s seconds on windows of `size` ranks, each inside a node or not (`intra`) and at its
+        slowest rank's `speed`, and each window's microbatch overhead."""
+        time = self.model.sample_time(self.tokens[item], self.work[item], size, intra, speed)
+        overhead = {v: self.overhead(size, v) for v in set(speed.tolist())}
+        return time, np.array([overhead[v] for v in speed.tolist()])
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in
         one pass over all their samples (a planner prices whole layouts at a time)."""
         if not len(self._order):
             self._order = np.argsort(self.ids, kind="stable")
-        keys = [(g.size, self.model.is_intra(g.ranks)) for g in groups]
+        keys = [(g.size, self.model.is_intra(g.ranks), self.model.group_speed(g.ranks)) for g in groups]
         unique = sorted(set(keys))
         table = np.stack([self.times(*k) for k in unique]) if unique else np.zeros((0, len(self.ids)))
-        overhead = np.array([self.overhead(size) for size, _ in unique])
+        overhead = np.array([self.overhead(size, speed) for size, _, speed in unique])
         key_of = {k: n for n, k in enumerate(unique)}
         mb_len = np.array([len(mb) for g in groups for mb in g.microbatches], dtype=np.int64)
         mb_key = np.repeat([key_of[k] for k in keys], [len(g.microbatches) for g in groups]).astype(np.int64)

@@ -29,6 +29,8 @@ class DraftGroup:
     """Per-rank token cap: a microbatch's samples' loads (`Instance.load`) sum to at most size x cap."""
     overhead_s: float
     """What opening one more microbatch on this group costs."""
+    speed: float = 1.0
+    """The speed its slowest rank computes at (the times added to it are at this speed)."""
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
     rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
     finish_s: float = 0.0
@@ -108,8 +110,12 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
             begin = window_max(skyline.ready, d, starts)
             waste = d * begin - (prefix[starts + d] - prefix[starts])
             intra = (d <= gpn) & (starts // gpn == (starts + d - 1) // gpn)
-            time = np.where(intra, inst.times(d, True)[i], inst.times(d, False)[i])
-            finish = begin + time + inst.overhead(d)
+            if inst.nominal:
+                time = np.where(intra, inst.times(d, True)[i], inst.times(d, False)[i])
+                finish = begin + time + inst.overhead(d)
+            else:  # each window at its slowest rank's speed
+                time, overhead = inst.window_times(i, d, intra, -window_max(-inst.speeds, d, starts))
+                finish = begin + time + overhead
             late = finish > limit_s if limit_s is not None else np.ones(len(starts), dtype=bool)
             j = int(np.lexsort((starts, waste, finish) if late.all() else (starts, waste, late))[0])
             if best is None or finish[j] < best[0] * (1 - 1e-3):
@@ -125,7 +131,7 @@ def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int,
     gpn = inst.model.domain.gpus_per_node
     for i, s, d in placed:
         intra = d <= gpn and s // gpn == (s + d - 1) // gpn
-        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), float(inst.times(d, intra)[i]))
+        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), float(inst.times(d, intra, inst.speed(s, d))[i]))
 
 
 def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begin_s: float, time_s: float) -> None:
@@ -138,7 +144,8 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
     else:
         phase = int(skyline.phase[s : s + d].max())
         skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
-        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d))
+        speed = inst.speed(s, d)
+        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, speed), speed=speed)
         add_to_group(group, item, inst.load(item, d), time_s)
         skyline.wide.append(group)
         skyline.phase[s : s + d] = phase + 1
@@ -193,21 +200,25 @@ def renumber_phases(groups: list[DraftGroup]) -> None:
 
 
 def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
-    """Every maximal run of ranks inside one cell that is free at the same time, as an empty group.
+    """Every maximal run of ranks inside one cell that is free at the same time and computes at one speed,
+    as an empty group (so a slow rank runs its own samples instead of holding back fast ones).
 
     With a family a run is cut, from its first rank on, into the widest family groups that fit it."""
     bins: list[DraftGroup] = []
     num_ranks = inst.num_ranks
+    speeds = inst.speeds
     for c0 in range(0, num_ranks, cell):
         c1 = min(c0 + cell, num_ranks)
         r = c0
         while r < c1:
             e = r + 1
-            while e < c1 and skyline.ready[e] == skyline.ready[r] and skyline.phase[e] == skyline.phase[r]:
+            while (e < c1 and skyline.ready[e] == skyline.ready[r] and skyline.phase[e] == skyline.phase[r]
+                   and speeds[e] == speeds[r]):
                 e += 1
             if inst.family:
                 e = r + inst.family.largest_at(r, e - r)
+            speed = float(speeds[r])
             bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.footprint.cap,
-                                   inst.overhead(e - r)))
+                                   inst.overhead(e - r, speed), speed=speed))
             r = e
     return bins

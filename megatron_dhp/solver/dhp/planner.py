@@ -5,7 +5,9 @@ would run longer than the lower bound on one, become wide groups of just enough 
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
 rebalanced by local moves. A candidate far from its bound is built again with wide samples grown, in
 columns of their own degree (`columns.py`) and multifit-packed (`multifit`). The candidate with the shortest
-simulated step wins. Every choice is a sort with
+simulated step wins. With rank speeds (`CostModel.group_speed`) every group is priced at its slowest rank's
+speed and bins never mix speeds, so slow ranks get less work, share groups with each other, or idle. Every
+choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
 Under pipeline parallelism (P > 1 stages) dhp prices five layouts with the 1F1B simulator and keeps the
@@ -127,7 +129,10 @@ class Candidate:
         degrees = degrees_of[wide]
         t_wide = inst.model.sample_time(inst.tokens[wide], inst.work[wide], degrees, degrees <= gpn)
         area = float((cell * t_cell[~is_wide]).sum()) + float((degrees * t_wide).sum())
-        area_bound = (area + m * float(inst.footprint.shared.sum()) / inst.footprint.cap) / n
+        # With rank speeds, the work over the sum of the speeds: what a draft can reach (not a bound where
+        # slow ranks could run communication-bound groups at no loss; it only decides when to stop trying).
+        capacity = n if inst.nominal else float(inst.speeds.sum())
+        area_bound = (area + m * float(inst.footprint.shared.sum()) / inst.footprint.cap) / capacity
         longest = m + max(float(t_wide.max(initial=0.0)), float(t_cell[~is_wide].max(initial=0.0)))
         return cls(cell, wide, degrees, max(area_bound, longest))
 
@@ -161,7 +166,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
-    holes, rest = fill_holes(inst, skyline, rest) if backfill else ([], rest)
+    holes, rest = fill_holes(inst, skyline, rest) if backfill and inst.nominal else ([], rest)
     binset = fill(inst, bins, rest, floor_s=float(skyline.ready.max()), max_moves=max_moves)
     groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
     if holes:
@@ -225,6 +230,8 @@ class DhpPlanner(Planner):
     column_probes: ClassVar[int] = 10
     """Such a candidate is also built with its wide samples in columns of their degree (`columns`), packed
     to heights bisected this many times (cheap: no draft per probe); the faster draft counts."""
+    speed_aware: bool = True
+    """Plan with the ranks' speeds (False: as if every rank ran at 1, the speed-blind baseline of the benches)."""
     name: str = "dhp"
     plans_pipeline: ClassVar[bool] = True
     plans_on_family: ClassVar[bool] = True
@@ -262,7 +269,7 @@ class DhpPlanner(Planner):
                 wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
                 draft = wider if wider.makespan_s < draft.makespan_s else draft
                 cols = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=True,
-                             limit_s=draft.makespan_s, columns=self.column_probes) if self.column_probes else None
+                             limit_s=draft.makespan_s, columns=self.column_probes) if self.column_probes and inst.nominal else None
                 draft = cols if cols is not None and cols.makespan_s < draft.makespan_s else draft
                 if draft.makespan_s > cand.bound_s * (1 + self.gap):
                     for straddle in (False,) if family else (False, True):  # a family's groups stay in nodes
