@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dhp.cli.train_cmd import add_pp_arg, add_train_args
+from megatron_dhp.cli.train_cmd import add_pp_arg, add_straggler_args, add_train_args, straggler_overrides
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "same for an InternVL-shaped vision-language model on multimodal batches.")
     add_train_args(p)
     add_pp_arg(p)
+    add_straggler_args(p)
     p.add_argument("--planners", default="static,dhp", metavar="A,B",
                    help="planners to compare, the first is the baseline (default static,dhp)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in planners if p not in PLANNERS]
     if len(planners) < 2 or unknown:
         raise DhpError(f"--planners {args.planners!r}: give at least two of {', '.join(PLANNERS)}")
-    config = load_config(args, train={"pp": args.pp})
+    config = load_config(args, train={"pp": args.pp}, dhp=straggler_overrides(args))
     console = make_console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
@@ -52,6 +53,9 @@ class SelftestOptions:
     family: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Create the group family of this bound at start-up and draw the random plans' groups from it; 0: any
     groups, non-contiguous ones included, created as plans need them."""
+    slow_ranks: tuple[str, ...] = ()
+    """`RANK:FACTOR`: those ranks hold each slot FACTOR times as long, and `dhp` plans every batch with the
+    matching speeds (1 / FACTOR) instead of random plans."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -87,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="create the group family of at most K groups per rank at start-up (as training does) and "
                         "draw the random plans' groups from it; 0: any groups, non-contiguous ones included "
                         f"(default {DEFAULT_MAX_GROUPS_PER_RANK})")
+    p.add_argument("--slow-rank", action="append", metavar="RANK:FACTOR",
+                   help="make global rank RANK hold each slot FACTOR times as long, and plan every batch with dhp "
+                        "at the matching rank speeds instead of at random (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of batches, plans and weights (default 0)")
     p.add_argument("--comm", default=every_comm,
                    help=f"comma-separated CP variants, used in turn (default {every_comm})")
@@ -131,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file, placements, args.family)
+                              plan_file, placements, args.family, tuple(args.slow_rank or ()))
+    parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
     if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):
@@ -184,7 +192,9 @@ def worker(options: SelftestOptions) -> int:
                                num_experts=4 if options.model == "moe" else 0,
                                moe_token_dispatcher=options.moe_dispatcher)
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
-        check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm)
+        slowdowns = parse_slowdowns(options.slow_ranks)
+        check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
+                          slowdown=slowdowns.get(dist.get_rank(), 1.0))
         n = check.domain.size
         check.use_family(options.family)
         if lead:
@@ -211,7 +221,9 @@ def worker(options: SelftestOptions) -> int:
             else:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
                 # on the family the planner would keep to under this comm (none under p2p and mixed)
-                plan = random_plan(batch, domain, rng, family=check.policy(comm).planning_family)
+                family = check.policy(comm).planning_family
+                plan = (speed_plan(batch, check.domain.global_ranks, slowdowns, options.max_len, family) if slowdowns
+                        else random_plan(batch, domain, rng, family=family))
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))
@@ -235,3 +247,17 @@ def worker(options: SelftestOptions) -> int:
         return 2
     finally:
         dist.destroy_process_group()
+
+
+def speed_plan(batch, global_ranks, slowdowns: dict[int, float], max_len: int, family):
+    """dhp's plan of `batch` on the domain of `global_ranks`, each rank at speed 1 / its slowdown (the CPU
+    preset's coefficients, one node, half of `max_len` tokens per rank, so that long samples need groups)."""
+    from megatron_dhp.cost import CostConfig, build_cost_model
+    from megatron_dhp.solver import build_planner, run_planner
+
+    n = len(global_ranks)
+    speeds = tuple(1.0 / slowdowns.get(rank, 1.0) for rank in global_ranks)
+    cap = max(-(-max_len // n), max_len // 2)
+    cost = CostConfig.load("tiny-gpt-cpu").with_overrides(world_size=n, gpus_per_node=n, max_tokens_per_rank=cap,
+                                                         rank_speeds=speeds)
+    return run_planner(build_planner("dhp"), batch, build_cost_model(cost), family=family)

@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "reduced and stepped by megatron-core's optimizer.")
     add_train_args(p)
     add_pp_arg(p)
+    add_straggler_args(p)
     p.add_argument("--planner", choices=sorted(PLANNERS), help="planner (overrides dhp.planner; nothing else changes)")
     p.add_argument("--save", metavar="DIR", help="checkpoint folder (overrides train.save)")
     p.add_argument("--save-interval", type=int, metavar="K", help="save every K steps (overrides train.save_interval)")
@@ -45,6 +46,20 @@ def add_pp_arg(p: argparse.ArgumentParser) -> None:
     """--pp, which `train` and `demo` take (`profile` times groups without a pipeline)."""
     p.add_argument("--pp", type=int, metavar="P", help="pipeline stages, run by megatron-core's 1F1B; nproc must "
                                                        "be a multiple of tp x P (overrides train.pp)")
+
+
+def add_straggler_args(p: argparse.ArgumentParser) -> None:
+    """--adaptive / --no-adaptive and --slow-rank, which `train` and `demo` take."""
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="closed-loop planning from measured rank speeds (overrides dhp.adaptive, on by default)")
+    p.add_argument("--slow-rank", action="append", metavar="RANK:FACTOR",
+                   help="make global rank RANK hold each slot FACTOR times as long (fault injection; repeatable; "
+                        "overrides dhp.slow_ranks)")
+
+
+def straggler_overrides(args: argparse.Namespace) -> dict:
+    """The dhp overrides of `add_straggler_args`' flags."""
+    return {"adaptive": args.adaptive, "slow_ranks": tuple(args.slow_rank) if args.slow_rank else None}
 
 
 def quiet_megatron() -> None:
@@ -79,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.training.train import train
 
     config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load,
-                                      "pp": args.pp}, dhp={"planner": args.planner})
+                                      "pp": args.pp}, dhp={"planner": args.planner, **straggler_overrides(args)})
     result = train(config, show=True, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":
         return 0

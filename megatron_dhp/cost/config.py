@@ -25,6 +25,10 @@ OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s",
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
+SECONDS_KEYS = ("attn_s_per_token2", "linear_s_per_token", "microbatch_overhead_s", "enc_attn_s_per_token2",
+                "enc_linear_s_per_token", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
+                "moe_expert_s_per_token")
+"""The coefficients in seconds (`CostConfig.scaled` multiplies them)."""
 SPEED_GRID = 1.02
 """Bounds price groups of ranks at speeds rounded up to powers of this (`Domain.speed_levels`)."""
 
@@ -193,6 +197,15 @@ class CostConfig:
     def domain(self) -> Domain:
         """The domain fields as a `Domain`."""
         return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank, self.rank_speeds)
+
+    def scaled(self, factor: float) -> CostConfig:
+        """Every time the model gives, times `factor`: each seconds coefficient multiplied, each bandwidth
+        divided (how the closed loop corrects a model that is uniformly off, `integration.closed_loop`)."""
+        if factor == 1.0:
+            return self
+        times = {name: getattr(self, name) * factor for name in SECONDS_KEYS}
+        links = {name: getattr(self, name) / factor for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s")}
+        return replace(self, **times, **links)
 
     def with_overrides(self, **overrides: int | tuple[float, ...] | None) -> CostConfig:
         """Replace the given fields, ignoring None (how CLI flags override the YAML)."""

@@ -45,3 +45,17 @@ def expand_speeds(rank_speeds: Sequence[float], node_speeds: Sequence[float], wo
     speeds = tuple(float(v) for v in rank_speeds)
     check_speeds(speeds, world_size)
     return speeds
+
+
+def parse_slowdowns(items: Sequence[str]) -> dict[int, float]:
+    """`RANK:FACTOR` items (fault injection: that global rank holds each slot FACTOR times as long) as a dict."""
+    out: dict[int, float] = {}
+    for item in items:
+        rank, _, factor = item.partition(":")
+        try:
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise DhpError(f"slow rank {item!r} must be RANK:FACTOR, such as 1:2.0") from None
+        if int(rank) < 0 or not out[int(rank)] >= 1.0:
+            raise DhpError(f"slow rank {item!r}: the rank must be >= 0 and the factor >= 1.0 (2.0: half speed)")
+    return out

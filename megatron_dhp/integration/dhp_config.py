@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
+from megatron_dhp.cost.speed_estimator import SpeedEstimator
+from megatron_dhp.cost.speeds import expand_speeds, parse_slowdowns
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
 from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
@@ -70,6 +72,23 @@ class DhpConfig:
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
     """Cut samples longer than the whole domain holds (in the data pipeline) instead of stopping with an error."""
+    adaptive: bool = True
+    """Closed-loop planning: every rank times its slots, and the planner learns each rank's speed and the
+    cost model's time scale from them (`integration.closed_loop`), so slow ranks get less work and predicted
+    step times follow the machine. Plans stay exact whatever the speeds; off: plan with the stated speeds."""
+    adaptive_window: int = 5
+    """Steps each rank's speed is the median over (one outlier step moves no median)."""
+    adaptive_hysteresis: float = 0.1
+    """A rank's published speed changes only when its estimate moved more than this fraction, so noise does
+    not re-plan; ranks within it of the typical rank plan at exactly 1."""
+    rank_speeds: tuple[float, ...] = ()
+    """Relative speed of every domain position, stated up front (a cluster of two GPU generations: 1.0 for
+    the newer, about 0.45 for the older); the closed loop starts from them. Empty: every rank at 1."""
+    node_speeds: tuple[float, ...] = ()
+    """The same per node of gpus_per_node domain ranks (not with rank_speeds)."""
+    slow_ranks: tuple[str, ...] = ()
+    """Fault injection for tests and benchmarks: `RANK:FACTOR` makes that global rank hold each of its slots
+    FACTOR times as long (it waits after the slot's compute, like a throttled GPU), changing no result."""
 
     def __post_init__(self) -> None:
         from megatron_dhp.solver import PLANNERS
@@ -95,6 +114,19 @@ class DhpConfig:
             raise DhpError(f"memory_mb_per_token = {self.memory_mb_per_token} must be > 0 (or left out)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
+        SpeedEstimator(1, window=self.adaptive_window, hysteresis=self.adaptive_hysteresis)  # checks both
+        if self.rank_speeds and self.node_speeds:
+            raise DhpError("give rank_speeds or node_speeds, not both")
+        self.slowdowns  # noqa: B018 - parses slow_ranks
+
+    @property
+    def slowdowns(self) -> dict[int, float]:
+        """`slow_ranks` as global rank -> factor."""
+        return parse_slowdowns(self.slow_ranks)
+
+    def stated_speeds(self, world_size: int, gpus_per_node: int) -> tuple[float, ...]:
+        """The speeds the config states for a domain of this size (`rank_speeds` or `node_speeds`; empty: none)."""
+        return expand_speeds(self.rank_speeds, self.node_speeds, world_size, gpus_per_node)
 
     @property
     def effective_comm(self) -> str:

@@ -13,7 +13,8 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import CostConfig, CostModel
+from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.plan import Plan
@@ -27,6 +28,7 @@ def live_cost_config(config: DhpConfig, policy: CommPolicy) -> CostConfig:
     return CostConfig.load(config.cost).with_overrides(
         world_size=policy.world_size, gpus_per_node=policy.gpus_per_node, max_tokens_per_rank=config.token_cap(policy),
         encoder_placement=config.encoder_placement,
+        rank_speeds=config.stated_speeds(policy.world_size, policy.gpus_per_node) or None,
     )
 
 
@@ -49,7 +51,9 @@ class JobPlanner:
         """Which family the planner keeps to (`planning_family`), the same policy the runtime runs under."""
         self.pipeline_stages = pipeline_stages
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
-        self.model = build_cost_model(cost)
+        self.loop = ClosedLoop(cost, adaptive=config.adaptive, window=config.adaptive_window,
+                               hysteresis=config.adaptive_hysteresis)
+        """The speeds and time scale each plan uses (`closed_loop`), the engine's `Feedback` when adaptive."""
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None
@@ -61,18 +65,24 @@ class JobPlanner:
             future = self._pending[1]
             self._pending = None
             return future.result()
-        return self._solve(batch)
+        return self._solve(batch, *self.loop.model())
 
     def prefetch(self, batch: Batch) -> None:
         """Start planning `batch` in the background (a no-op without `overlap_planning`)."""
-        if self._executor is not None:
-            self._pending = (batch, self._executor.submit(self._solve, batch))
+        if self._executor is not None:  # with the model of now: the loop may observe while it solves
+            self._pending = (batch, self._executor.submit(self._solve, batch, *self.loop.model()))
 
     def close(self) -> None:
         """Stop the background thread."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _solve(self, batch: Batch) -> Plan:
-        return run_planner(self.planner, batch, self.model, family=self.policy.planning_family,
+    @property
+    def model(self) -> CostModel:
+        """The cost model the next plan is made with (the configured one, with the closed loop's speeds)."""
+        return self.loop.model()[0]
+
+    def _solve(self, batch: Batch, model: CostModel, time_scale: float) -> Plan:
+        plan = run_planner(self.planner, batch, model, family=self.policy.planning_family,
                            pipeline_stages=self.pipeline_stages)
+        return self.loop.rescale(plan, time_scale)

@@ -20,6 +20,7 @@ from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool, nccl_sharing
+from megatron_dhp.runtime.slot_timer import SlotTimer
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,14 @@ class StepRuntime:
 
     def engine(self, *, source: SampleSource | None = None, lookahead: bool = False, seq_multiple: int = 1,
                aligned_slots: bool = False, equal_rows: bool = False) -> StepEngine:
-        """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP."""
+        """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP, times
+        every slot (slowed as `slow_ranks` injects) and, when adaptive, reports to the planner's closed loop."""
+        slowdown = self.config.slowdowns.get(dist.get_rank(), 1.0)
         return StepEngine(self.domain, self.pool, self.planner, source=source, lookahead=lookahead,
                           seq_multiple=seq_multiple, aligned_slots=aligned_slots, equal_rows=equal_rows,
                           policy=self.policy, backend=self.config.attention_backend,
-                          pipelined=self.pipeline_stages > 1)
+                          pipelined=self.pipeline_stages > 1, timer=SlotTimer(self.domain.device, slowdown=slowdown),
+                          feedback=self.planner.loop if self.config.adaptive else None)
 
 
 def job_policy(config: DhpConfig, domain: DynamicDomain, job_world_size: int) -> CommPolicy:

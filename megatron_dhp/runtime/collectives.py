@@ -29,15 +29,23 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.step_data import GatheredBatch, GatheredImage, TokenSample
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
+REPORT_WIDTH = 3
+"""Floats each rank's report holds (`gather_batch`): what the closed loop measured on it."""
 
-def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> GatheredBatch:
-    """All-gather (id, length, loss tokens) of every sample over the domain, then, when the batch has images,
-    (sample id, index, start, LLM tokens, encoder tokens, pixel shape) of every image. Collective."""
+
+def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain, report: Sequence[float] = ()) -> GatheredBatch:
+    """All-gather (id, length, loss tokens) of every sample over the domain, with this rank's `report` (at
+    most `REPORT_WIDTH` floats, NaN-padded: the closed loop's measurement, so it needs no collective of its
+    own), then, when the batch has images, (sample id, index, start, LLM tokens, encoder tokens, pixel shape)
+    of every image. Collective."""
+    if len(report) > REPORT_WIDTH:
+        raise DhpError(f"a rank's report holds at most {REPORT_WIDTH} floats, not {len(report)}")
     rows = [[s.id, s.length, int(s.loss_mask.sum()), len(s.images)] for s in local]
     owners: dict[int, int] = {}
     lengths: dict[int, int] = {}
     loss_tokens, num_images = 0, 0
-    for position, held in enumerate(_gather_rows(rows, 4, domain)):
+    held_rows, reports = _gather_rows(rows, 4, domain, report)
+    for position, held in enumerate(held_rows):
         for sid, length, n_loss, n_images in held:
             if sid in owners:
                 raise DhpError(f"sample id {sid} is held by domain positions {owners[sid]} and {position}; ids must be unique")
@@ -53,7 +61,7 @@ def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> Gathere
         mine = [[s.id, k, im.start, im.llm_tokens, im.enc_tokens, *im.pixels.shape]
                 for s in local for k, im in enumerate(s.images)]
         images = sorted((GatheredImage(*row[:6], tile_shape=tuple(row[6:]), owner=position)
-                         for position, held in enumerate(_gather_rows(mine, 9, domain)) for row in held),
+                         for position, held in enumerate(_gather_rows(mine, 9, domain)[0]) for row in held),
                         key=lambda im: im.key)
         if len({im.tile_shape for im in images}) > 1:
             raise DhpError(f"the batch's images have tiles of shapes {sorted({im.tile_shape for im in images})}; every "
@@ -63,17 +71,24 @@ def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain) -> Gathere
     for im in images:
         items.setdefault(im.sample_id, []).append(VisualItem(im.enc_tokens, im.llm_tokens, (im.enc_tokens // im.tiles,) * im.tiles))
     samples = [Sample(sid, lengths[sid], tuple(items.get(sid, ()))) for sid in sorted(lengths)]
-    return GatheredBatch(Batch(tuple(samples)), owners, loss_tokens, tuple(images))
+    return GatheredBatch(Batch(tuple(samples)), owners, loss_tokens, tuple(images), reports)
 
 
-def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain) -> list[list[list[int]]]:
-    """Every domain position's rows of `width` integers (any count per position). Two all-gathers."""
+def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain,
+                 report: Sequence[float] = ()) -> tuple[list[list[list[int]]], tuple[tuple[float, ...], ...]]:
+    """Every domain position's rows of `width` integers (any count per position), and its report riding
+    with the row count. Two all-gathers."""
     mine = torch.tensor(rows, dtype=torch.int64).view(-1, width)
-    counts = _all_gather(torch.tensor([mine.shape[0]]), domain.group, domain.size, domain.device).view(-1).tolist()
+    head = torch.full((1 + REPORT_WIDTH,), float("nan"), dtype=torch.float64)
+    head[0] = mine.shape[0]
+    head[1 : 1 + len(report)] = torch.tensor(list(report), dtype=torch.float64)
+    heads = _all_gather(head, domain.group, domain.size, domain.device).view(domain.size, -1)
+    counts = [int(c) for c in heads[:, 0].tolist()]
     padded = torch.zeros(max(max(counts), 1), width, dtype=torch.int64)
     padded[: mine.shape[0]] = mine
     gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, width)
-    return [gathered[position, :count].tolist() for position, count in enumerate(counts)]
+    reports = tuple(tuple(row) for row in heads[:, 1:].tolist())
+    return [gathered[position, :count].tolist() for position, count in enumerate(counts)], reports
 
 
 def check_world(plan: Plan, domain: DynamicDomain) -> None:

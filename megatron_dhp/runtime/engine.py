@@ -2,7 +2,8 @@
 
 `StepEngine` owns the order of a step's collectives, which must be the same on every rank of the world:
 
-1. **gather** every sample's id, length and loss-token count over the domain (`collectives.gather_batch`);
+1. **gather** every sample's id, length and loss-token count over the domain (`collectives.gather_batch`),
+   with each rank's report of its last timed step (the closed loop's `Feedback`: no collective of its own);
 2. **plan** the gathered batch on global rank 0 only (a `PlanSource`, e.g. `integration.planning.JobPlanner`)
    and broadcast the plan to every rank (`collectives.broadcast_plan`), or take a plan given with the samples;
 3. **check** that every rank holds the same valid plan (`collectives.check_plan`);
@@ -14,7 +15,8 @@
 6. **move** the tokens so each rank holds its zigzag shards (`dispatch.move_tokens`), and a multimodal
    batch's pixels to the ranks that encode them (`vision.move_images`, by the plan's encoder placement);
 7. **walk** this rank's work list (`slots.work_items`: microbatches, phase barriers, idle slots) and run
-   each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`).
+   each microbatch's forward and backward, which the caller supplies (`MicrobatchWork`), each slot timed
+   by the `SlotTimer` when there is one.
 
 The walk is the seam a pipeline schedule replaces: it only needs the work list and each slot's context.
 
@@ -56,6 +58,7 @@ from megatron_dhp.runtime.dispatch import move_tokens
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.pipeline import run_1f1b
+from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, pipeline_work, work_items
 from megatron_dhp.runtime.step_data import GatheredBatch, MicrobatchInputs, StepInputs, TokenSample
 from megatron_dhp.runtime.vision import move_images
@@ -74,6 +77,20 @@ class PlanSource(Protocol):
 
     def prefetch(self, batch: Batch) -> None:
         """Start planning `batch`, which a later `plan` asks for (may do nothing)."""
+        ...
+
+
+class Feedback(Protocol):
+    """The closed loop's planning side (`integration.closed_loop.ClosedLoop`): turns this rank's measured slots
+    into its report, and takes every rank's reports in. The engine calls both on every rank."""
+
+    def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]]) -> tuple[float, ...]:
+        """This rank's report of a step it ran under `plan` from its slots' (sample ids, seconds) (at most
+        `collectives.REPORT_WIDTH` floats)."""
+        ...
+
+    def observe(self, reports: Sequence[Sequence[float]]) -> None:
+        """Every position's report, as gathered with a step's lengths (NaN: nothing measured)."""
         ...
 
 
@@ -152,6 +169,8 @@ class StepEngine:
         policy: CommPolicy | None = None,
         backend: str = "auto",
         pipelined: bool = False,
+        timer: SlotTimer | None = None,
+        feedback: Feedback | None = None,
     ) -> None:
         if equal_rows and not aligned_slots:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
@@ -180,6 +199,11 @@ class StepEngine:
         if policy is not None and pool is not None and not set(policy.startup_groups) <= set(pool.family):
             raise DhpError("the group pool lacks the comm policy's start-up groups; build it with "
                            "family=policy.startup_groups")
+        self.timer = timer
+        """Times each slot of the walk (the closed loop's measurement; None: nothing is timed)."""
+        self.feedback = feedback
+        """Gets this rank's report of its timed slots, which rides with the next length gather, and every
+        rank's reports (None: no closed loop)."""
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
@@ -203,7 +227,7 @@ class StepEngine:
         A given plan made for another domain size is rejected before any collective."""
         if plan is not None:
             check_world(plan, self.domain)
-        current = _Pending(list(local), gather_batch(local, self.domain))
+        current = self._gather(list(local))
         if plan is None:
             plan = self._plan(current.gathered.batch)
         return self._dispatch(current, plan, read_ahead=False)
@@ -233,12 +257,15 @@ class StepEngine:
         count = sum(item is not PHASE_BARRIER for item in items)
         index = 0
 
+        timed = self.timer.slot if self.timer is not None else lambda key: contextlib.nullcontext()
+
         def visit(item: MicrobatchInputs | None) -> None:
             nonlocal index
             if item is PHASE_BARRIER:
                 dist.barrier(group=self.domain.group)
                 return
-            work.backward(work.forward(self.slot(item, index, count)))
+            with timed(item.layout.sample_ids):
+                work.backward(work.forward(self.slot(item, index, count)))
             index += 1
 
         # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):
@@ -251,6 +278,8 @@ class StepEngine:
             visit(items[-1])  # outside no_sync: the last backward starts the gradient reduction while it runs
         elif overlap is not None:
             overlap.start()
+        if self.timer is not None:
+            self.timer.end_step(inputs.plan)
 
     def groups_on_p2p(self, plan: Plan) -> int:
         """The plan's distinct multi-rank groups that run on the domain's communicator (`CommPolicy.transport`)."""
@@ -290,7 +319,20 @@ class StepEngine:
 
     def _read(self) -> _Pending | None:
         local = self.source()
-        return None if local is None else _Pending(local, gather_batch(local, self.domain))
+        return None if local is None else self._gather(local)
+
+    def _gather(self, local: list[TokenSample]) -> _Pending:
+        """The length gather, carrying this rank's report of its last timed step; every rank observes all
+        reports. Collective."""
+        report: tuple[float, ...] = ()
+        timed = self.timer.take() if self.timer is not None and self.feedback is not None else None
+        if timed is not None:
+            plan, slots = timed
+            report = self.feedback.report(plan, self.domain.position, slots)
+        gathered = gather_batch(local, self.domain, report)
+        if self.feedback is not None:
+            self.feedback.observe(gathered.reports)
+        return _Pending(local, gathered)
 
 
 def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,

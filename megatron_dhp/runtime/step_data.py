@@ -113,6 +113,8 @@ class GatheredBatch:
     """Tokens whose loss counts, over the whole global batch: the step's loss denominator."""
     images: tuple[GatheredImage, ...] = ()
     """Every image of the batch, by (sample id, index)."""
+    reports: tuple[tuple[float, ...], ...] = ()
+    """Each position's report that rode along (`collectives.gather_batch`: the closed loop's measurement)."""
 
 
 @dataclass(frozen=True)

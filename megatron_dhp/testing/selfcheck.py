@@ -24,6 +24,7 @@ from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline
+from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
@@ -83,14 +84,16 @@ class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
-                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None) -> None:
-        """`vlm`: check the vision-language model of that config (its language model is `vlm.language`)."""
+                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None, slowdown: float = 1.0) -> None:
+        """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
+        `slowdown`: this rank holds each slot that many times as long (`runtime.slot_timer`)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         config = vlm.language if vlm is not None else config or TinyGPTConfig()
         self.config = config
         self.backend = backend
+        self.slowdown = slowdown
         self.domain = DynamicDomain.from_parallel_state()
         self.pool = GroupPool(self.domain)
         self.max_groups_per_rank = 0
@@ -137,7 +140,8 @@ class SelfCheck:
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined)
+                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
+                            timer=SlotTimer(self.domain.device, slowdown=self.slowdown))
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         step = run_step(engine, self.model, inputs)
         device = self.domain.device

@@ -122,6 +122,9 @@ class RunConfig:
     """Checkpoint directory to resume from (its latest complete checkpoint)."""
     timeout_s: float = 300.0
     """Longest any collective may wait before the job fails instead of hanging."""
+    pin_cores: bool = False
+    """Pin each spawned rank to one core (local rank modulo the cores this process may use), so that a
+    process competing for one core slows one rank, as a noisy neighbour slows one GPU (`bench/straggler_train.py`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -68,6 +68,9 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
     if backend == "gloo":
         apply_cpu_compat()
     world = int(os.environ["WORLD_SIZE"])
+    if config.train.pin_cores and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
     try:
         run = config.train
         if world % run.model_parallel:

@@ -71,6 +71,9 @@ class StepRecord:
     """Time the step waited for its plan (near 0 when planning overlaps the previous step)."""
     wall_s: float
     """The whole iteration on the slowest rank: planning wait, dispatch, compute, sync, optimizer."""
+    slow_ranks: str = ""
+    """The ranks the plan was made for as slow, with their speeds (`r3@0.50`), from the closed loop or the
+    stated speeds; empty when all ran at one speed."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +84,7 @@ class StepRecord:
         """The step's log line; `plan` adds the plan's groups and microbatches (`dhp.log_plans`)."""
         p2p = f", {self.groups_p2p} on p2p" if self.groups_p2p else ""
         groups = f"groups {self.groups} ({self.groups_created} created{p2p}) | {self.num_microbatches} mb | " if plan else ""
+        groups += f"slow {self.slow_ranks} | " if self.slow_ranks else ""
         return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
                 f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | {groups}pred {self.predicted_s:.3f}s "
                 f"meas {self.measured_s:.3f}s | sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | "
@@ -224,6 +228,7 @@ class Trainer:
             optimizer_s=times[2],
             plan_wait_s=times[3],
             wall_s=times[4],
+            slow_ranks=" ".join(f"r{r}@{v:.2f}" for r, v in plan.slow_ranks()),
         )
 
 

@@ -41,6 +41,19 @@ def test_loss_curves_equal_under_static_dhp_and_one_process(runs):
     assert single[-1] < 0.7 * single[0]  # the model learns the token chain
 
 
+def test_a_slowed_rank_is_found_and_the_losses_stay_exact(runs):
+    """Rank 1 held 4x as long per slot: the closed loop finds it within a few steps, the plans name it, and
+    every step's loss is still the single process's."""
+    single = workers.losses(runs["one"]["single"])
+    for rank in runs["two"]:
+        slowed = rank["slowed"]
+        assert all(math.isclose(a, c, rel_tol=RELATIVE) for a, c in zip(workers.losses(slowed), single))
+        named = [r.slow_ranks for r in slowed[8:]]
+        assert all(line.startswith("r1@") for line in named), named
+        speed = float(named[-1].split("@")[1])
+        assert 0.1 <= speed <= 0.5, named
+
+
 def test_the_planners_really_differ(runs):
     rank = runs["two"][0]
     assert rank["static_cp"] == 2

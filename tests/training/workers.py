@@ -52,9 +52,12 @@ def two_rank_runs(config: TrainConfig, folder: str) -> dict:
     static = Trainer(config.with_overrides(dhp={"planner": "static"}))
     out["static_cp"] = static.static_cp
     out["static"] = static.train()
-    saving = config.with_overrides(dhp={"planner": "dhp"}, train={"save": folder, "save_interval": RESUME_AT})
+    # Plans from measured speeds follow the timings: a bitwise-equal resumption needs the closed loop off.
+    fixed = {"planner": "dhp", "adaptive": False}
+    saving = config.with_overrides(dhp=fixed, train={"save": folder, "save_interval": RESUME_AT})
     out["dhp"] = Trainer(saving).train()
-    resumed = Trainer(config.with_overrides(dhp={"planner": "dhp"}))
+    out["slowed"] = Trainer(config.with_overrides(dhp={"planner": "dhp", "slow_ranks": ("1:4.0",)})).train()
+    resumed = Trainer(config.with_overrides(dhp=fixed))
     out["resumed_from"] = resumed.resume(str(Path(folder) / f"step_{RESUME_AT:06d}"))
     out["resumed"] = resumed.train()
     latest = Trainer(config)
@@ -191,7 +194,7 @@ def pipeline_runs(config: TrainConfig, folder: str) -> dict:
     out["static"] = Trainer(config.with_overrides(dhp={"planner": "static"})).train()
     saving = config.with_overrides(dhp={"planner": "dhp"}, train={"save": folder, "save_interval": PP_SAVE_AT})
     out["dhp"] = Trainer(saving).train()
-    resumed = Trainer(config.with_overrides(dhp={"planner": "dhp"}))
+    resumed = Trainer(config.with_overrides(dhp=fixed))
     resumed.resume(str(Path(folder) / f"step_{PP_SAVE_AT:06d}"))
     out["resumed"] = resumed.train()
     out["capacity"] = resumed.pipeline.capacity

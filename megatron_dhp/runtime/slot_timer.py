@@ -1,0 +1,67 @@
+"""How long each of this rank's slots took: the closed loop's measurement (`integration.closed_loop`).
+
+On a CPU a slot is wall time around its forward and backward. On a GPU it is CUDA events on the current
+stream, read when the engine next asks (a step later, when they have long completed): nothing synchronises
+the step. A slot of a multi-rank group includes waiting inside it for the group's slowest rank, which is
+why the planner's side takes each rank's fastest group as its own speed.
+
+Fault injection (`slowdown` > 1, for tests and benchmarks): the rank holds each slot that many times as
+long, waiting after the slot's own work, as a throttled GPU would; the results do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+class SlotTimer:
+    """Seconds of this rank's slots, step by step; `take` hands over the last finished step's."""
+
+    def __init__(self, device: torch.device, *, slowdown: float = 1.0) -> None:
+        self.device = device
+        self.slowdown = slowdown
+        """Hold each slot this many times as long (1.0: no injection)."""
+        self._cuda = device.type == "cuda"
+        self._current: list = []
+        self._finished: tuple[object, list] | None = None
+
+    @contextlib.contextmanager
+    def slot(self, key: tuple[int, ...]) -> Iterator[None]:
+        """Time the slot run inside the block under `key` (its microbatch's sample ids), stretched by `slowdown`."""
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            if self.slowdown > 1.0:  # injection only: measure it now, then hold the stream that much longer
+                end.record()
+                end.synchronize()
+                time.sleep((self.slowdown - 1.0) * start.elapsed_time(end) / 1e3)
+            end.record()
+            self._current.append((key, (start, end)))
+            return
+        begin = time.perf_counter()
+        yield
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - begin))
+        self._current.append((key, time.perf_counter() - begin))
+
+    def end_step(self, tag: object) -> None:
+        """Close the step's list of slots under `tag` (the walk calls it after its last slot, with the plan)."""
+        self._finished, self._current = (tag, self._current), []
+
+    def take(self) -> tuple[object, list[tuple[tuple[int, ...], float]]] | None:
+        """The last finished step's tag and (key, seconds) of its slots in walk order, once (None: nothing new,
+        or its CUDA events have not completed yet; then it stays for the next call)."""
+        if self._finished is None:
+            return None
+        tag, slots = self._finished
+        if self._cuda:
+            if not all(end.query() for _, (_, end) in slots):
+                return None
+            slots = [(key, start.elapsed_time(end) / 1e3) for key, (start, end) in slots]
+        self._finished = None
+        return tag, list(slots)

@@ -1,0 +1,146 @@
+"""The closed loop: the speed estimator, the reports ranks make, the model the planner gets, the slot timer."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost.speed_estimator import SpeedEstimator
+from megatron_dhp.cost.speeds import expand_speeds
+from megatron_dhp.errors import DhpError
+from megatron_dhp.integration.closed_loop import ClosedLoop
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.runtime.slot_timer import SlotTimer
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.workload import LengthSource
+
+BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)
+
+
+def noisy(rng, truth, noise=0.05):
+    return (np.asarray(truth) * rng.lognormal(0.0, noise, len(truth))).tolist()
+
+
+def test_estimator_converges_on_synthetic_timings():
+    rng = np.random.default_rng(0)
+    truth = np.full(8, 3.0)  # the model is 3x too fast for this machine
+    truth[3] = 6.0  # and rank 3 runs at half speed
+    est = SpeedEstimator(8, window=5, hysteresis=0.1)
+    for _ in range(8):
+        estimate = est.update(noisy(rng, truth))
+    assert estimate.time_scale == pytest.approx(3.0, rel=0.05)
+    assert estimate.speeds[3] == pytest.approx(0.5, abs=0.05)
+    assert all(v == 1.0 for r, v in enumerate(estimate.speeds) if r != 3)
+    assert estimate.slow_ranks() == [(3, estimate.speeds[3])]
+
+
+def test_estimator_ignores_one_outlier_step_and_gives_work_back_on_recovery():
+    est = SpeedEstimator(4, window=5, hysteresis=0.1)
+    for _ in range(5):
+        est.update([1.0, 1.0, 2.0, 1.0])
+    settled = est.estimate.speeds
+    assert settled == (1.0, 1.0, 0.5, 1.0)
+    assert est.update([1.0, 3.0, 2.0, 1.0]).speeds == settled  # one slow step of rank 1: the median holds
+    for _ in range(3):  # rank 2 recovers: once most of its window is fast again it is back at 1
+        estimate = est.update([1.0, 1.0, 1.0, 1.0])
+    assert estimate.speeds == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_noise_within_the_hysteresis_never_moves_a_speed():
+    rng = np.random.default_rng(1)
+    est = SpeedEstimator(16, window=3, hysteresis=0.1)
+    for _ in range(30):
+        assert est.update(noisy(rng, np.ones(16), noise=0.02)).speeds == (1.0,) * 16
+
+
+def test_missing_reports_keep_what_was_known():
+    est = SpeedEstimator(3, initial=(1.0, 0.5, 1.0))
+    assert est.update([float("nan")] * 3).speeds == (1.0, 0.5, 1.0)
+    with pytest.raises(DhpError, match="2 speed reports for a domain of 3 ranks"):
+        est.update([1.0, 1.0])
+
+
+def plan_of(model, size=64, index=0):
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=size, seed=0, index=index, capacity=model.domain.capacity)
+    return run_planner(build_planner("dhp"), batch, model)
+
+
+def test_report_is_measured_over_predicted_of_the_ranks_fastest_group():
+    loop = ClosedLoop(BASE)
+    plan = plan_of(build_cost_model(BASE), size=256)
+    timeline = simulate(plan, build_cost_model(BASE))
+    position = max(range(16), key=lambda r: len(plan.groups_of_rank(r)))
+    slots, factors = [], {}
+    for span in timeline.spans:
+        group = plan.groups[span.group_index]
+        if position in group.ranks:
+            factors[span.group_index] = (2.0 if span.group_index % 2 else 3.0, sum(span.microbatch_s))
+            slots += [(mb, factors[span.group_index][0] * s) for mb, s in zip(group.microbatches, span.microbatch_s)]
+    assert len(factors) >= 2
+    total = sum(p for _, p in factors.values())
+    expected = min(f for f, p in factors.values() if p >= 0.1 * total)
+    rho, measured, predicted = loop.report(plan, position, slots + [((-1,), 5.0)])  # the idle slot is no sample
+    assert rho == pytest.approx(expected) and predicted == pytest.approx(total)
+    assert measured == pytest.approx(sum(s for _, s in slots))
+    assert loop.report(plan, position, []) == ()
+
+
+def test_every_rank_derives_the_same_plan_from_the_same_reports():
+    loops = [ClosedLoop(BASE), ClosedLoop(BASE)]
+    reports = [(1.2, 1.0, 1.0)] * 15 + [(2.4, 1.0, 1.0)]
+    for _ in range(3):
+        for loop in loops:
+            loop.observe(reports)
+    a, b = (plan_of(loop.model()[0]) for loop in loops)
+    assert a.fingerprint() == b.fingerprint() and a.rank_speeds == b.rank_speeds
+    assert a.rank_speeds[15] == 0.5 and loops[0].estimate.time_scale == pytest.approx(1.2)
+    assert "slow ranks r15@0.50" in loops[0].summary()
+
+
+def test_the_loops_model_has_the_speeds_and_its_times_the_scale():
+    loop = ClosedLoop(BASE)
+    plan = plan_of(build_cost_model(BASE))
+    for _ in range(2):
+        loop.observe([(2.0, 0.0, 0.0)] * 16)
+    model, scale = loop.model()
+    assert scale == 2.0 and model.domain.nominal  # a uniform slowdown is a scale, not a speed
+    scaled = simulate(plan, build_cost_model(BASE.scaled(scale))).step_time_s
+    assert loop.rescale(plan, scale).predicted_step_time_s == pytest.approx(scaled, rel=1e-9)
+    off = ClosedLoop(BASE, adaptive=False, stated=(1.0,) * 15 + (0.5,))
+    off.observe([(2.0, 0.0, 0.0)] * 16)
+    assert off.estimate.time_scale == 1.0 and off.model()[0].domain.rank_speeds[15] == 0.5
+
+
+def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once():
+    timer = SlotTimer(torch.device("cpu"), slowdown=3.0)
+    inner = []
+    with timer.slot((4, 7)):
+        start = time.perf_counter()
+        time.sleep(0.01)
+        inner.append(time.perf_counter() - start)
+    timer.end_step("plan")
+    tag, slots = timer.take()
+    assert tag == "plan" and slots[0][0] == (4, 7) and slots[0][1] >= 3.0 * inner[0]
+    assert timer.take() is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"slow_ranks": ("1",)}, "slow rank '1' must be RANK:FACTOR"),
+    ({"slow_ranks": ("1:0.5",)}, "the factor >= 1.0"),
+    ({"rank_speeds": (1.0,), "node_speeds": (1.0,)}, "rank_speeds or node_speeds, not both"),
+    ({"adaptive_window": 0}, "adaptive_window = 0 must be at least 1"),
+    ({"adaptive_hysteresis": 1.5}, "adaptive_hysteresis = 1.5 must be in"),
+])
+def test_bad_closed_loop_settings_are_clear_errors(overrides, message):
+    with pytest.raises(DhpError, match=message):
+        DhpConfig(**overrides)
+
+
+def test_node_speeds_expand_to_ranks():
+    assert expand_speeds((), (1.0, 0.45), 4, 2) == (1.0, 1.0, 0.45, 0.45)
+    with pytest.raises(DhpError, match="node_speeds holds 1 speeds but the domain of 4 ranks spans 2 nodes"):
+        expand_speeds((), (1.0,), 4, 2)
