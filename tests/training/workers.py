@@ -192,7 +192,8 @@ def pipeline_runs(config: TrainConfig, folder: str) -> dict:
 
     out: dict = {"rank": dist.get_rank(), "stage": parallel_state.get_pipeline_model_parallel_rank()}
     out["static"] = Trainer(config.with_overrides(dhp={"planner": "static"})).train()
-    saving = config.with_overrides(dhp={"planner": "dhp"}, train={"save": folder, "save_interval": PP_SAVE_AT})
+    fixed = {"planner": "dhp", "adaptive": False}  # bitwise resumption: plans must not follow the timings
+    saving = config.with_overrides(dhp=fixed, train={"save": folder, "save_interval": PP_SAVE_AT})
     out["dhp"] = Trainer(saving).train()
     resumed = Trainer(config.with_overrides(dhp=fixed))
     resumed.resume(str(Path(folder) / f"step_{PP_SAVE_AT:06d}"))
