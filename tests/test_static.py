@@ -58,7 +58,7 @@ def test_unknown_planner():
 
 
 def test_an_option_the_planner_does_not_take_is_an_error():
-    with pytest.raises(DhpError, match=r"^planner 'dhp' has no option 'time_limit_s'; it accepts cells, max_moves, gap$"):
+    with pytest.raises(DhpError, match=r"^planner 'dhp' has no option 'time_limit_s'; it accepts cells, max_moves, gap, speed_aware$"):
         build_planner("dhp", time_limit_s=5.0)
     with pytest.raises(DhpError, match=r"^planner 'megatron-hcp' has no option 'max_cp_degree'; it takes no options$"):
         build_planner("megatron-hcp", max_cp_degree=2)

@@ -4,7 +4,8 @@ Every step each rank reports rho = measured / predicted seconds of its slots (`i
 forms it), the prediction taken at speed 1 under the configured coefficients. A rank that is twice as slow
 reports about 2; a model whose coefficients are 3x too small makes every rank report about 3. So:
 
-* per rank, the median of its last `window` reports (one outlier step moves no median);
+* per rank, the median of its last `window` reports (one outlier step moves no median), from its third
+  report on (the first steps run with cold caches);
 * the time scale kappa: the median of those over the fast ranks, the ones within `hysteresis` of the
   fastest (speed 1 is a healthy rank of this machine: the newer generation of a mixed cluster);
 * each rank's raw speed kappa / rho_r, rounded to `SPEED_STEP`; published only when it moved more than
@@ -27,6 +28,8 @@ from megatron_dhp.errors import DhpError
 
 SPEED_STEP = 0.01
 """Published speeds are multiples of this."""
+MIN_REPORTS = 3
+"""A rank's speed is estimated once it has reported this many steps (or the whole window, if shorter)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,11 @@ class SpeedEstimator:
         if not seen:
             return self.estimate
         self._steps += 1
-        medians = np.array([np.median(h) if h else np.nan for h in self._history])
+        # a rank's first reports (start-up: caches cold, the first step's set-up) estimate nothing alone
+        enough = min(MIN_REPORTS, self.window)
+        medians = np.array([np.median(h) if len(h) >= enough else np.nan for h in self._history])
+        if not np.isfinite(medians).any():
+            return self.estimate
         known = medians[np.isfinite(medians)]
         self._scale = float(np.median(known[known <= (1 + self.hysteresis) * known.min()]))
         raw = np.where(np.isfinite(medians), self._scale / medians, np.array(self._speeds))

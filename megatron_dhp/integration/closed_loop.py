@@ -41,6 +41,8 @@ class ClosedLoop:
         self._nominal = build_cost_model(self.base)
         self.estimator = SpeedEstimator(cost.world_size, window=window, hysteresis=hysteresis,
                                         initial=stated or cost.rank_speeds)
+        self.last_step: tuple[float, float] | None = None
+        """(predicted step, slowest rank's measured slots) of the last step reported, in seconds."""
         self._lock = threading.Lock()  # the planning thread reads the model while the main thread observes
         self._model: tuple[SpeedEstimate, CostModel] | None = None
 
@@ -70,7 +72,7 @@ class ClosedLoop:
         return replace(plan, predicted_step_time_s=plan.predicted_step_time_s * time_scale, lower_bound_s=bound)
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]]) -> tuple[float, ...]:
-        """(rho, measured seconds, predicted seconds) of this rank's timed slots of `plan`; () without any."""
+        """(rho, seconds of this rank's timed slots of `plan`, the plan's predicted step); () without any."""
         if plan.pipeline_stages > 1:
             return ()
         predicted = self._slot_predictions(plan, position)
@@ -86,13 +88,16 @@ class ClosedLoop:
         ratios = [m / p for m, p in sums.values() if p > 0 and p >= MIN_SHARE * total]
         if not ratios:
             return ()
-        return (min(ratios), sum(m for m, _ in sums.values()), total)
+        return (min(ratios), sum(seconds for _, seconds in slots), plan.predicted_step_time_s or math.nan)
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
         """Every rank's report of one step: update the estimate (adaptive only)."""
         if not self.adaptive:
             return
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
+        busy = [r[1] for r in reports if len(r) > 2 and math.isfinite(r[1])]
+        if busy:
+            self.last_step = (next(r[2] for r in reports if len(r) > 2 and math.isfinite(r[1])), max(busy))
         with self._lock:
             self.estimator.update(ratios)
 
@@ -100,7 +105,10 @@ class ClosedLoop:
         """One line: the slow ranks and the time scale."""
         estimate = self.estimate
         slow = " ".join(f"r{r}@{v:.2f}" for r, v in estimate.slow_ranks()) or "none"
-        return f"closed loop: slow ranks {slow} | model time x{estimate.time_scale:.2f} | {estimate.steps} steps measured"
+        last = "" if self.last_step is None else (f" | last reported step: pred {self.last_step[0]:.3f}s meas "
+                                                   f"{self.last_step[1]:.3f}s")
+        return (f"closed loop: slow ranks {slow} | model time x{estimate.time_scale:.2f} | {estimate.steps} steps "
+                f"measured{last}")
 
     def _slot_predictions(self, plan: Plan, position: int) -> dict[tuple[int, ...], tuple[int, float]]:
         """(group index, predicted seconds at speed 1) of each microbatch `position` runs, by its sample ids."""

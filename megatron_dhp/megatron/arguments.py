@@ -38,6 +38,8 @@ _OVERRIDES = {
     "dhp_cost": "cost",
     "dhp_log_plans": "log_plans",
     "dhp_max_groups_per_rank": "max_groups_per_rank",
+    "dhp_adaptive": "adaptive",
+    "dhp_slow_rank": "slow_ranks",
 }
 
 def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,6 +64,12 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(default: the planner's own, 32 for dhp); 0: any groups, created as plans need them.")
     group.add_argument("--dhp-log-plans", action="store_true", default=None,
                        help="Log each step's plan in one line.")
+    group.add_argument("--dhp-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                       help="Closed-loop planning: learn each rank's speed and the cost model's time scale from "
+                       "timed slots, and give slow ranks less work (default on; --no-dhp-adaptive: plan with the "
+                       "stated speeds only).")
+    group.add_argument("--dhp-slow-rank", action="append", default=None, metavar="RANK:FACTOR",
+                       help="Fault injection: global rank RANK holds each slot FACTOR times as long (repeatable).")
     return parser
 
 
@@ -77,7 +85,9 @@ def with_dhp_args(other: ArgsProvider | None = None) -> ArgsProvider:
 def dhp_config_from_args(args: argparse.Namespace) -> DhpConfig:
     """The `--dhp-config` YAML (or the defaults) with the `--dhp-*` flags applied, validated."""
     base = DhpConfig.load(args.dhp_config) if args.dhp_config else DhpConfig()
-    flags = {field: getattr(args, attr) for attr, field in _OVERRIDES.items() if getattr(args, attr) is not None}
+    flags = {field: getattr(args, attr, None) for attr, field in _OVERRIDES.items() if getattr(args, attr, None) is not None}
+    if "slow_ranks" in flags:
+        flags["slow_ranks"] = tuple(flags["slow_ranks"])
     if not flags:
         return base
     return DhpConfig.from_dict({**to_mapping(base), **flags}, source="--dhp flags")
@@ -89,7 +99,7 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
     Call it after Megatron's own `validate_args`, which fills in the derived sizes read here.
     """
     if not args.dhp:
-        given = [f"--{a.replace('_', '-')}" for a in ("dhp_config", *_OVERRIDES) if getattr(args, a) is not None]
+        given = [f"--{a.replace('_', '-')}" for a in ("dhp_config", *_OVERRIDES) if getattr(args, a, None) is not None]
         if given:
             raise DhpError(f"{', '.join(given)} given without --dhp; add --dhp to train with dynamic hybrid parallelism")
         return None

@@ -88,7 +88,9 @@ class StepIterator:
         if self.runtime.config.log_plans and dist.get_rank() == 0:
             p2p = self.engine.groups_on_p2p(inputs.plan)
             p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
-            logger.info("dhp plan: %s | %s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p)
+            loop = self.runtime.steps.planner.loop
+            measured = f" | {loop.summary()}" if self.runtime.config.adaptive and loop is not None else ""
+            logger.info("dhp plan: %s | %s%s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p, measured)
         return inputs
 
     def _read(self) -> list[TokenSample] | None:

@@ -167,6 +167,9 @@ class Harness:
 class HandPlanner:
     """A stand-in for `JobPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
 
+    loop = None
+    """No closed loop: the hand-made plans ignore the timings."""
+
     def __init__(self, *makers) -> None:
         self.makers = list(makers)
 
