@@ -12,6 +12,9 @@ Sections, each timed, each check ok / fail (with its error and tolerance) / skip
    rank: its own shards or, as Ulysses, all of them); bf16/fp16, forward and backward.
 3. calibration: `megatron-dhp profile`'s timing and fit (`training.profile.profile`, one spawned NCCL rank)
    on a GPT at a few lengths: the fitted coefficients and each point's predicted vs measured time.
+4. closed loop: the slot timer's CUDA events against synchronised wall time, and a one-rank train run
+   planned with a cost model far off this GPU, whose closed loop must bring the predicted step time
+   within 10 % of the measured one on 90 % of the steps after a warm-up.
 
 Exit status: 0 when every check that ran passed, 1 when one failed, 3 when none ran (no CUDA device: every
 section is skipped, so a user or CI sees that nothing was checked). Budget: under 8 minutes on an H200.
@@ -468,12 +471,65 @@ def calibration_section(quick: bool) -> list[Check]:
     return calibrate(calibration_config(quick), lengths, reps)
 
 
+# -------------------------------------------------------------------------------------------- closed loop
+
+LOOP_TOLERANCE = 0.10
+"""A step's predicted forward+backward time counts as right within this of the measured one."""
+LOOP_WARMUP = 8
+"""Steps the closed loop has to find the time scale before its predictions are counted."""
+
+
+def slot_timer_check() -> Check:
+    """The SlotTimer's CUDA events (read a step late, no synchronisation) against synchronised wall time."""
+    from megatron_dhp.runtime.slot_timer import SlotTimer
+
+    timer = SlotTimer(torch.device(DEVICE))
+    a = torch.randn(4096, 4096, device=DEVICE)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with timer.slot((0,)):
+        for _ in range(20):
+            a = torch.tanh(a @ a / 64)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    timer.end_step("step")
+    _, slots = timer.take()
+    events = slots[0][1]
+    return compared("slot timer: CUDA events vs synchronised wall time", abs(events / wall - 1), LOOP_TOLERANCE,
+                    "|events / wall - 1|", events_ms=events * 1e3, wall_ms=wall * 1e3)
+
+
+def closed_loop_checks(quick: bool) -> list[Check]:
+    """A one-rank train run planned with a cost model far off this GPU (gpt7b-64: GPT-7B on A100s): the loop's
+    predicted forward+backward time against the measured one after `LOOP_WARMUP` steps."""
+    from megatron_dhp.training.config import DataConfig
+    from megatron_dhp.training.train import train
+
+    base = calibration_config(quick)
+    steps = 16 if quick else 30
+    config = base.with_overrides(train={"steps": steps, "warmup_steps": 2}, dhp={"cost": "gpt7b-64", "truncate": True})
+    config = type(config)(model=config.model, train=config.train, dhp=config.dhp,
+                          data=DataConfig(source="wlbllm", length_scale=1 / 16, global_batch=16, seed=0))
+    records = train(config, show=False).records
+    after = records[LOOP_WARMUP:]
+    errors = [abs(r.predicted_s / r.measured_s - 1) for r in after]
+    share = sum(e <= LOOP_TOLERANCE for e in errors) / len(errors)
+    steps_data = [{"step": r.step, "predicted_s": r.predicted_s, "measured_s": r.measured_s} for r in records]
+    first = [abs(r.predicted_s / r.measured_s - 1) for r in records[:LOOP_WARMUP]]
+    return [slot_timer_check(),
+            compared(f"closed loop from gpt7b-64's coefficients: steps {LOOP_WARMUP + 1}-{steps} predicted within "
+                     f"{LOOP_TOLERANCE:.0%}", 1 - share, 0.10, "share of steps outside the tolerance",
+                     median_error=statistics.median(errors), median_error_first_steps=statistics.median(first),
+                     steps=steps_data)]
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 SECTIONS: dict[str, Callable[[bool], list[Check]]] = {
     "kernels": kernel_checks,  # first: the kernels' JIT build is timed here, and flash attention uses them
     "attention": attention_checks,
     "calibration": calibration_section,
+    "closed_loop": closed_loop_checks,
 }
 
 

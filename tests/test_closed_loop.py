@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost.scale_fit import STATS, ScaleFit, TimeScales
 from megatron_dhp.cost.speed_estimator import SpeedEstimator
 from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
@@ -84,36 +85,45 @@ def test_report_is_measured_over_predicted_of_the_ranks_fastest_group():
     assert len(factors) >= 2
     total = sum(p for _, p in factors.values())
     expected = min(f for f, p in factors.values() if p >= 0.1 * total)
-    rho, measured, predicted = loop.report(plan, position, slots + [((-1,), 5.0)])  # the idle slot is no sample
+    rho, measured, predicted, *stats = loop.report(plan, position, slots + [((-1,), 5.0)])  # the idle slot is no sample
     assert rho == pytest.approx(expected) and predicted == plan.predicted_step_time_s
     assert measured == pytest.approx(sum(s for _, s in slots) + 5.0)
+    assert len(stats) == STATS and stats[0] + stats[2] > 0
     assert loop.report(plan, position, []) == ()
 
 
 def test_every_rank_derives_the_same_plan_from_the_same_reports():
     loops = [ClosedLoop(BASE), ClosedLoop(BASE)]
-    reports = [(1.2, 1.0, 1.0)] * 15 + [(2.4, 1.0, 1.0)]
+    stats = (1.0, 0.0, 1.0, 1.2, 1.2)  # y = 1.2 A + 1.2 R
+    reports = [(1.2, 1.0, 1.0, *stats)] * 15 + [(2.4, 1.0, 1.0, *stats)]
     for _ in range(3):
         for loop in loops:
             loop.observe(reports)
-    a, b = (plan_of(loop.model()[0]) for loop in loops)
+    a, b = (plan_of(loop.model()) for loop in loops)
     assert a.fingerprint() == b.fingerprint() and a.rank_speeds == b.rank_speeds
-    assert a.rank_speeds[15] == 0.5 and loops[0].estimate.time_scale == pytest.approx(1.2)
+    assert a.rank_speeds[15] == 0.5 and loops[0].fit.scales == TimeScales(1.2, 1.2)
     assert "slow ranks r15@0.50" in loops[0].summary() and "pred 1.000s meas 1.000s" in loops[0].summary()
 
 
-def test_the_loops_model_has_the_speeds_and_its_times_the_scale():
+def test_the_loops_model_is_the_configured_one_with_its_fitted_factors():
     loop = ClosedLoop(BASE)
     plan = plan_of(build_cost_model(BASE))
-    for _ in range(3):
-        loop.observe([(2.0, 0.0, 0.0)] * 16)
-    model, scale = loop.model()
-    assert scale == 2.0 and model.domain.nominal  # a uniform slowdown is a scale, not a speed
-    scaled = simulate(plan, build_cost_model(BASE.scaled(scale))).step_time_s
-    assert loop.rescale(plan, scale).predicted_step_time_s == pytest.approx(scaled, rel=1e-9)
+    for _ in range(3):  # every rank's slots say y = 2 A + 3 R
+        loop.observe([(2.5, 0.0, 0.0, 4.0, 1.0, 2.0, 4.0 * 2 + 1.0 * 3, 1.0 * 2 + 2.0 * 3)] * 16)
+    assert loop.fit.scales == TimeScales(pytest.approx(2.0), pytest.approx(3.0))
+    assert loop.model().domain.nominal  # a uniform slowdown is no rank's
+    expected = simulate(plan, build_cost_model(BASE.scaled(3.0, attention=2.0))).step_time_s
+    assert simulate(plan, loop.model()).step_time_s == pytest.approx(expected, rel=1e-6)
     off = ClosedLoop(BASE, adaptive=False, stated=(1.0,) * 15 + (0.5,))
-    off.observe([(2.0, 0.0, 0.0)] * 16)
-    assert off.estimate.time_scale == 1.0 and off.model()[0].domain.rank_speeds[15] == 0.5
+    off.observe([(2.0, 0.0, 0.0, 1.0, 0.0, 1.0, 2.0, 2.0)] * 16)
+    assert off.fit.scales == TimeScales() and off.model().domain.rank_speeds[15] == 0.5
+
+
+def test_scale_fit_falls_back_to_one_factor_and_holds_within_its_step():
+    fit = ScaleFit(window=3)
+    assert fit.update([1.0, 2.0, 4.0, 4.5, 9.0]) == TimeScales(1.5, 1.5)  # R = 2 A: one factor, y = 1.5 (A + R)
+    assert fit.update([1.0, 2.0, 4.0, 4.6, 9.2]).attention == 1.5  # moved < 5 %: not republished
+    assert fit.update([float("nan")] * 5) == fit.scales
 
 
 def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once():

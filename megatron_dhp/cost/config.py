@@ -29,6 +29,8 @@ SECONDS_KEYS = ("attn_s_per_token2", "linear_s_per_token", "microbatch_overhead_
                 "enc_linear_s_per_token", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                 "moe_expert_s_per_token")
 """The coefficients in seconds (`CostConfig.scaled` multiplies them)."""
+ATTENTION_KEYS = ("attn_s_per_token2", "enc_attn_s_per_token2")
+"""The quadratic ones, which `CostConfig.scaled` may scale apart."""
 SPEED_GRID = 1.02
 """Bounds price groups of ranks at speeds rounded up to powers of this (`Domain.speed_levels`)."""
 
@@ -198,12 +200,14 @@ class CostConfig:
         """The domain fields as a `Domain`."""
         return Domain(self.world_size, self.gpus_per_node, self.max_tokens_per_rank, self.rank_speeds)
 
-    def scaled(self, factor: float) -> CostConfig:
+    def scaled(self, factor: float, attention: float | None = None) -> CostConfig:
         """Every time the model gives, times `factor`: each seconds coefficient multiplied, each bandwidth
-        divided (how the closed loop corrects a model that is uniformly off, `integration.closed_loop`)."""
-        if factor == 1.0:
+        divided; with `attention`, the attention coefficients (a, e) by that instead (how the closed loop
+        corrects the model, `integration.closed_loop`)."""
+        attention = factor if attention is None else attention
+        if factor == attention == 1.0:
             return self
-        times = {name: getattr(self, name) * factor for name in SECONDS_KEYS}
+        times = {name: getattr(self, name) * (attention if name in ATTENTION_KEYS else factor) for name in SECONDS_KEYS}
         links = {name: getattr(self, name) / factor for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s")}
         return replace(self, **times, **links)
 

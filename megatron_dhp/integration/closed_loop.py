@@ -3,11 +3,12 @@
 Each rank times its slots (`runtime.slot_timer`); after a step it compares them with what the configured
 cost model predicts for them at speed 1 and reports one ratio, rho = measured / predicted of its fastest
 group (a multi-rank group's slot also holds the wait for its slowest member, so a rank's own speed shows in
-the group where it waited least). The report rides with the next step's length gather, so every rank takes
-in every report and holds the same estimate (`cost.speed_estimator`): each rank's speed, and the time scale
-that brings the model's seconds to the machine's. The planner plans each step on the configured model
-with those speeds, and its predicted times are scaled by that factor: slow ranks get less work, and
-predicted step times converge on measured ones without a separate `profile` run.
+the group where it waited least), with the least-squares statistics of its slots against the model's
+attention and other seconds. The report rides with the next step's length gather, so every rank takes in
+every report and holds the same estimate: each rank's speed (`cost.speed_estimator`) and two factors on the
+model's own coefficients (`cost.scale_fit`). The planner plans each step on the configured model so
+corrected, with those speeds: slow ranks get less work, and predicted step times converge on measured ones
+without a separate `profile` run.
 
 Timing lags a step (the report of step t rides with the gather of step t + 2 under read-ahead), and the
 estimate moves only past its hysteresis, so one slow step neither re-plans nor hides a real straggler.
@@ -18,12 +19,16 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+
+import numpy as np
 
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
+from megatron_dhp.cost.scale_fit import STATS, ScaleFit
 from megatron_dhp.cost.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.plan.plan import Plan
 
+FIT_WINDOWS = 4
+"""The model's factors are fitted over this many speed windows of steps."""
 MIN_SHARE = 0.1
 """A group counts toward a rank's speed when it holds at least this share of the rank's predicted time
 (shorter ones are mostly timer noise and launch gaps)."""
@@ -37,86 +42,97 @@ class ClosedLoop:
         self.base = cost.with_overrides(rank_speeds=())
         """The configured coefficients at speed 1: what every report is measured against."""
         self.adaptive = adaptive
-        """Whether reports move the estimate (off: the stated speeds and the configured scale stay)."""
+        """Whether reports move the estimate (off: the stated speeds and the configured coefficients stay)."""
         self._nominal = build_cost_model(self.base)
         self.estimator = SpeedEstimator(cost.world_size, window=window, hysteresis=hysteresis,
                                         initial=stated or cost.rank_speeds)
+        self.fit = ScaleFit(FIT_WINDOWS * window)
+        """The model's own correction: factors on its attention and on its other seconds (over a longer window
+        than the speeds: steps with long samples, which tell attention apart, come every few steps)."""
+        self.hysteresis = hysteresis
         self.last_step: tuple[float, float] | None = None
         """(predicted step, slowest rank's measured slots) of the last step reported, in seconds."""
         self._lock = threading.Lock()  # the planning thread reads the model while the main thread observes
-        self._model: tuple[SpeedEstimate, CostModel] | None = None
+        self._model: tuple[tuple, CostModel] | None = None
 
     @property
     def estimate(self) -> SpeedEstimate:
-        """The speeds and time scale the next plan uses."""
+        """The speeds the next plan uses."""
         with self._lock:
             return self.estimator.estimate
 
-    def model(self) -> tuple[CostModel, float]:
-        """The configured model with the estimated speeds, and the time scale its seconds need. Plans are made
-        on the unscaled model (a uniform scale changes no decision, so all speeds 1 give the speed-blind
-        plans exactly) and their times scaled (`rescale`)."""
+    def model(self) -> CostModel:
+        """The configured model with its fitted factors and the estimated speeds."""
         with self._lock:
-            estimate = self.estimator.estimate
-            if self._model is None or self._model[0].speeds != estimate.speeds:
-                speeds = () if all(v == 1.0 for v in estimate.speeds) else estimate.speeds
-                self._model = (estimate, build_cost_model(self.base.with_overrides(rank_speeds=speeds)))
-            return self._model[1], estimate.time_scale
-
-    @staticmethod
-    def rescale(plan: Plan, time_scale: float) -> Plan:
-        """The plan with its predicted step and lower bound in the machine's seconds."""
-        if time_scale == 1.0 or plan.predicted_step_time_s is None:
-            return plan
-        bound = plan.lower_bound_s * time_scale if plan.lower_bound_s is not None else None
-        return replace(plan, predicted_step_time_s=plan.predicted_step_time_s * time_scale, lower_bound_s=bound)
+            speeds, scales = self.estimator.estimate.speeds, self.fit.scales
+            if self._model is None or self._model[0] != (speeds, scales):
+                nominal = () if all(v == 1.0 for v in speeds) else speeds
+                config = self.base.scaled(scales.rest, scales.attention).with_overrides(rank_speeds=nominal)
+                self._model = ((speeds, scales), build_cost_model(config))
+            return self._model[1]
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]]) -> tuple[float, ...]:
-        """(rho, seconds of this rank's timed slots of `plan`, the plan's predicted step); () without any."""
+        """This rank's report of its timed slots of `plan` (() without any): rho, its slots' seconds, the
+        plan's predicted step, and the `scale_fit` statistics of the groups it did not wait in."""
         if plan.pipeline_stages > 1:
             return ()
         predicted = self._slot_predictions(plan, position)
         sums: dict[int, list[float]] = {}
+        rows: dict[int, list[tuple[float, float, float]]] = {}
         for key, seconds in slots:
             hit = predicted.get(tuple(sorted(key)))
             if hit is not None:
-                group, p = hit
+                group, p, attention = hit
                 acc = sums.setdefault(group, [0.0, 0.0])
                 acc[0] += seconds
                 acc[1] += p
+                rows.setdefault(group, []).append((seconds, attention, p - attention))
         total = sum(p for _, p in sums.values())
-        ratios = [m / p for m, p in sums.values() if p > 0 and p >= MIN_SHARE * total]
+        ratios = {g: m / p for g, (m, p) in sums.items() if p > 0 and p >= MIN_SHARE * total}
         if not ratios:
             return ()
-        return (min(ratios), sum(seconds for _, seconds in slots), plan.predicted_step_time_s or math.nan)
+        rho = min(ratios.values())
+        speed = self.estimate.speeds[position]
+        stats = np.zeros(STATS)
+        for group, ratio in ratios.items():  # groups where this rank hardly waited: its own time, at speed 1
+            if ratio <= (1 + self.hysteresis) * rho:
+                for y, a, r in rows[group]:
+                    stats += (a * a, a * r, r * r, a * y * speed, r * y * speed)
+        return (rho, sum(seconds for _, seconds in slots), plan.predicted_step_time_s or math.nan, *stats.tolist())
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
-        """Every rank's report of one step: update the estimate (adaptive only)."""
+        """Every rank's report of one step: update the speeds and the model's factors (adaptive only)."""
         if not self.adaptive:
             return
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
-        busy = [r[1] for r in reports if len(r) > 2 and math.isfinite(r[1])]
-        if busy:
-            self.last_step = (next(r[2] for r in reports if len(r) > 2 and math.isfinite(r[1])), max(busy))
+        full = [r for r in reports if len(r) == 3 + STATS and math.isfinite(r[0])]
+        if full:
+            self.last_step = (full[0][2], max(r[1] for r in full))
         with self._lock:
             self.estimator.update(ratios)
+            if full:
+                self.fit.update(np.sum([r[3:] for r in full], axis=0))
 
     def summary(self) -> str:
-        """One line: the slow ranks and the time scale."""
+        """One line: the slow ranks, the model's fitted factors and the last reported step."""
         estimate = self.estimate
         slow = " ".join(f"r{r}@{v:.2f}" for r, v in estimate.slow_ranks()) or "none"
+        scales = self.fit.scales
         last = "" if self.last_step is None else (f" | last reported step: pred {self.last_step[0]:.3f}s meas "
                                                    f"{self.last_step[1]:.3f}s")
-        return (f"closed loop: slow ranks {slow} | model time x{estimate.time_scale:.2f} | {estimate.steps} steps "
-                f"measured{last}")
+        return (f"closed loop: slow ranks {slow} | model x{scales.attention:.2f} attention, x{scales.rest:.2f} rest "
+                f"| {estimate.steps} steps measured{last}")
 
-    def _slot_predictions(self, plan: Plan, position: int) -> dict[tuple[int, ...], tuple[int, float]]:
-        """(group index, predicted seconds at speed 1) of each microbatch `position` runs, by its sample ids."""
+    def _slot_predictions(self, plan: Plan, position: int) -> dict[tuple[int, ...], tuple[int, float, float]]:
+        """(group index, predicted seconds at speed 1, its attention part a sum L^2 / d) of each microbatch
+        `position` runs, by its sample ids."""
         timeline = simulate(plan, self._nominal)
+        a = self.base.attn_s_per_token2
         out = {}
         for span in timeline.spans:
             group = plan.groups[span.group_index]
             if position in group.ranks:
                 for mb, seconds in zip(group.microbatches, span.microbatch_s):
-                    out[tuple(sorted(mb))] = (span.group_index, seconds)
+                    attention = a * sum(plan.sample(i).tokens ** 2 for i in mb) / group.size
+                    out[tuple(sorted(mb))] = (span.group_index, seconds, min(attention, seconds))
         return out

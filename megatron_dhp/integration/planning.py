@@ -65,12 +65,12 @@ class JobPlanner:
             future = self._pending[1]
             self._pending = None
             return future.result()
-        return self._solve(batch, *self.loop.model())
+        return self._solve(batch, self.loop.model())
 
     def prefetch(self, batch: Batch) -> None:
         """Start planning `batch` in the background (a no-op without `overlap_planning`)."""
         if self._executor is not None:  # with the model of now: the loop may observe while it solves
-            self._pending = (batch, self._executor.submit(self._solve, batch, *self.loop.model()))
+            self._pending = (batch, self._executor.submit(self._solve, batch, self.loop.model()))
 
     def close(self) -> None:
         """Stop the background thread."""
@@ -79,10 +79,9 @@ class JobPlanner:
 
     @property
     def model(self) -> CostModel:
-        """The cost model the next plan is made with (the configured one, with the closed loop's speeds)."""
-        return self.loop.model()[0]
+        """The cost model the next plan is made with (the configured one, corrected by the closed loop)."""
+        return self.loop.model()
 
-    def _solve(self, batch: Batch, model: CostModel, time_scale: float) -> Plan:
-        plan = run_planner(self.planner, batch, model, family=self.policy.planning_family,
+    def _solve(self, batch: Batch, model: CostModel) -> Plan:
+        return run_planner(self.planner, batch, model, family=self.policy.planning_family,
                            pipeline_stages=self.pipeline_stages)
-        return self.loop.rescale(plan, time_scale)

@@ -29,7 +29,7 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.step_data import GatheredBatch, GatheredImage, TokenSample
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
-REPORT_WIDTH = 3
+REPORT_WIDTH = 8
 """Floats each rank's report holds (`gather_batch`): what the closed loop measured on it."""
 
 

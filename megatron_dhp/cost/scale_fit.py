@@ -1,0 +1,67 @@
+"""The cost model's own correction: how much longer than predicted attention and everything else really take.
+
+Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the
+slot's measured seconds at speed 1 (over its rank's speed), A the model's attention seconds of the slot
+(a sum L^2 / d over its samples) and R the rest of its predicted seconds. The sums ride with the length
+gather (`integration.closed_loop`); `ScaleFit` solves the 2 x 2 normal equations over the last `window`
+steps of every rank. Two factors, not one, because a preset priced for another model or GPU is off by
+different amounts in its quadratic and its linear terms: one factor fits short-sample steps or
+long-sample ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one
+factor for both. A factor is published when it moves more than `SCALE_STEP`, so plans do not churn.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SCALE_STEP = 0.05
+"""A fitted factor is republished only when it moved more than this fraction."""
+STATS = 5
+"""The statistics one rank sends per step: sum A^2, A R, R^2, A y, R y."""
+COLLINEAR = 1e-3
+"""Below this 1 - (sum A R)^2 / (sum A^2 sum R^2) the two terms are fitted as one."""
+
+
+@dataclass(frozen=True)
+class TimeScales:
+    """Factors on the model's attention seconds and on all its other seconds."""
+
+    attention: float = 1.0
+    rest: float = 1.0
+
+
+class ScaleFit:
+    """Least squares of measured on predicted seconds, split into attention and the rest, over a window."""
+
+    def __init__(self, window: int = 5) -> None:
+        self._steps: deque[np.ndarray] = deque(maxlen=window)
+        self._scales = TimeScales()
+
+    @property
+    def scales(self) -> TimeScales:
+        """The published factors."""
+        return self._scales
+
+    def update(self, stats: Sequence[float]) -> TimeScales:
+        """Take one step's statistics summed over the ranks (`STATS` numbers) and republish."""
+        step = np.asarray(stats, dtype=np.float64)
+        if step.shape != (STATS,) or not np.all(np.isfinite(step)) or step[0] + step[2] <= 0:
+            return self._scales
+        self._steps.append(step)
+        aa, ar, rr, ay, ry = np.sum(self._steps, axis=0)
+        fit = None
+        if aa > 0 and rr > 0 and 1 - ar * ar / (aa * rr) > COLLINEAR:
+            det = aa * rr - ar * ar
+            k_a, k_r = (ay * rr - ry * ar) / det, (ry * aa - ay * ar) / det
+            fit = TimeScales(k_a, k_r) if k_a > 0 and k_r > 0 else None
+        if fit is None:  # one factor: sum (A + R) y / sum (A + R)^2
+            k = (ay + ry) / (aa + 2 * ar + rr)
+            fit = TimeScales(k, k)
+        old = self._scales
+        if abs(fit.attention / old.attention - 1) > SCALE_STEP or abs(fit.rest / old.rest - 1) > SCALE_STEP:
+            self._scales = TimeScales(float(round(fit.attention, 6)), float(round(fit.rest, 6)))
+        return self._scales
