@@ -191,8 +191,9 @@ def patched(request, tmp_path_factory) -> Path:
     return copy
 
 
-def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
-    """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged."""
+def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False) -> tuple[list[float], int | str]:
+    """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged (or,
+    with `full_log`, the whole log)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
                str(REPO / "scripts" / "megatron_lm_cpu.py"), *flags]
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -201,7 +202,7 @@ def train_on_cpu(tree: Path, flags: list[str]) -> tuple[list[float], int]:
     log = out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)]
     losses += [float(x) for x in re.findall(r"validation loss at iteration \d+.*?lm loss value: ([0-9.E+-]+)", log)]
-    return losses, log.count("dhp plan: ")
+    return losses, log if full_log else log.count("dhp plan: ")
 
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
@@ -235,6 +236,17 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+
+
+def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched):
+    """--dhp-slow-rank 1:4.0 over 10 steps: the closed loop names rank 1 in the plan lines once it has measured
+    it, and every loss is upstream's."""
+    longer = [*TINY[: TINY.index("--train-iters") + 1], "10", *TINY[TINY.index("--train-iters") + 2:], *DOCUMENTS]
+    upstream, _ = train_on_cpu(patched, longer)
+    dhp, log = train_on_cpu(patched, [*longer, *DHP, "--dhp-slow-rank", "1:4.0"], full_log=True)
+    assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+    named = re.findall(r"dhp plan: .*?slow (r\d+)@([0-9.]+)", log)
+    assert named and {rank for rank, _ in named} == {"r1"} and float(named[-1][1]) <= 0.5, named
 
 
 def test_flexsp_milp_is_planned_on_rank_zero_and_trains_like_upstream(patched, tmp_path):
