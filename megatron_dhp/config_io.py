@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import re
 import textwrap
 import types
@@ -37,6 +38,17 @@ _YamlLoader.add_implicit_resolver(
 def load_yaml(text: str) -> object:
     """Parse untrusted YAML safely (no object construction), with scientific floats."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_json_file(path: str | Path, *, what: str, error: type[DhpError] = DhpError) -> object:
+    """Read and parse a JSON file; a missing or malformed file is an `error` naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {str(p)!r} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def load_yaml_file(path: str | Path, *, what: str) -> object:

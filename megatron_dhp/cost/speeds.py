@@ -6,10 +6,10 @@ below 1. `Domain.rank_speeds` holds them; `integration.closed_loop` measures the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_dhp.config_io import load_json_file
 from megatron_dhp.cost.config import check_speeds
 from megatron_dhp.errors import DhpError
 
@@ -17,16 +17,9 @@ from megatron_dhp.errors import DhpError
 def load_rank_speeds(path: str | Path) -> tuple[float, ...]:
     """The JSON list of relative speeds in `path` (one per domain position; checked against the domain when
     the cost config takes them)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DhpError(f"rank speeds file {str(p)!r} does not exist")
-    try:
-        speeds = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise DhpError(f"rank speeds file {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno}); write a "
-                       "list such as [1.0, 1.0, 0.5, 1.0]") from None
+    speeds = load_json_file(path, what="rank speeds file")
     if not isinstance(speeds, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in speeds):
-        raise DhpError(f"rank speeds file {str(p)!r} must hold a JSON list of numbers, one per rank "
+        raise DhpError(f"rank speeds file {str(path)!r} must hold a JSON list of numbers, one per rank "
                        "(such as [1.0, 1.0, 0.5, 1.0])")
     return tuple(float(v) for v in speeds)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dhp.config_io import load_json_file
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.plan.pipeline import pipeline_slots, slot_tokens_per_rank
@@ -322,12 +323,5 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan JSON file (not validated: call `validate`)."""
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"plan file {str(p)!r} does not exist")
-        try:
-            obj = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan file {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(obj)
+        return cls.from_dict(load_json_file(path, what="plan file", error=PlanError))
 
