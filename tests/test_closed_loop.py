@@ -85,11 +85,18 @@ def test_report_is_measured_over_predicted_of_the_ranks_fastest_group():
     assert len(factors) >= 2
     total = sum(p for _, p in factors.values())
     expected = min(f for f, p in factors.values() if p >= 0.1 * total)
-    rho, measured, predicted, *stats = loop.report(plan, position, slots + [((-1,), 5.0)])  # the idle slot is no sample
-    assert rho == pytest.approx(expected) and predicted == plan.predicted_step_time_s
-    assert measured == pytest.approx(sum(s for _, s in slots) + 5.0)
+    rho, span, step, *stats = loop.report(plan, position, slots + [((-1,), 5.0)], 42.0)  # idle slot: no sample
+    assert rho == pytest.approx(expected) and step == pytest.approx(plan.predicted_step_time_s) and span == 42.0
     assert len(stats) == STATS and stats[0] + stats[2] > 0
-    assert loop.report(plan, position, []) == ()
+    assert loop.report(plan, position, [], 0.0) == ()
+
+
+def test_sigma_is_the_slowest_spans_excess_over_the_plans_step():
+    loop = ClosedLoop(BASE)
+    for excess in (0.3, 0.3, 5.0):  # one outlier step moves no median
+        loop.observe([(1.0, 10.0 + excess, 10.0, 1.0, 0.0, 1.0, 1.0, 1.0)] + [(1.0, 9.0, 10.0, 1.0, 0.0, 1.0, 1.0, 1.0)] * 15)
+    assert loop.model().step_overhead_s == pytest.approx(0.3)
+    assert "pred 10.300s meas 15.000s" in loop.summary()
 
 
 def test_every_rank_derives_the_same_plan_from_the_same_reports():
@@ -134,8 +141,8 @@ def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once(
         time.sleep(0.01)
         inner.append(time.perf_counter() - start)
     timer.end_step("plan")
-    tag, slots = timer.take()
-    assert tag == "plan" and slots[0][0] == (4, 7) and slots[0][1] >= 3.0 * inner[0]
+    tag, slots, span = timer.take()
+    assert tag == "plan" and slots[0][0] == (4, 7) and slots[0][1] >= 3.0 * inner[0] and span == slots[0][1]
     assert timer.take() is None
 
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
-from megatron_dhp.cost.scale_fit import STATS, ScaleFit
+from megatron_dhp.cost.scale_fit import STATS, ScaleFit, TimeScales
 from megatron_dhp.cost.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.plan.plan import Plan
 
@@ -50,8 +52,12 @@ class ClosedLoop:
         """The model's own correction: factors on its attention and on its other seconds (over a longer window
         than the speeds: steps with long samples, which tell attention apart, come every few steps)."""
         self.hysteresis = hysteresis
+        self._gaps: deque[float] = deque(maxlen=FIT_WINDOWS * window)
+        self._sigma = cost.step_overhead_s
+        """sigma, the step's seconds outside its slots' work (gaps between slots, Python, the first barrier):
+        the median over the fit's window of the slowest rank's span less the plan's step without sigma."""
         self.last_step: tuple[float, float] | None = None
-        """(predicted step, slowest rank's measured slots) of the last step reported, in seconds."""
+        """(predicted step with the fitted sigma, slowest rank's slot span) of the last step reported, in seconds."""
         self._lock = threading.Lock()  # the planning thread reads the model while the main thread observes
         self._model: tuple[tuple, CostModel] | None = None
 
@@ -62,18 +68,26 @@ class ClosedLoop:
             return self.estimator.estimate
 
     def model(self) -> CostModel:
-        """The configured model with its fitted factors and the estimated speeds."""
+        """The configured model with its fitted factors, its measured sigma and the estimated speeds."""
         with self._lock:
-            speeds, scales = self.estimator.estimate.speeds, self.fit.scales
-            if self._model is None or self._model[0] != (speeds, scales):
-                nominal = () if all(v == 1.0 for v in speeds) else speeds
-                config = self.base.scaled(scales.rest, scales.attention).with_overrides(rank_speeds=nominal)
-                self._model = ((speeds, scales), build_cost_model(config))
+            key = (self.estimator.estimate.speeds, self.fit.scales, self._sigma if self.adaptive else None)
+            if self._model is None or self._model[0] != key:
+                self._model = (key, self._corrected(*key))
             return self._model[1]
 
-    def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]]) -> tuple[float, ...]:
-        """This rank's report of its timed slots of `plan` (() without any): rho, its slots' seconds, the
-        plan's predicted step, and the `scale_fit` statistics of the groups it did not wait in."""
+    def _corrected(self, speeds: tuple[float, ...], scales: TimeScales, sigma: float | None) -> CostModel:
+        """The configured model with these factors and speeds, and sigma if given (it changes no decision)."""
+        config = self.base.scaled(scales.rest, scales.attention)
+        if sigma is not None:
+            config = replace(config, step_overhead_s=sigma)
+        nominal = () if all(v == 1.0 for v in speeds) else speeds
+        return build_cost_model(config.with_overrides(rank_speeds=nominal))
+
+    def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
+               span: float) -> tuple[float, ...]:
+        """This rank's report of its timed slots of `plan` (() without any): rho, their span (first start to
+        last end), the plan's step under the current model without sigma, and the `scale_fit` statistics of
+        the groups it did not wait in."""
         if plan.pipeline_stages > 1:
             return ()
         predicted = self._slot_predictions(plan, position)
@@ -98,7 +112,11 @@ class ClosedLoop:
             if ratio <= (1 + self.hysteresis) * rho:
                 for y, a, r in rows[group]:
                     stats += (a * a, a * r, r * r, a * y * speed, r * y * speed)
-        return (rho, sum(seconds for _, seconds in slots), plan.predicted_step_time_s or math.nan, *stats.tolist())
+        # the plan's step under the current model without sigma: what the span's excess is measured against
+        with self._lock:
+            without_sigma = self._corrected(self.estimator.estimate.speeds, self.fit.scales, 0.0)
+        step = simulate(plan, without_sigma).step_time_s
+        return (rho, span, step, *stats.tolist())
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
         """Every rank's report of one step: update the speeds and the model's factors (adaptive only)."""
@@ -106,12 +124,14 @@ class ClosedLoop:
             return
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
         full = [r for r in reports if len(r) == 3 + STATS and math.isfinite(r[0])]
-        if full:
-            self.last_step = (full[0][2], max(r[1] for r in full))
         with self._lock:
             self.estimator.update(ratios)
             if full:
+                step, span = full[0][2], max(r[1] for r in full)
                 self.fit.update(np.sum([r[3:] for r in full], axis=0))
+                self._gaps.append(span - step)  # sigma: the slowest rank's span beyond the step without sigma
+                self._sigma = max(0.0, float(np.median(self._gaps)))
+                self.last_step = (step + self._sigma, span)
 
     def summary(self) -> str:
         """One line: the slow ranks, the model's fitted factors and the last reported step."""

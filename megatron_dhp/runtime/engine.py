@@ -84,9 +84,10 @@ class Feedback(Protocol):
     """The closed loop's planning side (`integration.closed_loop.ClosedLoop`): turns this rank's measured slots
     into its report, and takes every rank's reports in. The engine calls both on every rank."""
 
-    def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]]) -> tuple[float, ...]:
-        """This rank's report of a step it ran under `plan` from its slots' (sample ids, seconds) (at most
-        `collectives.REPORT_WIDTH` floats)."""
+    def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
+               span: float) -> tuple[float, ...]:
+        """This rank's report of a step it ran under `plan` from its slots' (sample ids, seconds) and their
+        span, first start to last end (at most `collectives.REPORT_WIDTH` floats)."""
         ...
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
@@ -327,8 +328,8 @@ class StepEngine:
         report: tuple[float, ...] = ()
         timed = self.timer.take() if self.timer is not None and self.feedback is not None else None
         if timed is not None:
-            plan, slots = timed
-            report = self.feedback.report(plan, self.domain.position, slots)
+            plan, slots, span = timed
+            report = self.feedback.report(plan, self.domain.position, slots, span)
         gathered = gather_batch(local, self.domain, report)
         if self.feedback is not None:
             self.feedback.observe(gathered.reports)

@@ -47,21 +47,29 @@ class SlotTimer:
         yield
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - begin))
-        self._current.append((key, time.perf_counter() - begin))
+        self._current.append((key, (begin, time.perf_counter())))
 
     def end_step(self, tag: object) -> None:
         """Close the step's list of slots under `tag` (the walk calls it after its last slot, with the plan)."""
         self._finished, self._current = (tag, self._current), []
 
-    def take(self) -> tuple[object, list[tuple[tuple[int, ...], float]]] | None:
-        """The last finished step's tag and (key, seconds) of its slots in walk order, once (None: nothing new,
-        or its CUDA events have not completed yet; then it stays for the next call)."""
+    def take(self) -> tuple[object, list[tuple[tuple[int, ...], float]], float] | None:
+        """The last finished step's tag, (key, seconds) of its slots in walk order, and the seconds from its
+        first slot's start to its last slot's end (gaps between slots included), once (None: nothing new, or
+        its CUDA events have not completed yet; then it stays for the next call)."""
         if self._finished is None:
             return None
         tag, slots = self._finished
+        if not slots:
+            self._finished = None
+            return tag, [], 0.0
         if self._cuda:
             if not all(end.query() for _, (_, end) in slots):
                 return None
-            slots = [(key, start.elapsed_time(end) / 1e3) for key, (start, end) in slots]
+            seconds = [(key, start.elapsed_time(end) / 1e3) for key, (start, end) in slots]
+            span = slots[0][1][0].elapsed_time(slots[-1][1][1]) / 1e3
+        else:
+            seconds = [(key, end - begin) for key, (begin, end) in slots]
+            span = slots[-1][1][1] - slots[0][1][0]
         self._finished = None
-        return tag, list(slots)
+        return tag, seconds, span
