@@ -10,6 +10,7 @@ ranks finish their wide groups, splits into runs of ranks that are free at the s
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,7 @@ class Skyline:
         return cls(np.zeros(num_ranks), np.zeros(num_ranks, dtype=np.int64))
 
 
+@functools.cache
 def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, straddle: bool = False) -> np.ndarray:
     """Starts of the windows a wide group may take: one end on a cell boundary, inside a node if it fits one;
     with `straddle` also the tiling at multiples of the size across nodes. A size that does not divide the
@@ -71,7 +73,9 @@ def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, stra
     if size <= gpus_per_node:
         aligned &= starts // gpus_per_node == (starts + size - 1) // gpus_per_node
         aligned |= straddle & (starts % size == 0)
-    return starts[aligned]
+    out = starts[aligned]
+    out.flags.writeable = False  # cached: every caller shares the array
+    return out
 
 
 def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
