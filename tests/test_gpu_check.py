@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 REPORT_KEYS = {"device", "peak_gb_per_s", "torch", "cuda", "quick", "status", "exit_code", "total_seconds", "sections"}
@@ -20,15 +21,7 @@ SECTION_KEYS = {"name", "status", "seconds", "reason", "checks"}
 CHECK_KEYS = {"name", "status", "error", "tolerance", "metric", "reason", "numbers"}
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load()
+gpu_check = load_bench("gpu_check")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "plan_quality.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("plan_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_quality = _load()
+plan_quality = load_bench("plan_quality")
 
 
 def _record(planner: str, step_s: float, lb_s: float = 1.6) -> dict:

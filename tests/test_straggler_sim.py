@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "straggler_sim.py"
+from tests.bench_scripts import load_bench
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("straggler_sim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-straggler_sim = _load()
+straggler_sim = load_bench("straggler_sim")
 
 
 def test_tiny_run_records_every_scenario_and_planner(tmp_path):
