@@ -26,6 +26,12 @@ SUMMARY_SLOW = 4
 """The summary line names at most this many slow ranks."""
 
 
+def rank_speeds_text(ranks: Sequence[tuple[int, float]], most: int | None = None) -> str:
+    """(position, speed) pairs as the logs name them, `r3@0.50 r7@0.71`; at most `most` of them, then `...`."""
+    shown = " ".join(f"r{r}@{v:.2f}" for r, v in ranks[:most])
+    return shown + (" ..." if most is not None and len(ranks) > most else "")
+
+
 class PlanError(DhpError):
     """A plan that breaks an invariant (every sample once, every rank placed, memory cap)."""
 
@@ -140,7 +146,7 @@ class Plan:
         parts.append(f"{self.num_microbatches} mb")
         slow = self.slow_ranks()
         if slow:
-            parts.append("slow " + " ".join(f"r{r}@{v:.2f}" for r, v in slow[:SUMMARY_SLOW]) + (" ..." if len(slow) > SUMMARY_SLOW else ""))
+            parts.append("slow " + rank_speeds_text(slow, most=SUMMARY_SLOW))
         if self.predicted_step_time_s is not None:
             pred = f"pred {self.predicted_step_time_s:.3f}s"
             if self.lower_bound_s:

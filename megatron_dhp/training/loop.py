@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.plan.pipeline import pipeline_token_cap
-from megatron_dhp.plan.plan import Plan
+from megatron_dhp.plan.plan import Plan, rank_speeds_text
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
@@ -228,7 +228,7 @@ class Trainer:
             optimizer_s=times[2],
             plan_wait_s=times[3],
             wall_s=times[4],
-            slow_ranks=" ".join(f"r{r}@{v:.2f}" for r, v in plan.slow_ranks()),
+            slow_ranks=rank_speeds_text(plan.slow_ranks()),
         )
 
 
