@@ -40,13 +40,16 @@ class StepRuntime:
 
     def engine(self, *, source: SampleSource | None = None, lookahead: bool = False, seq_multiple: int = 1,
                aligned_slots: bool = False, equal_rows: bool = False) -> StepEngine:
-        """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP, times
-        every slot (slowed as `slow_ranks` injects) and, when adaptive, reports to the planner's closed loop."""
+        """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP and, when
+        adaptive or slowed by `slow_ranks`, times every slot (slowed as injected), reporting to the planner's
+        closed loop when adaptive."""
         slowdown = self.config.slowdowns.get(dist.get_rank(), 1.0)
+        timed = self.config.adaptive or slowdown > 1.0  # nobody reads the timings otherwise
         return StepEngine(self.domain, self.pool, self.planner, source=source, lookahead=lookahead,
                           seq_multiple=seq_multiple, aligned_slots=aligned_slots, equal_rows=equal_rows,
                           policy=self.policy, backend=self.config.attention_backend,
-                          pipelined=self.pipeline_stages > 1, timer=SlotTimer(self.domain.device, slowdown=slowdown),
+                          pipelined=self.pipeline_stages > 1,
+                          timer=SlotTimer(self.domain.device, slowdown=slowdown) if timed else None,
                           feedback=self.planner.loop if self.config.adaptive else None)
 
 
