@@ -1,4 +1,4 @@
-"""Rank speeds and the model's time scale, estimated from what each rank measured against what was predicted.
+"""Rank speeds, estimated from what each rank measured against what was predicted.
 
 Every step each rank reports rho = measured / predicted seconds of its slots (`integration.closed_loop`
 forms it), the prediction taken at speed 1 under the configured coefficients. A rank that is twice as slow
@@ -41,7 +41,8 @@ class SpeedEstimate:
     speeds: tuple[float, ...]
     """Relative speed per domain position (1.0 where a rank is within the hysteresis of typical)."""
     time_scale: float
-    """kappa: measured over predicted of a typical rank; multiplies the cost model's seconds."""
+    """kappa: measured over predicted of the fast ranks, the level the speeds are relative to (the model's own
+    correction is `cost.scale_fit`'s)."""
     steps: int
     """Reports taken in so far."""
 
@@ -51,7 +52,7 @@ class SpeedEstimate:
 
 
 class SpeedEstimator:
-    """Smoothed per-rank speeds and a time scale from per-step measured / predicted ratios."""
+    """Smoothed per-rank speeds from per-step measured / predicted ratios."""
 
     def __init__(self, world_size: int, *, window: int = 5, hysteresis: float = 0.1,
                  initial: Sequence[float] = ()) -> None:
@@ -69,7 +70,7 @@ class SpeedEstimator:
 
     @property
     def estimate(self) -> SpeedEstimate:
-        """The published speeds and time scale."""
+        """The published speeds and their level."""
         return SpeedEstimate(self._speeds, self._scale, self._steps)
 
     def update(self, ratios: Sequence[float]) -> SpeedEstimate:

@@ -25,9 +25,9 @@ from dataclasses import replace
 import numpy as np
 
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
-from megatron_dhp.cost.scale_fit import STATS, ScaleFit, TimeScales
+from megatron_dhp.cost.scale_fit import STATS, ScaleFit
 from megatron_dhp.cost.speed_estimator import SpeedEstimate, SpeedEstimator
-from megatron_dhp.plan.plan import Plan
+from megatron_dhp.plan.plan import Plan, rank_speeds_text
 
 FIT_WINDOWS = 4
 """The model's factors are fitted over this many speed windows of steps."""
@@ -70,18 +70,15 @@ class ClosedLoop:
     def model(self) -> CostModel:
         """The configured model with its fitted factors, its measured sigma and the estimated speeds."""
         with self._lock:
-            key = (self.estimator.estimate.speeds, self.fit.scales, self._sigma if self.adaptive else None)
+            speeds, scales = self.estimator.estimate.speeds, self.fit.scales
+            key = (speeds, scales, self._sigma if self.adaptive else None)
             if self._model is None or self._model[0] != key:
-                self._model = (key, self._corrected(*key))
+                config = self.base.scaled(scales.rest, scales.attention)
+                if self.adaptive:  # sigma changes no decision: the measured one
+                    config = replace(config, step_overhead_s=self._sigma)
+                nominal = () if all(v == 1.0 for v in speeds) else speeds
+                self._model = (key, build_cost_model(config.with_overrides(rank_speeds=nominal)))
             return self._model[1]
-
-    def _corrected(self, speeds: tuple[float, ...], scales: TimeScales, sigma: float | None) -> CostModel:
-        """The configured model with these factors and speeds, and sigma if given (it changes no decision)."""
-        config = self.base.scaled(scales.rest, scales.attention)
-        if sigma is not None:
-            config = replace(config, step_overhead_s=sigma)
-        nominal = () if all(v == 1.0 for v in speeds) else speeds
-        return build_cost_model(config.with_overrides(rank_speeds=nominal))
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
                span: float) -> tuple[float, ...]:
@@ -112,10 +109,10 @@ class ClosedLoop:
             if ratio <= (1 + self.hysteresis) * rho:
                 for y, a, r in rows[group]:
                     stats += (a * a, a * r, r * r, a * y * speed, r * y * speed)
-        # the plan's step under the current model without sigma: what the span's excess is measured against
-        with self._lock:
-            without_sigma = self._corrected(self.estimator.estimate.speeds, self.fit.scales, 0.0)
-        step = simulate(plan, without_sigma).step_time_s
+        # the plan's step under the current model without sigma (every rank starts at it, so it only adds):
+        # what the span's excess is measured against
+        model = self.model()
+        step = simulate(plan, model).step_time_s - model.step_overhead_s
         return (rho, span, step, *stats.tolist())
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
@@ -136,7 +133,7 @@ class ClosedLoop:
     def summary(self) -> str:
         """One line: the slow ranks, the model's fitted factors and the last reported step."""
         estimate = self.estimate
-        slow = " ".join(f"r{r}@{v:.2f}" for r, v in estimate.slow_ranks()) or "none"
+        slow = rank_speeds_text(estimate.slow_ranks()) or "none"
         scales = self.fit.scales
         last = "" if self.last_step is None else (f" | last reported step: pred {self.last_step[0]:.3f}s meas "
                                                    f"{self.last_step[1]:.3f}s")

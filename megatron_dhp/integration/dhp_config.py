@@ -74,8 +74,9 @@ class DhpConfig:
     """Cut samples longer than the whole domain holds (in the data pipeline) instead of stopping with an error."""
     adaptive: bool = True
     """Closed-loop planning: every rank times its slots, and the planner learns each rank's speed and the
-    cost model's time scale from them (`integration.closed_loop`), so slow ranks get less work and predicted
-    step times follow the machine. Plans stay exact whatever the speeds; off: plan with the stated speeds."""
+    cost model's correction (two factors and sigma) from them (`integration.closed_loop`), so slow ranks get
+    less work and predicted step times follow the machine. Plans stay exact whatever the speeds; off: plan
+    with the stated speeds."""
     adaptive_window: int = 5
     """Steps each rank's speed is the median over (one outlier step moves no median)."""
     adaptive_hysteresis: float = 0.1

@@ -53,7 +53,7 @@ class JobPlanner:
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
         self.loop = ClosedLoop(cost, adaptive=config.adaptive, window=config.adaptive_window,
                                hysteresis=config.adaptive_hysteresis)
-        """The speeds and time scale each plan uses (`closed_loop`), the engine's `Feedback` when adaptive."""
+        """The speeds and model correction each plan uses (`closed_loop`), the engine's `Feedback` when adaptive."""
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None

@@ -65,7 +65,7 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--dhp-log-plans", action="store_true", default=None,
                        help="Log each step's plan in one line.")
     group.add_argument("--dhp-adaptive", action=argparse.BooleanOptionalAction, default=None,
-                       help="Closed-loop planning: learn each rank's speed and the cost model's time scale from "
+                       help="Closed-loop planning: learn each rank's speed and the cost model's correction from "
                        "timed slots, and give slow ranks less work (default on; --no-dhp-adaptive: plan with the "
                        "stated speeds only).")
     group.add_argument("--dhp-slow-rank", action="append", default=None, metavar="RANK:FACTOR",
