@@ -32,6 +32,8 @@ class Instance:
     """The groups the plan may use (None: any contiguous window)."""
     _times: dict[tuple[int, bool, float], np.ndarray] = field(default_factory=dict, repr=False)
     _order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    memo: dict = field(default_factory=dict, repr=False)
+    """What the search derives once per instance and reuses across drafts (`layout.Windows`)."""
 
     @classmethod
     def from_batch(cls, batch: Batch, model: CostModel, cap: int | None = None,
@@ -88,13 +90,6 @@ class Instance:
         if key not in self._times:
             self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra, speed)
         return self._times[key]
-
-    def window_times(self, item: int, size: int, intra: np.ndarray, speed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Sample `item`'s seconds on windows of `size` ranks, each inside a node or not (`intra`) and at its
-        slowest rank's `speed`, and each window's microbatch overhead."""
-        time = self.model.sample_time(self.tokens[item], self.work[item], size, intra, speed)
-        overhead = {v: self.overhead(size, v) for v in set(speed.tolist())}
-        return time, np.array([overhead[v] for v in speed.tolist()])
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in

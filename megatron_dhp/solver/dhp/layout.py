@@ -78,13 +78,54 @@ def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, stra
     return out
 
 
-def window_max(values: np.ndarray, size: int, starts: np.ndarray) -> np.ndarray:
-    """max(values[s:s+size]) for every s in starts, through a sparse table (O(N log N))."""
-    span, table = 1, values
-    while span * 2 <= size:
-        table = np.maximum(table[:-span], table[span:])
-        span *= 2
-    return np.maximum(table[starts], table[starts + size - span])
+@dataclass(frozen=True)
+class Windows:
+    """Every window a wide sample of some degree may take, flat and ordered by (size, start): for each its
+    size, first rank, placement, slowest rank's speed and microbatch overhead, with the sparse-table
+    indices that give its latest-free rank in two lookups (`level`, `tail`)."""
+
+    size: np.ndarray
+    start: np.ndarray
+    segment: np.ndarray
+    """Index of the window's size among `sizes` (windows are sorted by it)."""
+    sizes: list[int]
+    firsts: np.ndarray
+    """Where each size's windows begin."""
+    intra: np.ndarray
+    speed: np.ndarray | float
+    overhead: np.ndarray
+    level: np.ndarray
+    tail: np.ndarray
+
+    @classmethod
+    def of(cls, inst: Instance, sizes: list[int], cell: int, straddle: bool) -> Windows:
+        """The windows of the allowed `sizes` (with a family, its groups of those sizes)."""
+        n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+        starts = [inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn, straddle) for d in sizes]
+        kept = [k for k, st in enumerate(starts) if len(st)]
+        size = np.repeat([sizes[k] for k in kept], [len(starts[k]) for k in kept]).astype(np.int64)
+        start = np.concatenate([starts[k] for k in kept]).astype(np.int64)
+        segment = np.repeat(np.arange(len(kept)), [len(starts[k]) for k in kept])
+        intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
+        level = (np.frexp(size)[1] - 1).astype(np.int64)  # floor(log2(size)), exact
+        speed: np.ndarray | float = 1.0
+        if not inst.nominal:
+            speed = -np.maximum(*sparse_lookups(-inst.speeds, level, start, start + size - 2**level))
+        over = {(d, v): inst.overhead(d, v) for d, v in set(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))}
+        overhead = np.array([over[d, v] for d, v in zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist())])
+        firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
+        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, level, start + size - 2**level)
+
+
+def sparse_lookups(values: np.ndarray, level: np.ndarray, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """max(values[p : p + 2**level]) at positions `first` and `second` (a sparse table up to the top level)."""
+    n, top = len(values), int(level.max(initial=0))
+    table = np.empty((top + 1, n))
+    table[0] = values
+    for k in range(1, top + 1):
+        span, end = 2 ** (k - 1), n - 2**k + 1
+        np.maximum(table[k - 1, :end], table[k - 1, span : span + end], out=table[k, :end])
+    return table[level, first], table[level, second]
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
@@ -99,35 +140,34 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     window that wastes the least among those that end it by then, the first of equals, so that columns fill
     up to the limit one after another and leave whole columns free for the rest; only where none does, the
     earliest end. Without a family, `straddle` lets groups that fit a node take windows across two
-    (`window_starts`)."""
-    n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+    (`window_starts`). Every window of every allowed size is priced at once (`Windows`)."""
     sizes = inst.sizes
-    prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
         i, degree = int(items[k]), int(degrees[k])
-        best: tuple[float, int, int, float, float] | None = None  # (finish, size, start, begin, time)
-        for d in sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist():
-            starts = inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn, straddle)
-            if not len(starts):
-                continue
-            begin = window_max(skyline.ready, d, starts)
-            waste = d * begin - (prefix[starts + d] - prefix[starts])
-            intra = (d <= gpn) & (starts // gpn == (starts + d - 1) // gpn)
-            if inst.nominal:
-                time = np.where(intra, inst.times(d, True)[i], inst.times(d, False)[i])
-                finish = begin + time + inst.overhead(d)
-            else:  # each window at its slowest rank's speed
-                time, overhead = inst.window_times(i, d, intra, -window_max(-inst.speeds, d, starts))
-                finish = begin + time + overhead
-            late = finish > limit_s if limit_s is not None else np.ones(len(starts), dtype=bool)
-            j = int(np.lexsort((starts, waste, finish) if late.all() else (starts, waste, late))[0])
-            if best is None or finish[j] < best[0] * (1 - 1e-3):
-                best = (float(finish[j]), d, int(starts[j]), float(begin[j]), float(time[j]))
-        assert best is not None, f"no window of {degree}+ ranks"  # every degree is an allowed size
-        _, d, s, begin_s, t = best
-        put(inst, skyline, i, s, d, begin_s, t)
+        key = ("windows", degree, grow, cell, straddle)
+        if key not in inst.memo:
+            inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist(), cell, straddle)
+        w = inst.memo[key]
+        assert len(w.sizes), f"no window of {degree}+ ranks"  # every degree is an allowed size
         prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
+        begin = np.maximum(*sparse_lookups(skyline.ready, w.level, w.start, w.tail))
+        waste = w.size * begin - (prefix[w.start + w.size] - prefix[w.start])
+        # (a slice: it keeps `SampleWork`'s undivided part, which a scalar index drops)
+        time = inst.model.sample_time(inst.tokens[i : i + 1], inst.work[i : i + 1], w.size, w.intra, w.speed)
+        finish = begin + time + w.overhead
+        # per size: the least-wasting window that ends by the limit, the earliest end where none does
+        key = finish
+        if limit_s is not None:
+            late = finish > limit_s
+            key = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
+        ranked = np.lexsort((w.start, waste, key, w.segment))
+        firsts = ranked[w.firsts]  # sorted by segment first: each segment's best where it began
+        j = int(firsts[0])
+        for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier
+            if finish[f] < finish[j] * (1 - 1e-3):
+                j = f
+        put(inst, skyline, i, int(w.start[j]), int(w.size[j]), float(begin[j]), float(time[j]))
 
 
 def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int, int]]) -> None:
