@@ -1,13 +1,15 @@
 """The cost model's own correction: how much longer than predicted attention and everything else really take.
 
 Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the
-slot's measured seconds at speed 1 (over its rank's speed), A the model's attention seconds of the slot
-(a sum L^2 / d over its samples) and R the rest of its predicted seconds. The sums ride with the length
-gather (`integration.closed_loop`); `ScaleFit` solves the 2 x 2 normal equations over the last `window`
-steps of every rank. Two factors, not one, because a preset priced for another model or GPU is off by
-different amounts in its quadratic and its linear terms: one factor fits short-sample steps or
-long-sample ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one
-factor for both. A factor is published when it moves more than `SCALE_STEP`, so plans do not churn.
+slot's measured seconds, A the model's attention seconds of the slot (a sum L^2 / d over its samples) and R
+the rest of its predicted seconds. The sums ride with the length gather (`integration.closed_loop`);
+`ScaleFit` keeps each rank's over the last `window` steps and solves the 2 x 2 normal equations with each
+rank's y brought to speed 1 by its *current* speed estimate, so steps a slow rank measured before it was
+known to be slow count at its speed as soon as it is (without that, its early steps inflated both factors
+for a whole window). Two factors, not one, because a preset priced for another model or GPU is off by
+different amounts in its quadratic and its linear terms: one factor fits short-sample steps or long-sample
+ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for
+both. A factor is published when it moves more than `SCALE_STEP`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCALE_STEP = 0.05
-"""A fitted factor is republished only when it moved more than this fraction."""
+SCALE_STEP = 0.02
+"""A fitted factor is republished only when it moved more than this fraction (a fifth of the 10 % that
+predicted steps are judged by: bench/straggler_train.py)."""
 STATS = 5
 """The statistics one rank sends per step: sum A^2, A R, R^2, A y, R y."""
 COLLINEAR = 1e-3
@@ -46,13 +49,20 @@ class ScaleFit:
         """The published factors."""
         return self._scales
 
-    def update(self, stats: Sequence[float]) -> TimeScales:
-        """Take one step's statistics summed over the ranks (`STATS` numbers) and republish."""
-        step = np.asarray(stats, dtype=np.float64)
-        if step.shape != (STATS,) or not np.all(np.isfinite(step)) or step[0] + step[2] <= 0:
+    def update(self, stats: Sequence[float] | np.ndarray, speeds: Sequence[float] | None = None) -> TimeScales:
+        """Take one step's statistics (`STATS` numbers, or one row of them per rank, NaN where a rank sent none)
+        with every rank's current speed (default 1), and republish."""
+        step = np.atleast_2d(np.asarray(stats, dtype=np.float64))
+        if step.shape[1] != STATS:
+            return self._scales
+        step = np.where(np.all(np.isfinite(step), axis=1, keepdims=True), step, 0.0)
+        if not (step[:, 0] + step[:, 2]).sum() > 0:
             return self._scales
         self._steps.append(step)
-        aa, ar, rr, ay, ry = np.sum(self._steps, axis=0)
+        speed = np.ones(len(step)) if speeds is None else np.asarray(speeds, dtype=np.float64)
+        total = np.sum(self._steps, axis=0)  # per rank, over the window
+        aa, ar, rr = total[:, :3].sum(axis=0)
+        ay, ry = (total[:, 3:] * speed[:, None]).sum(axis=0)
         fit = None
         if aa > 0 and rr > 0 and 1 - ar * ar / (aa * rr) > COLLINEAR:
             det = aa * rr - ar * ar

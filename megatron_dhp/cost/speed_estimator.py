@@ -45,6 +45,15 @@ class SpeedEstimate:
     correction is `cost.scale_fit`'s)."""
     steps: int
     """Reports taken in so far."""
+    measured: tuple[float, ...] = ()
+    """Each rank's speed as last measured (kappa over its median, neither rounded nor held by the hysteresis;
+    the published speed where it has too few reports): what the loop predicts steps and fits the model's
+    factors with, while plans use the published `speeds` (empty: the same)."""
+
+    @property
+    def measured_speeds(self) -> tuple[float, ...]:
+        """`measured`, or `speeds` where none were measured yet."""
+        return self.measured or self.speeds
 
     def slow_ranks(self, below: float = 1.0) -> list[tuple[int, float]]:
         """(position, speed) of the ranks published below `below`, slowest first."""
@@ -67,11 +76,12 @@ class SpeedEstimator:
         self._speeds = tuple(float(v) for v in initial) or (1.0,) * world_size
         self._scale = 1.0
         self._steps = 0
+        self._measured: tuple[float, ...] = ()
 
     @property
     def estimate(self) -> SpeedEstimate:
         """The published speeds and their level."""
-        return SpeedEstimate(self._speeds, self._scale, self._steps)
+        return SpeedEstimate(self._speeds, self._scale, self._steps, self._measured)
 
     def update(self, ratios: Sequence[float]) -> SpeedEstimate:
         """Take one step's measured / predicted ratio of every rank (NaN: no measurement) and republish."""
@@ -94,6 +104,7 @@ class SpeedEstimator:
         self._scale = float(np.median(known[known <= (1 + self.hysteresis) * known.min()]))
         raw = np.where(np.isfinite(medians), self._scale / medians, np.array(self._speeds))
         self._speeds = tuple(self._publish(old, float(new)) for old, new in zip(self._speeds, raw))
+        self._measured = tuple(round(float(v), 6) for v in raw)
         return self.estimate
 
     def _publish(self, old: float, new: float) -> float:

@@ -31,6 +31,9 @@ from megatron_dhp.plan.plan import Plan, rank_speeds_text
 
 FIT_WINDOWS = 4
 """The model's factors are fitted over this many speed windows of steps."""
+COLD_STEPS = 1
+"""The first timed steps fit nothing: they run cold (allocator, caches, lazy initialisation), up to several
+times as long as the same work later."""
 MIN_SHARE = 0.1
 """A group counts toward a rank's speed when it holds at least this share of the rank's predicted time
 (shorter ones are mostly timer noise and launch gaps)."""
@@ -58,8 +61,10 @@ class ClosedLoop:
         the median over the fit's window of the slowest rank's span less the plan's step without sigma."""
         self.last_step: tuple[float, float] | None = None
         """(predicted step with the fitted sigma, slowest rank's slot span) of the last step reported, in seconds."""
+        self._timed = 0
+        """Steps whose timings were reported so far."""
         self._lock = threading.Lock()  # the planning thread reads the model while the main thread observes
-        self._model: tuple[tuple, CostModel] | None = None
+        self._models: dict[tuple, CostModel] = {}
 
     @property
     def estimate(self) -> SpeedEstimate:
@@ -68,17 +73,30 @@ class ClosedLoop:
             return self.estimator.estimate
 
     def model(self) -> CostModel:
-        """The configured model with its fitted factors, its measured sigma and the estimated speeds."""
+        """The configured model with its fitted factors, its measured sigma and the published speeds: what plans
+        are made with."""
         with self._lock:
-            speeds, scales = self.estimator.estimate.speeds, self.fit.scales
-            key = (speeds, scales, self._sigma if self.adaptive else None)
-            if self._model is None or self._model[0] != key:
-                config = self.base.scaled(scales.rest, scales.attention)
-                if self.adaptive:  # sigma changes no decision: the measured one
-                    config = replace(config, step_overhead_s=self._sigma)
-                nominal = () if all(v == 1.0 for v in speeds) else speeds
-                self._model = (key, build_cost_model(config.with_overrides(rank_speeds=nominal)))
-            return self._model[1]
+            return self._cached(self.estimator.estimate.speeds)
+
+    def predictor(self) -> CostModel:
+        """`model` with every rank at its measured speed (not rounded or held by the hysteresis, which keep
+        plans steady): what the loop predicts a step's time with (`JobPlanner`)."""
+        with self._lock:
+            return self._cached(self.estimator.estimate.measured_speeds)
+
+    def _cached(self, speeds: tuple[float, ...]) -> CostModel:
+        """The configured model corrected as now, at `speeds` (one object per correction: equal speeds, same model)."""
+        scales = self.fit.scales
+        key = (speeds, scales, self._sigma if self.adaptive else None)
+        if key not in self._models:
+            config = self.base.scaled(scales.rest, scales.attention)
+            if self.adaptive:  # sigma changes no decision: the measured one
+                config = replace(config, step_overhead_s=self._sigma)
+            nominal = () if all(v == 1.0 for v in speeds) else speeds
+            if len(self._models) >= 2:  # the planning and the predicting model of now
+                self._models.pop(next(iter(self._models)))
+            self._models[key] = build_cost_model(config.with_overrides(rank_speeds=nominal))
+        return self._models[key]
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
                span: float) -> tuple[float, ...]:
@@ -103,12 +121,11 @@ class ClosedLoop:
         if not ratios:
             return ()
         rho = min(ratios.values())
-        speed = self.estimate.speeds[position]
         stats = np.zeros(STATS)
-        for group, ratio in ratios.items():  # groups where this rank hardly waited: its own time, at speed 1
+        for group, ratio in ratios.items():  # groups where this rank hardly waited: its own time
             if ratio <= (1 + self.hysteresis) * rho:
                 for y, a, r in rows[group]:
-                    stats += (a * a, a * r, r * r, a * y * speed, r * y * speed)
+                    stats += (a * a, a * r, r * r, a * y, r * y)
         # the plan's step under the current model without sigma (every rank starts at it, so it only adds):
         # what the span's excess is measured against
         model = self.model()
@@ -122,13 +139,20 @@ class ClosedLoop:
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
         full = [r for r in reports if len(r) == 3 + STATS and math.isfinite(r[0])]
         with self._lock:
-            self.estimator.update(ratios)
-            if full:
-                step, span = full[0][2], max(r[1] for r in full)
-                self.fit.update(np.sum([r[3:] for r in full], axis=0))
+            speeds = self.estimator.update(ratios).measured_speeds
+            if not full:
+                return
+            self._timed += 1
+            step, span = full[0][2], max(r[1] for r in full)
+            if self._timed > COLD_STEPS:
+                rows = [r[3:] if any(r is f for f in full) else (math.nan,) * STATS for r in reports]
+                before = self.fit.scales
+                after = self.fit.update(rows, speeds)  # each rank's seconds at speed 1 by its speed as now measured
+                if max(abs(after.attention / before.attention - 1), abs(after.rest / before.rest - 1)) > self.hysteresis:
+                    self._gaps.clear()  # measured against a model that far off, the excess says little of sigma
                 self._gaps.append(span - step)  # sigma: the slowest rank's span beyond the step without sigma
                 self._sigma = max(0.0, float(np.median(self._gaps)))
-                self.last_step = (step + self._sigma, span)
+            self.last_step = (step + self._sigma, span)
 
     def summary(self) -> str:
         """One line: the slow ranks, the model's fitted factors and the last reported step."""

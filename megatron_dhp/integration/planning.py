@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
-from megatron_dhp.cost import CostConfig, CostModel
+from megatron_dhp.cost import CostConfig, CostModel, simulate
 from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.comm import CommPolicy
@@ -65,12 +66,12 @@ class JobPlanner:
             future = self._pending[1]
             self._pending = None
             return future.result()
-        return self._solve(batch, self.loop.model())
+        return self._solve(batch, self.loop.model(), self.loop.predictor())
 
     def prefetch(self, batch: Batch) -> None:
         """Start planning `batch` in the background (a no-op without `overlap_planning`)."""
-        if self._executor is not None:  # with the model of now: the loop may observe while it solves
-            self._pending = (batch, self._executor.submit(self._solve, batch, self.loop.model()))
+        if self._executor is not None:  # with the models of now: the loop may observe while it solves
+            self._pending = (batch, self._executor.submit(self._solve, batch, self.loop.model(), self.loop.predictor()))
 
     def close(self) -> None:
         """Stop the background thread."""
@@ -82,6 +83,10 @@ class JobPlanner:
         """The cost model the next plan is made with (the configured one, corrected by the closed loop)."""
         return self.loop.model()
 
-    def _solve(self, batch: Batch, model: CostModel) -> Plan:
-        return run_planner(self.planner, batch, model, family=self.policy.planning_family,
+    def _solve(self, batch: Batch, model: CostModel, predictor: CostModel) -> Plan:
+        """The plan made with `model`, its step predicted with `predictor` (the ranks at their measured speeds)."""
+        plan = run_planner(self.planner, batch, model, family=self.policy.planning_family,
                            pipeline_stages=self.pipeline_stages)
+        if predictor is model:
+            return plan
+        return replace(plan, predicted_step_time_s=simulate(plan, predictor).step_time_s)
