@@ -13,6 +13,7 @@ once it is done, and the ranks no column holds.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 
@@ -128,6 +129,7 @@ def balance(inst: Instance, columns: list[tuple[int, int, list[int]]], degree_of
     sooner (packing to a height balances by estimate; this by the columns' real times)."""
     gpn = inst.model.domain.gpus_per_node
 
+    @functools.cache  # a sample's seconds in a column depend on the column's place, not on its members
     def seconds(i: int, column: int) -> float:
         start, w, _ = columns[column]
         d = run_size(start, w, degree_of[i], is_window)

@@ -153,8 +153,10 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
         begin = np.maximum(*sparse_lookups(skyline.ready, w.level, w.start, w.tail))
         waste = w.size * begin - (prefix[w.start + w.size] - prefix[w.start])
-        # (a slice: it keeps `SampleWork`'s undivided part, which a scalar index drops)
-        time = inst.model.sample_time(inst.tokens[i : i + 1], inst.work[i : i + 1], w.size, w.intra, w.speed)
+        if (key, i) not in inst.memo:  # the sample's seconds on each window (every draft of the solve asks again)
+            # (a slice: it keeps `SampleWork`'s undivided part, which a scalar index drops)
+            inst.memo[key, i] = inst.model.sample_time(inst.tokens[i : i + 1], inst.work[i : i + 1], w.size, w.intra, w.speed)
+        time = inst.memo[key, i]
         finish = begin + time + w.overhead
         # per size: the least-wasting window that ends by the limit, the earliest end where none does
         key = finish
