@@ -94,6 +94,8 @@ class Windows:
     intra: np.ndarray
     speed: np.ndarray | float
     overhead: np.ndarray
+    capacity: np.ndarray | None
+    """With rank speeds, the sum of each window's speeds (None without)."""
     level: np.ndarray
     tail: np.ndarray
 
@@ -114,7 +116,12 @@ class Windows:
         over = {(d, v): inst.overhead(d, v) for d, v in set(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))}
         overhead = np.array([over[d, v] for d, v in zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist())])
         firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
-        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, level, start + size - 2**level)
+        capacity = None
+        if not inst.nominal:
+            total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
+            capacity = total[start + size] - total[start]
+        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, level,
+                   start + size - 2**level)
 
 
 def sparse_lookups(values: np.ndarray, level: np.ndarray, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +136,7 @@ def sparse_lookups(values: np.ndarray, level: np.ndarray, first: np.ndarray, sec
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
-               grow: int = 1, limit_s: float | None = None, straddle: bool = False) -> None:
+               grow: int = 1, limit_s: float | None = None, straddle: bool = False, bound_s: float | None = None) -> None:
     """Place wide samples, widest first, each on the window where it ends earliest (then wastes the least
     rank time waiting for the window's last rank, then comes first).
 
@@ -140,7 +147,11 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     window that wastes the least among those that end it by then, the first of equals, so that columns fill
     up to the limit one after another and leave whole columns free for the rest; only where none does, the
     earliest end. Without a family, `straddle` lets groups that fit a node take windows across two
-    (`window_starts`). Every window of every allowed size is priced at once (`Windows`)."""
+    (`window_starts`). With rank speeds and without a limit, a sample takes, among the windows that end it
+    by `bound_s`, the one whose ranks give up the least speed-weighted time (each rank's speed times its
+    wait and run): a sample that runs about as fast on slow ranks (communication-bound) takes slow ones and
+    leaves the fast ranks to the work that needs them. Every window of every allowed size is priced at once
+    (`Windows`)."""
     sizes = inst.sizes
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
@@ -159,11 +170,15 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         time = inst.memo[key, i]
         finish = begin + time + w.overhead
         # per size: the least-wasting window that ends by the limit, the earliest end where none does
-        key = finish
-        if limit_s is not None:
-            late = finish > limit_s
-            key = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
-        ranked = np.lexsort((w.start, waste, key, w.segment))
+        order_by, cost = finish, waste
+        by = limit_s if limit_s is not None else None if inst.nominal else bound_s
+        if by is not None:
+            late = finish > by
+            order_by = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
+            if limit_s is None:  # with speeds: the speed-weighted rank-seconds the window gives up
+                weighted = np.concatenate([[0.0], np.cumsum(inst.speeds * skyline.ready)])
+                cost = finish * w.capacity - (weighted[w.start + w.size] - weighted[w.start])
+        ranked = np.lexsort((w.start, cost, order_by, w.segment))
         firsts = ranked[w.firsts]  # sorted by segment first: each segment's best where it began
         j = int(firsts[0])
         for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier

@@ -160,7 +160,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
                 return None
             place_columns(inst, skyline, placed)
         else:
-            place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle)
+            place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=cand.bound_s)
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
