@@ -187,7 +187,8 @@ def patched(request, tmp_path_factory) -> Path:
     require_megatron_training(tree)
     copy = copy_of(tree, tmp_path_factory.mktemp("patched") / "mlm")
     apply(copy)
-    shutil.copy2(helper, copy / "megatron" / "core" / "datasets" / helper.name)
+    # a fresh mtime: Megatron's Makefile rebuilds the helper (which needs pybind11) when helpers.cpp is newer
+    shutil.copy(helper, copy / "megatron" / "core" / "datasets" / helper.name)
     return copy
 
 
@@ -239,14 +240,16 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
 
 
 def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched):
-    """--dhp-slow-rank 1:4.0 over 10 steps: the closed loop names rank 1 in the plan lines once it has measured
-    it, and every loss is upstream's."""
+    """--dhp-slow-rank 1:4.0 over 10 steps: the closed loop names rank 1 as the slowest in the plan lines once
+    it has measured it, and every loss is upstream's."""
     longer = [*TINY[: TINY.index("--train-iters") + 1], "10", *TINY[TINY.index("--train-iters") + 2:], *DOCUMENTS]
     upstream, _ = train_on_cpu(patched, longer)
     dhp, log = train_on_cpu(patched, [*longer, *DHP, "--dhp-slow-rank", "1:4.0"], full_log=True)
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
-    named = re.findall(r"dhp plan: .*?slow (r\d+)@([0-9.]+)", log)
-    assert named and {rank for rank, _ in named} == {"r1"} and float(named[-1][1]) <= 0.5, named
+    # the plan summary lists slow ranks slowest first; 4 ranks share 2 cores, so others dip now and then
+    slowest = re.findall(r"dhp plan: .*?slow (r\d+)@([0-9.]+)", log)
+    assert slowest and slowest[-1][0] == "r1" and float(slowest[-1][1]) <= 0.5, slowest
+    assert sum(rank == "r1" for rank, _ in slowest) >= 0.75 * len(slowest), slowest
 
 
 def test_flexsp_milp_is_planned_on_rank_zero_and_trains_like_upstream(patched, tmp_path):
