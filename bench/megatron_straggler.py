@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,33 +27,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_dhp.testing.launch import free_port
+from megatron_dhp.testing.megatron_recipe import tiny_gpt_flags
+
 REPO = Path(__file__).resolve().parents[1]
-FLAGS = """
---num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention
---num-query-groups 2 --seq-length 512 --max-position-embeddings 512 --position-embedding-type rope
---normalization RMSNorm --swiglu --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0
---transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
---no-masked-softmax-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm
---context-parallel-size 1 --distributed-backend gloo --micro-batch-size 2 --global-batch-size 32
---lr 1e-3 --clip-grad 0.0 --calculate-per-token-loss --mock-data --tokenizer-type NullTokenizer --vocab-size 128
---split 98,1,1 --eod-mask-loss --reset-position-ids --reset-attention-mask --log-interval 1
---eval-interval 100000 --eval-iters 1
-""".split()
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask"]
 DHP = ["--dhp", "--dhp-max-tokens-per-rank", "512", "--dhp-cost", "tiny-gpt-cpu", "--dhp-log-plans",
        "--no-create-attention-mask-in-dataloader"]
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(tree: Path, flags: list[str]) -> dict:
+def run(tree: Path, iters: int, flags: list[str]) -> dict:
     """One training run: per-iteration milliseconds, losses and the last plan line's slow ranks."""
+    recipe = tiny_gpt_flags(seq_length=512, global_batch=32, iters=iters, eval_interval=100_000)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-               str(REPO / "scripts" / "megatron_lm_cpu.py"), *FLAGS, *flags]
+               str(REPO / "scripts" / "megatron_lm_cpu.py"), *recipe, *DOCUMENTS, *flags]
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     log = out.stdout + out.stderr
@@ -80,12 +66,11 @@ def main() -> None:
                          f"--megatron-lm {args.megatron_lm} first")
 
     console = Console()
-    iters = ["--train-iters", str(args.iters)]
-    slowed = [*DHP, "--dhp-slow-rank", f"1:{args.factor:g}", *iters]
+    slowed = [*DHP, "--dhp-slow-rank", f"1:{args.factor:g}"]
     runs = {}
-    for name, flags in (("upstream", iters), ("adaptive", slowed), ("blind", [*slowed, "--no-dhp-adaptive"])):
+    for name, flags in (("upstream", []), ("adaptive", slowed), ("blind", [*slowed, "--no-dhp-adaptive"])):
         console.print(f"[bold]{name}[/]: {args.iters} iterations on 4 gloo ranks ...")
-        runs[name] = run(args.megatron_lm, flags)
+        runs[name] = run(args.megatron_lm, args.iters, flags)
     median = {name: statistics.median(r["ms"][args.warmup:]) for name, r in runs.items()}
     upstream = runs["upstream"]["losses"]
     differ = {name: max((abs(a - b) / abs(b) for a, b in zip(r["losses"], upstream)), default=float("nan"))

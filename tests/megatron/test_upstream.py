@@ -23,6 +23,7 @@ import pytest
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.patching import SUPPORTED_TAGS, apply, detect, patch_file, patched_files
 from megatron_dhp.testing.launch import free_port
+from megatron_dhp.testing.megatron_recipe import tiny_gpt_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,17 +157,7 @@ def test_upstream_llama3_8b_example_passes_with_dhp_added(tp, tmp_path):
 
 
 # A tiny GPT on mock data, small enough for 4 CPU ranks; every fusion off (they need CUDA or TE).
-TINY = """
---num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention
---num-query-groups 2 --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope
---normalization RMSNorm --swiglu --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0
---transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
---no-masked-softmax-fusion --no-gradient-accumulation-fusion --no-persist-layer-norm
---context-parallel-size 1 --distributed-backend gloo
---micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --clip-grad 0.0 --calculate-per-token-loss
---mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 --eod-mask-loss
---log-interval 1 --eval-interval 2 --eval-iters 1
-""".split()
+TINY = tiny_gpt_flags()
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask"]
 # 64-token rows over at most 32 tokens per rank: every row runs on a context-parallel group
 DHP = ["--dhp", "--dhp-max-tokens-per-rank", "32", "--dhp-log-plans", "--no-create-attention-mask-in-dataloader"]
