@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,7 +137,8 @@ def sparse_lookups(values: np.ndarray, level: np.ndarray, first: np.ndarray, sec
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
-               grow: int = 1, limit_s: float | None = None, straddle: bool = False, bound_s: float | None = None) -> None:
+               grow: int = 1, limit_s: float | None = None, straddle: bool = False, bound_s: float | None = None,
+               stop_s: float = math.inf) -> bool:
     """Place wide samples, widest first, each on the window where it ends earliest (then wastes the least
     rank time waiting for the window's last rank, then comes first).
 
@@ -151,7 +153,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     by `bound_s`, the one whose ranks give up the least speed-weighted time (each rank's speed times its
     wait and run): a sample that runs about as fast on slow ranks (communication-bound) takes slow ones and
     leaves the fast ranks to the work that needs them. Every window of every allowed size is priced at once
-    (`Windows`)."""
+    (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
     sizes = inst.sizes
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
     for k in order:
@@ -185,6 +187,9 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
             if finish[f] < finish[j] * (1 - 1e-3):
                 j = f
         put(inst, skyline, i, int(w.start[j]), int(w.size[j]), float(begin[j]), float(time[j]))
+        if skyline.wide[-1].finish_s >= stop_s:
+            return False
+    return True
 
 
 def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int, int]]) -> None:

@@ -144,14 +144,16 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     """One candidate: wide groups first (up to `grow` times their degree, or filling columns to `limit_s`,
     on windows across nodes too with `straddle`: `place_wide`; or with `columns` > 0 in columns of their
     degree, `columns.column_layout` with that many probes below `limit_s`: None where they tile no part of
-    the domain), then the cells' bins filled and rebalanced. None also where the wide groups alone end at
-    or after `beat_s` and after `limit_s` (the draft could beat neither: its bins are not filled).
+    the domain), then the cells' bins filled and rebalanced. None also where a wide group ends at or after
+    `beat_s` and after `limit_s` (the draft could beat neither: the rest is not placed or filled).
 
     Wide groups can split cells into runs smaller than some samples need; those samples become wide too
     and the layout is redone (at most a few rounds: the wide set only grows).
     """
     n, cell = inst.num_ranks, cand.cell
     wide = cand.wide
+    # a wide group that ends this late makes a draft that can win nothing: placement stops there
+    stop_s = beat_s if limit_s is None else max(beat_s, math.nextafter(limit_s, math.inf))
     while True:
         skyline = Skyline.empty(n)
         if columns:
@@ -160,7 +162,9 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
                 return None
             place_columns(inst, skyline, placed)
         else:
-            place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=cand.bound_s)
+            if not place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=cand.bound_s,
+                              stop_s=stop_s):
+                return None
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
         homeless = rest[inst.min_degree[rest] > max(b.size for b in bins)]
