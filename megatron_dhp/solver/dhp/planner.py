@@ -278,9 +278,13 @@ class DhpPlanner(Planner):
         # chain that M // P makes usually ties every candidate: the first one is the draft.
         drafts: list[tuple[Candidate, Draft]] = []
         for cand in candidates[: 1 if p > 1 else None]:
-            if drafts and min(d.makespan_s for _, d in drafts) <= cand.bound_s * (1 + self.gap):
+            best_s = min((d.makespan_s for _, d in drafts), default=math.inf)
+            if best_s <= cand.bound_s * (1 + self.gap):
                 break
-            drafts.append((cand, build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1)))
+            # None: its wide groups alone end after the best draft (one slower draft is never rebuilt)
+            draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1,
+                          beat_s=best_s if self.rebuilds == 1 else math.inf)
+            drafts += [(cand, draft)] if draft is not None else []
         best = min((d for _, d in drafts), key=lambda d: d.makespan_s)  # the first of equals
         far = [(c, d) for c, d in sorted(drafts, key=lambda cd: cd[1].makespan_s)
                if p == 1 and len(c.wide) and best.makespan_s > c.bound_s * (1 + self.gap)]
