@@ -32,8 +32,9 @@ class CostModel(Protocol):
         """The same model with the encoder run as `placement`."""
         ...
 
-    def encoder_time(self, samples: Sequence[Sample], degree: int) -> np.ndarray:
-        """Seconds of each sample's encoder work inside its group of `degree` ranks (part of `sample_time`)."""
+    def encoder_time(self, samples: Sequence[Sample], degree: np.ndarray | int) -> np.ndarray:
+        """Seconds of each sample's encoder work inside its group of `degree` ranks (part of `sample_time`;
+        broadcasts over an array of each sample's group size)."""
         ...
 
     def encoder_phase(self, samples: Sequence[Sample], *, bound: bool = False) -> EncoderPhase:

@@ -71,7 +71,7 @@ class ReferenceCostModel:
         encoder = sample_encoder_work(c, samples)
         return SampleWork(work + encoder, encoder) if self._pricing == "replicate" else work + encoder
 
-    def encoder_time(self, samples: Sequence[Sample], degree: int) -> np.ndarray:
+    def encoder_time(self, samples: Sequence[Sample], degree: np.ndarray | int) -> np.ndarray:
         """Seconds of each sample's encoder work inside its group of `degree` ranks (0 under `global`)."""
         if self._pricing == "global":
             return np.zeros(len(samples))

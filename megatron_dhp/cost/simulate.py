@@ -72,24 +72,40 @@ class Timeline:
 def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tuple[float, ...]:
     """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d),
     at its slowest rank's speed."""
-    return _group_times(plan, group_index, model)[0]
+    return PlanTimes(plan, model).group(group_index)[0]
 
 
-def _group_times(plan: Plan, group_index: int, model: CostModel) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each microbatch's seconds, and the encoder's seconds inside each."""
-    g = plan.groups[group_index]
-    ids = g.sample_ids
-    samples = [plan.sample(i) for i in ids]
-    tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-    speed = model.group_speed(g.ranks)
-    t = model.sample_time(tokens, model.sample_work(samples), g.size, model.is_intra(g.ranks), speed)
-    enc = model.encoder_time(samples, g.size)
-    if speed != 1.0:
-        enc = enc / speed
-    bounds = np.cumsum([0] + [len(mb) for mb in g.microbatches])
-    overhead = model.microbatch_overhead(g.size, speed)
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    return (tuple(overhead + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans))
+class PlanTimes:
+    """Every microbatch's seconds of a plan, and the encoder's seconds inside each, priced in one pass over all
+    its samples (each in its group's size, placement and speed): per group, the model's calls cost more than
+    the replay itself."""
+
+    def __init__(self, plan: Plan, model: CostModel) -> None:
+        groups = plan.groups
+        ids = [i for g in groups for mb in g.microbatches for i in mb]
+        order = np.array(plan.positions(ids), dtype=np.int64)
+        per_group = [sum(len(mb) for mb in g.microbatches) for g in groups]
+        speed = np.array([model.group_speed(g.ranks) for g in groups])
+        size = np.repeat([g.size for g in groups], per_group)
+        intra = np.repeat([model.is_intra(g.ranks) for g in groups], per_group)
+        at = np.repeat(speed, per_group)
+        samples = [plan.samples[k] for k in order]
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+        t = model.sample_time(tokens, model.sample_work(samples), size, intra, at if len(at) and (at != 1.0).any() else 1.0)
+        enc = np.asarray(model.encoder_time(samples, size), dtype=np.float64) / at if len(samples) else np.zeros(0)
+        bounds = np.cumsum([0] + [len(mb) for g in groups for mb in g.microbatches]).tolist()
+        self._groups: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
+        k = 0
+        for g, v in zip(groups, speed.tolist()):
+            m = model.microbatch_overhead(g.size, v)
+            spans = list(zip(bounds[k : k + len(g.microbatches)], bounds[k + 1 : k + 1 + len(g.microbatches)]))
+            # (each microbatch summed on its own, as numpy sums a slice: the same seconds to the last bit)
+            self._groups.append((tuple(m + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans)))
+            k += len(g.microbatches)
+
+    def group(self, group_index: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Each microbatch's seconds, and the encoder's seconds inside each, of one group."""
+        return self._groups[group_index]
 
 
 def simulate(plan: Plan, model: CostModel) -> Timeline:
@@ -105,13 +121,14 @@ def simulate(plan: Plan, model: CostModel) -> Timeline:
     busy = np.zeros(plan.world_size)
     spans: list[GroupSpan] = []
     order = sorted(range(len(plan.groups)), key=lambda i: plan.groups[i].phase)
+    times = PlanTimes(plan, model)
     phase = 0
     for gi in order:
         if plan.phase_barrier and plan.groups[gi].phase != phase:
             phase = plan.groups[gi].phase
             finish[:] = finish.max()
         ranks = list(plan.groups[gi].ranks)
-        mbs, enc = _group_times(plan, gi, model)
+        mbs, enc = times.group(gi)
         start = float(finish[ranks].max())
         end = start + sum(mbs)
         finish[ranks] = end
@@ -138,7 +155,8 @@ def around_encoder_phase(timeline: Timeline, phase_s: EncoderPhase) -> Timeline:
 
 def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:
     """The plan's slots on every stage in 1F1B order (`cost.pipeline.pipeline_ops`)."""
-    times = {gi: group_microbatch_times(plan, gi, model) for gi in range(len(plan.groups))}
+    tables = PlanTimes(plan, model)
+    times = {gi: tables.group(gi)[0] for gi in range(len(plan.groups))}
     start, end, unit_s, rows, unit_of = pipeline_ops(plan, model, times)
     p, sigma = plan.pipeline_stages, model.step_overhead_s
     per_unit = 2 * p  # ops of one unit are contiguous: (stage, F/B)
