@@ -94,6 +94,7 @@ class Windows:
     """Where each size's windows begin."""
     intra: np.ndarray
     speed: np.ndarray | float
+    """Each window's slowest rank's speed (1.0 without rank speeds)."""
     overhead: np.ndarray
     capacity: np.ndarray | None
     """With rank speeds, the sum of each window's speeds (None without)."""
@@ -112,15 +113,15 @@ class Windows:
         intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
         level = (np.frexp(size)[1] - 1).astype(np.int64)  # floor(log2(size)), exact
         speed: np.ndarray | float = 1.0
-        if not inst.nominal:
-            speed = -np.maximum(*sparse_lookups(-inst.speeds, level, start, start + size - 2**level))
-        over = {(d, v): inst.overhead(d, v) for d, v in set(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))}
-        overhead = np.array([over[d, v] for d, v in zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist())])
-        firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
         capacity = None
-        if not inst.nominal:
+        if not inst.nominal:  # each window at its slowest rank's speed, and the sum of its speeds
+            speed = -np.maximum(*sparse_lookups(-inst.speeds, level, start, start + size - 2**level))
             total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
             capacity = total[start + size] - total[start]
+        pairs = list(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))
+        over = {pair: inst.overhead(*pair) for pair in set(pairs)}
+        overhead = np.array([over[pair] for pair in pairs])
+        firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
         return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, level,
                    start + size - 2**level)
 
