@@ -137,7 +137,8 @@ class ClosedLoop:
         if not self.adaptive:
             return
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
-        full = [r for r in reports if len(r) == 3 + STATS and math.isfinite(r[0])]
+        complete = [len(r) == 3 + STATS and math.isfinite(r[0]) for r in reports]
+        full = [r for r, ok in zip(reports, complete) if ok]
         with self._lock:
             speeds = self.estimator.update(ratios).measured_speeds
             if not full:
@@ -145,7 +146,7 @@ class ClosedLoop:
             self._timed += 1
             step, span = full[0][2], max(r[1] for r in full)
             if self._timed > COLD_STEPS:
-                rows = [r[3:] if any(r is f for f in full) else (math.nan,) * STATS for r in reports]
+                rows = [r[3:] if ok else (math.nan,) * STATS for r, ok in zip(reports, complete)]
                 before = self.fit.scales
                 after = self.fit.update(rows, speeds)  # each rank's seconds at speed 1 by its speed as now measured
                 if max(abs(after.attention / before.attention - 1), abs(after.rest / before.rest - 1)) > self.hysteresis:
