@@ -173,8 +173,6 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
     wide_end = float(skyline.ready.max())
-    if wide_end >= beat_s and (limit_s is None or wide_end > limit_s):
-        return None
     holes, rest = fill_holes(inst, skyline, rest) if backfill and inst.nominal else ([], rest)
     binset = fill(inst, bins, rest, floor_s=wide_end, max_moves=max_moves)
     groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
