@@ -16,7 +16,7 @@ from megatron_dhp.cost.pipeline import (
     pipeline_step_time,
     slot_units,
 )
-from megatron_dhp.cost.simulate import group_microbatch_times
+from megatron_dhp.cost.simulate import PlanTimes
 from megatron_dhp.plan import Plan, PlanError, PlanGroup, SlotRef, pipeline_slots
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
@@ -134,7 +134,7 @@ def test_slot_units_are_the_pipeline_slots(gpt7b_config):
         nprng = np.random.default_rng(trial)
         batch = Batch([Sample(i, int(n)) for i, n in enumerate(nprng.integers(100, 30000, rng.randint(1, 14)))])
         plan = random_plan(batch, cfg.domain, rng, max_phases=4)
-        times = {gi: group_microbatch_times(plan, gi, model) for gi in range(len(plan.groups))}
+        times = PlanTimes(plan, model).microbatch_times()
         unit_s, unit_slot, pair_unit, pair_row, rows, unit_of = slot_units(plan, times, 0.5)
         idle_seen = set()
         for r, slots in enumerate(pipeline_slots(plan)):
@@ -202,7 +202,7 @@ def test_pipeline_step_time_from_given_microbatch_times_equals_simulate(gpt7b):
     rng = random.Random(5)
     batch = Batch([Sample(i, rng.randint(100, 30000)) for i in range(20)])
     plan = dataclasses.replace(random_plan(batch, gpt7b.domain, rng, max_phases=3), pipeline_stages=3)
-    times = {gi: group_microbatch_times(plan, gi, gpt7b) for gi in range(len(plan.groups))}
+    times = PlanTimes(plan, gpt7b).microbatch_times()
     assert pipeline_step_time(plan, gpt7b, times) == simulate(plan, gpt7b).step_time_s
 
 

@@ -69,12 +69,6 @@ class Timeline:
         return 1.0 - float(self.rank_busy_s.sum()) / total if total > 0 else 0.0
 
 
-def group_microbatch_times(plan: Plan, group_index: int, model: CostModel) -> tuple[float, ...]:
-    """Seconds of each microbatch of one group: its overhead (m, + lambda if d > 1) + sum of its samples' t(L, d),
-    at its slowest rank's speed."""
-    return PlanTimes(plan, model).group(group_index)[0]
-
-
 class PlanTimes:
     """Every microbatch's seconds of a plan, and the encoder's seconds inside each, priced in one pass over all
     its samples (each in its group's size, placement and speed): per group, the model's calls cost more than
@@ -106,6 +100,11 @@ class PlanTimes:
     def group(self, group_index: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Each microbatch's seconds, and the encoder's seconds inside each, of one group."""
         return self._groups[group_index]
+
+    def microbatch_times(self) -> dict[int, tuple[float, ...]]:
+        """Each group's microbatch seconds, by group index: its overhead (m, + lambda if d > 1) + sum of its
+        samples' t(L, d), at its slowest rank's speed."""
+        return {gi: mbs for gi, (mbs, _) in enumerate(self._groups)}
 
 
 def simulate(plan: Plan, model: CostModel) -> Timeline:
@@ -155,8 +154,7 @@ def around_encoder_phase(timeline: Timeline, phase_s: EncoderPhase) -> Timeline:
 
 def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:
     """The plan's slots on every stage in 1F1B order (`cost.pipeline.pipeline_ops`)."""
-    tables = PlanTimes(plan, model)
-    times = {gi: tables.group(gi)[0] for gi in range(len(plan.groups))}
+    times = PlanTimes(plan, model).microbatch_times()
     start, end, unit_s, rows, unit_of = pipeline_ops(plan, model, times)
     p, sigma = plan.pipeline_stages, model.step_overhead_s
     per_unit = 2 * p  # ops of one unit are contiguous: (stage, F/B)
