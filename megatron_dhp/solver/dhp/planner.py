@@ -172,14 +172,20 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
             break
         degrees_of[homeless] = wide_degrees(inst, homeless, float("inf"))
         wide = np.union1d(wide, homeless)
-    wide_end = float(skyline.ready.max())
-    holes, rest = fill_holes(inst, skyline, rest) if backfill and inst.nominal else ([], rest)
-    binset = fill(inst, bins, rest, floor_s=wide_end, max_moves=max_moves)
-    groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
-    if holes:
-        groups += holes
-        renumber_phases(groups)
-    return Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
+    # The same wide groups give the same draft: multifit's probes often place them alike (a limit between two
+    # that settle the same columns), and the rest of the draft, the costly part, is not redone.
+    key = ("draft", cell, backfill, max_moves, *((g.first, g.size, g.start_s, g.finish_s, *map(tuple, g.microbatches))
+                                                   for g in skyline.wide))
+    if key not in inst.memo:
+        wide_end = float(skyline.ready.max())
+        holes, rest = fill_holes(inst, skyline, rest) if backfill and inst.nominal else ([], rest)
+        binset = fill(inst, bins, rest, floor_s=wide_end, max_moves=max_moves)
+        groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+        if holes:
+            groups += holes
+            renumber_phases(groups)
+        inst.memo[key] = Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
+    return inst.memo[key]
 
 
 def window_test(inst: Instance, cell: int) -> Callable[[int, int], bool]:
@@ -192,7 +198,7 @@ def window_test(inst: Instance, cell: int) -> Callable[[int, int], bool]:
 
 
 def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Draft, *, max_moves: int,
-             probes: int, straddle: bool = False) -> Draft:
+             probes: int, straddle: bool = False, beat_s: float = math.inf) -> Draft:
     """The fastest of `draft` and drafts whose wide samples fill columns up to a limit, the limit bisected
     between the candidate's bound and the best draft's step (multifit, Coffman, Garey and Johnson 1978).
 
@@ -206,7 +212,7 @@ def multifit(inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Dra
     for _ in range(probes):
         limit = (lo + hi) / 2
         fit = build(inst, cand, degrees_of.copy(), max_moves=max_moves, backfill=True, limit_s=limit, straddle=straddle,
-                    beat_s=draft.makespan_s)  # None: its wide groups alone end after the limit and the best draft
+                    beat_s=min(draft.makespan_s, beat_s))  # None: its wide groups end after the limit and either
         misses = 0 if fit is not None and fit.makespan_s < draft.makespan_s else misses + 1
         if misses == STALE_PROBES:  # the limit has settled where it packs no better than the best draft
             break
@@ -252,6 +258,14 @@ class DhpPlanner(Planner):
               pipeline_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step: every
         group one of `family`'s, or any contiguous window without one."""
+        groups = self.search(batch, model, family, pipeline_stages)
+        assert groups is not None  # nothing to beat: some draft always stands
+        return groups
+
+    def search(self, batch: Batch, model: CostModel, family: GroupFamily | None, pipeline_stages: int,
+               beat_s: float = math.inf) -> list[PlanGroup] | None:
+        """`solve`, or None where no draft ends before `beat_s` (a step another search already reached: its
+        drafts stop as soon as they cannot beat it)."""
         p = pipeline_stages
         domain = model.domain
         inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p), family)
@@ -276,19 +290,23 @@ class DhpPlanner(Planner):
         # chain that M // P makes usually ties every candidate: the first one is the draft.
         drafts: list[tuple[Candidate, Draft]] = []
         for cand in candidates[: 1 if p > 1 else None]:
-            best_s = min((d.makespan_s for _, d in drafts), default=math.inf)
+            best_s = min((d.makespan_s for _, d in drafts), default=beat_s)
             if best_s <= cand.bound_s * (1 + self.gap):
                 break
             # None: its wide groups alone end after the best draft (one slower draft is never rebuilt)
             draft = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=p == 1,
                           beat_s=best_s if self.rebuilds == 1 else math.inf)
             drafts += [(cand, draft)] if draft is not None else []
+        if not drafts:
+            return None
         best = min((d for _, d in drafts), key=lambda d: d.makespan_s)  # the first of equals
         far = [(c, d) for c, d in sorted(drafts, key=lambda cd: cd[1].makespan_s)
-               if p == 1 and len(c.wide) and best.makespan_s > c.bound_s * (1 + self.gap)]
+               if p == 1 and len(c.wide) and min(best.makespan_s, beat_s) > c.bound_s * (1 + self.gap)]
         for cand, draft in far[: self.rebuilds]:
-            draft = self.rebuilt(inst, cand, degrees_of, draft, family)
+            draft = self.rebuilt(inst, cand, degrees_of, draft, family, beat_s)
             best = draft if draft.makespan_s < best.makespan_s else best
+        if best.makespan_s >= beat_s:
+            return None
         if p > 1:
             spaced = spaced_round_groups(inst, batch, p)
             static = StaticPlanner().solve(batch, model.with_token_cap(inst.cap))
@@ -316,12 +334,13 @@ class DhpPlanner(Planner):
             others.append(static)
         if family is None:  # with any groups, a default family's plan too: its few sizes can pack wide samples better
             shape = group_family(domain.world_size, domain.gpus_per_node, DEFAULT_MAX_GROUPS_PER_RANK)
-            others.append(self.solve(batch, model, family=shape))
+            others += [g for g in [self.search(batch, model, shape, 1, beat_s=best.makespan_s)] if g is not None]
         return fastest(inst, batch, [groups, *others]) if others else groups
 
     def rebuilt(self, inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Draft,
-                family: GroupFamily | None) -> Draft:
-        """The fastest of `draft` and the candidate built again: wide samples grown, in columns, multifit."""
+                family: GroupFamily | None, beat_s: float = math.inf) -> Draft:
+        """The fastest of `draft` and the candidate built again: wide samples grown, in columns, multifit
+        (whose probes stop once they cannot beat `beat_s` either)."""
         wider = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, grow=self.grow, backfill=True)
         draft = wider if wider.makespan_s < draft.makespan_s else draft
         cols = build(inst, cand, degrees_of.copy(), max_moves=self.max_moves, backfill=True,
@@ -329,7 +348,8 @@ class DhpPlanner(Planner):
         draft = cols if cols is not None and cols.makespan_s < draft.makespan_s else draft
         if draft.makespan_s > cand.bound_s * (1 + self.gap):
             for straddle in (False,) if family else (False, True):  # a family's groups stay in nodes
-                draft = multifit(inst, cand, degrees_of, draft, max_moves=self.max_moves, probes=self.probes, straddle=straddle)
+                draft = multifit(inst, cand, degrees_of, draft, max_moves=self.max_moves, probes=self.probes,
+                                 straddle=straddle, beat_s=beat_s)
         return draft
 
 
