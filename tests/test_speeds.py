@@ -35,9 +35,10 @@ def wlb_batch(model, index: int = 0, size: int = 512):
 
 @settings(max_examples=40, deadline=None)
 @given(overrides=variants, seed=st.integers(0, 2**31 - 1), size=st.integers(1, 40),
-       speeds=st.lists(st.sampled_from([0.25, 0.5, 0.7, 1.0, 1.0, 1.0, 1.3]), min_size=16, max_size=16))
-def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speeds):
-    config = replace(BASE, **overrides)
+       speeds=st.lists(st.sampled_from([0.25, 0.5, 0.7, 1.0, 1.0, 1.0, 1.3]), min_size=16, max_size=16),
+       scales_comm=st.booleans())
+def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speeds, scales_comm):
+    config = replace(BASE, **overrides, speed_scales_comm=scales_comm)
     model = build_cost_model(with_speeds(config, speeds[: config.world_size]))
     rng = random.Random(seed)
     batch = random_batch(rng, model.domain.capacity, size)
@@ -55,6 +56,26 @@ def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speed
         step = simulate(plan, model).step_time_s
         assert bound <= step * (1 + 1e-9), (plan.planner, bound, step)
         assert model.lower_bound(batch.samples) <= step * (1 + 1e-9), (plan.planner, step)
+
+
+@pytest.mark.parametrize("scales_comm", [False, True])
+def test_speed_scales_comm_slows_the_whole_group(scales_comm):
+    """With `speed_scales_comm` (collectives on the ranks' cores: gloo) a group at speed v takes exactly 1/v of
+    its time at speed 1, lambda included; without it (links: NCCL) communication keeps its time."""
+    config = replace(BASE, overlap_comm=False, cp_microbatch_overhead_s=0.02, sample_overhead_s=0.01,
+                     speed_scales_comm=scales_comm)
+    model = build_cost_model(config)
+    samples = wlb_batch(model, size=2).samples
+    work, tokens = model.sample_work(samples), np.array([float(s.tokens) for s in samples])
+    at_one = model.sample_time(tokens, work, 4, True)
+    at_half = model.sample_time(tokens, work, 4, True, 0.5)
+    comm = config.comm_bytes_per_token * tokens * 3 / 4 / config.intra_node_bytes_per_s
+    expected = 2 * at_one if scales_comm else 2 * at_one - comm
+    np.testing.assert_allclose(at_half, expected, rtol=1e-12)
+    lam = config.cp_microbatch_overhead_s
+    assert model.microbatch_overhead(4, 0.5) == pytest.approx(2 * model.microbatch_overhead(4) - (0 if scales_comm else lam))
+    assert CostConfig.from_dict(config.to_dict()).speed_scales_comm is scales_comm  # written only when set
+    assert ("speed_scales_comm" in config.to_dict()) is scales_comm
 
 
 @settings(max_examples=15, deadline=None)

@@ -21,7 +21,7 @@ COST_KINDS = ("reference", "profiled")
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
-                 "rank_speeds")
+                 "rank_speeds", "speed_scales_comm")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -169,7 +169,12 @@ class CostConfig:
     rank_speeds: tuple[float, ...] = ()
     """Each domain position's relative compute speed, 1.0 the rank these coefficients describe (a throttled
     or older GPU: below 1); empty, the default, is every rank at 1. A group computes at its slowest member's
-    speed; communication is not scaled (docs/cost-model.md)."""
+    speed; communication is not scaled unless `speed_scales_comm` (docs/cost-model.md)."""
+    speed_scales_comm: bool = False
+    """Whether a slow rank's communication slows with it: true where collectives are work on the ranks' own
+    cores (gloo on a CPU, where a busy neighbour takes the copies' time too, and `profile` sets it on gloo),
+    false where links and copy engines carry them (NCCL on GPUs, the reference model). With it a group's
+    whole time, lambda included, divides by its slowest rank's speed."""
     description: str = ""
     """Free text: where the numbers come from."""
 

@@ -85,7 +85,8 @@ class ReferenceCostModel:
     def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool,
                     speed: np.ndarray | float = 1.0) -> np.ndarray:
         """t(L, d): seconds each sample takes on a group of `degree` ranks whose slowest computes at `speed`
-        (broadcasts over arrays): compute and the per-sample overhead divide by the speed, comm does not."""
+        (broadcasts over arrays): compute and the per-sample overhead divide by the speed, comm only with
+        `speed_scales_comm`."""
         c = self.config
         d = np.asarray(degree, dtype=np.float64)
         bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
@@ -96,6 +97,8 @@ class ReferenceCostModel:
         if not nominal:
             compute = compute / speed
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
+        if not nominal and c.speed_scales_comm:
+            comm = comm / speed
         t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
         if not c.sample_overhead_s:
             return t
@@ -134,9 +137,12 @@ class ReferenceCostModel:
 
     def microbatch_overhead(self, group_size: int, speed: float = 1.0) -> float:
         """m (over the group's `speed`: it is compute), plus the optional lambda (`cp_microbatch_overhead_s`,
-        collective latency, not scaled) on a group of more than one rank."""
-        m = self.config.microbatch_overhead_s if speed == 1.0 else self.config.microbatch_overhead_s / speed
-        return m + (self.config.cp_microbatch_overhead_s if group_size > 1 else 0.0)
+        collective latency, over the speed only with `speed_scales_comm`) on a group of more than one rank."""
+        c = self.config
+        if speed == 1.0:
+            return c.microbatch_overhead_s + (c.cp_microbatch_overhead_s if group_size > 1 else 0.0)
+        lam = c.cp_microbatch_overhead_s / speed if c.speed_scales_comm else c.cp_microbatch_overhead_s
+        return c.microbatch_overhead_s / speed + (lam if group_size > 1 else 0.0)
 
     def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
         """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks at their slowest's speed."""
@@ -169,8 +175,9 @@ class ReferenceCostModel:
         c = self.config
         g = self.domain.gpus_per_node
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), tokens.shape)
-        comm_intra = c.comm_bytes_per_token * tokens / c.intra_node_bytes_per_s
-        comm_inter = c.comm_bytes_per_token * tokens / c.inter_node_bytes_per_s
+        slowed = speed if c.speed_scales_comm else 1.0  # and comm too where it runs on the ranks' cores
+        comm_intra = c.comm_bytes_per_token * tokens / c.intra_node_bytes_per_s / slowed
+        comm_inter = c.comm_bytes_per_token * tokens / c.inter_node_bytes_per_s / slowed
         with np.errstate(divide="ignore", invalid="ignore"):
             cross_intra = 1.0 + plain / np.where(comm_intra - fixed > 0, comm_intra - fixed, np.inf)
             cross_inter = 1.0 + plain / np.where(comm_inter - fixed > 0, comm_inter - fixed, np.inf)

@@ -73,8 +73,12 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
         p = too_big[0]
         raise DhpError(f"grid point of {p.describe()} tokens on {p.group_size} ranks does not fit "
                        f"{ranks} ranks of {cap} tokens; drop it or raise dhp.max_tokens_per_rank")
+    import torch
+
     medians, checked, encoder = run_on_ranks(measure, config, grid, reps, steps)
-    report = fit_report(config, grid, medians, reps=reps, encoder_s_per_token=encoder)
+    # the ranks ran gloo on CPU cores where no GPU is seen (`job.rank_main`): their collectives are core work
+    report = fit_report(config, grid, medians, reps=reps, encoder_s_per_token=encoder,
+                        comm_on_cores=not torch.cuda.is_available())
     model = build_cost_model(report.cost)
     predicted = [(name, step, simulate(Plan.from_dict(plan), model).step_time_s, measured)
                  for name, step, plan, measured in checked]
@@ -84,10 +88,12 @@ def profile(config: TrainConfig, *, grid: list[GridPoint] | None = None, reps: i
 
 
 def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float], *, reps: int,
-               encoder_s_per_token: float = 0.0) -> ProfileReport:
+               encoder_s_per_token: float = 0.0, comm_on_cores: bool = False) -> ProfileReport:
     """Fit the measured grid and build the `kind: profiled` cost config of this job's domain; a vision
     tower's measured seconds per encoder token become its linear term f (its blocks are all one tile long,
-    so a per-block square term would not be told apart from it), with the job's encoder placement."""
+    so a per-block square term would not be told apart from it), with the job's encoder placement.
+    `comm_on_cores`: the collectives ran on the ranks' cores (gloo on CPU), so a slow rank's slow them too
+    (`CostConfig.speed_scales_comm`)."""
     ranks = config.train.num_ranks // config.train.tp
     c = fit(grid, measured)
     cost = profiled_cost(
@@ -97,6 +103,7 @@ def fit_report(config: TrainConfig, grid: list[GridPoint], measured: list[float]
                      f"({config.dhp.comm}), {len(grid)} points x {reps} reps, {platform.node()} "
                      f"{time.strftime('%Y-%m-%d')}"),
     )
+    cost = replace(cost, speed_scales_comm=comm_on_cores)
     if encoder_s_per_token:
         cost = replace(cost, enc_linear_s_per_token=encoder_s_per_token,
                        encoder_placement=config.dhp.encoder_placement or cost.encoder_placement)
