@@ -167,10 +167,15 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
         begin = np.maximum(*sparse_lookups(skyline.ready, w.level, w.start, w.tail))
         waste = w.size * begin - (prefix[w.start + w.size] - prefix[w.start])
-        if (key, i) not in inst.memo:  # the sample's seconds on each window (every draft of the solve asks again)
-            # (a slice: it keeps `SampleWork`'s undivided part, which a scalar index drops)
-            inst.memo[key, i] = inst.model.sample_time(inst.tokens[i : i + 1], inst.work[i : i + 1], w.size, w.intra, w.speed)
-        time = inst.memo[key, i]
+        seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
+        if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
+            todo = [int(j) for j in items[degrees == degree] if int(j) not in seconds]
+            speed = w.speed if np.isscalar(w.speed) else w.speed[None, :]
+            # (an index array keeps `SampleWork`'s undivided part, which a scalar index drops)
+            table = inst.model.sample_time(inst.tokens[todo][:, None], inst.work[todo][:, None], w.size[None, :],
+                                           w.intra[None, :], speed)
+            seconds.update(zip(todo, table))
+        time = seconds[i]
         finish = begin + time + w.overhead
         # per size: the least-wasting window that ends by the limit, the earliest end where none does
         order_by, cost = finish, waste
@@ -221,9 +226,11 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
 
 def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> None:
     """Best-fit the item into an open microbatch of the group, or open a new one (paying the overhead)."""
-    fits = [(room, k) for k, room in enumerate(group.rooms) if room >= tokens]
-    if fits:
-        k = min(fits)[1]
+    k, best = -1, math.inf  # the fullest microbatch it fits (the first of equals)
+    for j, room in enumerate(group.rooms):
+        if tokens <= room < best:
+            k, best = j, room
+    if k >= 0:
         group.microbatches[k].append(item)
         group.rooms[k] -= tokens
     else:
