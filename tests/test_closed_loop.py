@@ -147,10 +147,10 @@ def test_scale_fit_falls_back_to_one_factor_and_holds_within_its_step():
     assert fit.update([float("nan")] * 5) == fit.scales
 
 
-def test_a_slow_ranks_earlier_steps_count_at_its_speed_once_it_is_known():
+def test_a_slow_rank_leaves_the_fit_with_its_earlier_steps_once_it_is_known():
     # Rank 3 of 4 runs at half speed from the start: its slots measure y = 2 (2 A + 3 R), the others' 2 A + 3 R.
     # Until the estimator knows (its third report), the fit sees inflated factors; from then on every step in
-    # the window, those before included, counts rank 3's seconds at its speed: the fit is the truth at once.
+    # the window, those before included, is fitted without rank 3: the fit is the truth at once.
     a, r = np.array([4.0, 1.0, 9.0, 2.0]), np.array([1.0, 2.0, 1.0, 3.0])
     row = lambda f: [a @ a, a @ r, r @ r, a @ (f * (2 * a + 3 * r)), r @ (f * (2 * a + 3 * r))]  # noqa: E731
     loop = ClosedLoop(BASE.with_overrides(world_size=4))
@@ -191,3 +191,12 @@ def test_node_speeds_expand_to_ranks():
     assert expand_speeds((), (1.0, 0.45), 4, 2) == (1.0, 1.0, 0.45, 0.45)
     with pytest.raises(DhpError, match="node_speeds holds 1 speeds but the domain of 4 ranks spans 2 nodes"):
         expand_speeds((), (1.0,), 4, 2)
+
+
+def test_scale_fit_leaves_out_ranks_not_counted_and_falls_back_when_none_timed():
+    # Rank 1's seconds say 3x (a noisy slow rank); counted, it drags the factors; left out, rank 0's 2x stands.
+    a, r = np.array([4.0, 1.0]), np.array([1.0, 2.0])
+    row = lambda f: [a @ a, a @ r, r @ r, a @ (f * (a + r)), r @ (f * (a + r))]  # noqa: E731
+    assert ScaleFit().update([row(2.0), row(3.0)]) == TimeScales(2.5, 2.5)
+    assert ScaleFit().update([row(2.0), row(3.0)], counted=[True, False]) == TimeScales(2.0, 2.0)
+    assert ScaleFit().update([[0.0] * 5, row(3.0)], counted=[True, False]) == TimeScales(3.0, 3.0)

@@ -3,10 +3,12 @@
 Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the
 slot's measured seconds, A the model's attention seconds of the slot (a sum L^2 / d over its samples) and R
 the rest of its predicted seconds. The sums ride with the length gather (`integration.closed_loop`);
-`ScaleFit` keeps each rank's over the last `window` steps and solves the 2 x 2 normal equations with each
-rank's y brought to speed 1 by its *current* speed estimate, so steps a slow rank measured before it was
-known to be slow count at its speed as soon as it is (without that, its early steps inflated both factors
-for a whole window). Two factors, not one, because a preset priced for another model or GPU is off by
+`ScaleFit` keeps each rank's over the last `window` steps and solves the 2 x 2 normal equations over the
+ranks running at the typical speed (`counted`), each rank's y brought to speed 1 by its *current* speed
+estimate: a rank found slow leaves the fit, the steps it measured before it was known to be slow included
+(without that, its early steps inflated both factors for a whole window), and so does the noise of its
+speed (a core shared with a busy process gives its rank 40-60 % from step to step, which the speed
+estimate smooths and its slots' seconds do not: fitted through it, the attention factor swung by a third). Two factors, not one, because a preset priced for another model or GPU is off by
 different amounts in its quadratic and its linear terms: one factor fits short-sample steps or long-sample
 ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for
 both. A factor is published when it moves more than `SCALE_STEP`.
@@ -49,9 +51,11 @@ class ScaleFit:
         """The published factors."""
         return self._scales
 
-    def update(self, stats: Sequence[float] | np.ndarray, speeds: Sequence[float] | None = None) -> TimeScales:
+    def update(self, stats: Sequence[float] | np.ndarray, speeds: Sequence[float] | None = None,
+               counted: Sequence[bool] | None = None) -> TimeScales:
         """Take one step's statistics (`STATS` numbers, or one row of them per rank, NaN where a rank sent none)
-        with every rank's current speed (default 1), and republish."""
+        with every rank's current speed (default 1), and republish from the ranks `counted` (default all; the
+        window's every step of them)."""
         step = np.atleast_2d(np.asarray(stats, dtype=np.float64))
         if step.shape[1] != STATS:
             return self._scales
@@ -61,6 +65,9 @@ class ScaleFit:
         self._steps.append(step)
         speed = np.ones(len(step)) if speeds is None else np.asarray(speeds, dtype=np.float64)
         total = np.sum(self._steps, axis=0)  # per rank, over the window
+        if counted is not None and len(counted) == len(total):
+            kept = total * np.asarray(counted, dtype=np.float64)[:, None]
+            total = kept if (kept[:, 0] + kept[:, 2]).sum() > 0 else total  # none of them timed a slot: all count
         aa, ar, rr = total[:, :3].sum(axis=0)
         ay, ry = (total[:, 3:] * speed[:, None]).sum(axis=0)
         fit = None

@@ -140,7 +140,8 @@ class ClosedLoop:
         complete = [len(r) == 3 + STATS and math.isfinite(r[0]) for r in reports]
         full = [r for r, ok in zip(reports, complete) if ok]
         with self._lock:
-            speeds = self.estimator.update(ratios).measured_speeds
+            estimate = self.estimator.update(ratios)
+            speeds = estimate.measured_speeds
             if not full:
                 return
             self._timed += 1
@@ -148,7 +149,8 @@ class ClosedLoop:
             if self._timed > COLD_STEPS:
                 rows = [r[3:] if ok else (math.nan,) * STATS for r, ok in zip(reports, complete)]
                 before = self.fit.scales
-                after = self.fit.update(rows, speeds)  # each rank's seconds at speed 1 by its speed as now measured
+                # each typical rank's seconds at speed 1 by its speed as now measured (slow ranks left out)
+                after = self.fit.update(rows, speeds, counted=[v >= 1.0 for v in estimate.speeds])
                 if max(abs(after.attention / before.attention - 1), abs(after.rest / before.rest - 1)) > self.hysteresis:
                     self._gaps.clear()  # measured against a model that far off, the excess says little of sigma
                 self._gaps.append(span - step)  # sigma: the slowest rank's span beyond the step without sigma
