@@ -6,6 +6,7 @@ Keys and units are those of the reference model (docs/cost-model.md).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -71,9 +72,10 @@ class Domain:
         """Every position's speed (ones when `rank_speeds` is empty)."""
         return np.asarray(self.rank_speeds, dtype=np.float64) if self.rank_speeds else np.ones(self.world_size)
 
-    @property
+    @functools.cached_property
     def nominal(self) -> bool:
-        """Whether every rank runs at speed 1 (then every plan and number is the speed-blind one)."""
+        """Whether every rank runs at speed 1 (then every plan and number is the speed-blind one; asked per
+        group priced, so computed once)."""
         return all(v == 1.0 for v in self.rank_speeds)
 
     def speed_levels(self) -> list[tuple[float, int, int]]:

@@ -13,6 +13,7 @@ finish time: the earliest finish, or the earliest among bins with room, is a sho
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 import numpy as np
@@ -35,6 +36,7 @@ class BinSet:
         self.min_degree = inst.min_degree.tolist()
         keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn, b.speed) for b in bins]
         self.classes = sorted(set(keys))
+        self.sizes = [size for size, _, _ in self.classes]
         self.class_of = [self.classes.index(k) for k in keys]
         self.times = [inst.times(*key).tolist() for key in self.classes]
         self.class_overhead = [inst.overhead(s, speed) for s, _, speed in self.classes]
@@ -61,26 +63,26 @@ class BinSet:
 
     def best_bin(self, item: int, exclude: int = -1) -> tuple[float, int]:
         """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
-        lo = self.min_degree[item]
+        lo, shared, held, room = self.min_degree[item], self.shared[item], self.held[item], self.room
         best = (math.inf, -1)
-        for c, (size, _, _) in enumerate(self.classes):
+        for c, size in enumerate(self.sizes):
             if size < lo:
                 continue
-            length = self.load(item, size)
+            length = shared + size * held  # `load`
             m = self.class_overhead[c]
             t = self.times[c][item]
             first = None
-            for finish, b in self.by_class[c][:SCAN]:
+            for finish, b in itertools.islice(self.by_class[c], SCAN):
                 if b == exclude:
                     continue
                 if first is None:
                     first = finish
-                    cand = (finish + t + (0.0 if self.room[b] >= length else m), b)
-                    if self.room[b] >= length:
+                    cand = (finish + t + (0.0 if room[b] >= length else m), b)
+                    if room[b] >= length:
                         break
                 elif finish >= first + m:
                     break
-                elif self.room[b] >= length:
+                elif room[b] >= length:
                     cand = min(cand, (finish + t, b))
                     break
             if first is not None and cand < best:

@@ -63,8 +63,12 @@ class Instance:
         return np.array(self.family.sizes) if self.family else np.arange(1, self.num_ranks + 1)
 
     def load(self, item: int, size: int) -> int:
-        """Tokens sample `item` takes of a microbatch's room of size x `footprint.cap` on `size` ranks."""
-        return int(self.footprint.load(item, size))
+        """Tokens sample `item` takes of a microbatch's room of size x `footprint.cap` on `size` ranks
+        (`Footprint.load`, in Python ints: the search asks it per sample and group, thousands of times)."""
+        if "loads" not in self.memo:
+            self.memo["loads"] = (self.footprint.shared.tolist(), self.footprint.held.tolist())
+        shared, held = self.memo["loads"]
+        return shared[item] + size * held[item]
 
     @property
     def nominal(self) -> bool:
