@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -105,4 +106,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"config": config.to_dict(), "result": result.to_dict()}, f, indent=1)
         out.print(f"wrote {args.json}")
+    if result.stopped_by:  # a scheduler's SIGTERM: the status a signal's exit has, after the checkpoint
+        return 128 + signal.Signals[result.stopped_by]
     return 0

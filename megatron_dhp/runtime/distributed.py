@@ -37,6 +37,6 @@ def init_distributed(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         expert_model_parallel_size=expert_parallel,
-        distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60))
+        distributed_timeout_minutes=timeout.total_seconds() / 60,  # timedelta(minutes=...): a fraction is exact
     )
     model_parallel_cuda_manual_seed(seed)

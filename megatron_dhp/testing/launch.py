@@ -8,13 +8,17 @@ becomes an error instead of a stuck job.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -58,20 +62,30 @@ def launch(
                 os.environ[k] = v
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
+    failed: dict[int, str] = {}  # rank -> its traceback
+    stop = _Forwarder(procs)
+    settle = math.inf  # once a rank failed or died: the others get SETTLE_S to fail or die too
     try:
-        while len(done) < nproc:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
-                if dead:
-                    raise LaunchError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result") from None
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"ranks {sorted(set(range(nproc)) - set(done))} ran past {timeout_s:.0f} s") from None
-                continue
-            if not ok:
-                raise LaunchError(f"rank {rank} raised:\n{value}")
-            done[rank] = value
+        with stop:
+            while len(done) < nproc and time.monotonic() < settle:
+                try:
+                    rank, ok, value = results.get(timeout=0.2)
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in done):
+                        settle = min(settle, time.monotonic() + SETTLE_S)
+                    if time.monotonic() > min(deadline, stop.deadline):
+                        late = sorted(set(range(nproc)) - set(done))
+                        raise LaunchError(f"stopped by {stop.name}: ranks {late} did not finish their step within "
+                                          f"{STOP_GRACE_S:.0f} s" if stop.received else
+                                          f"ranks {late} ran past {timeout_s:.0f} s") from None
+                    continue
+                if ok:
+                    done[rank] = value
+                else:
+                    failed[rank] = value
+                    settle = min(settle, time.monotonic() + SETTLE_S)
+        if len(done) < nproc:
+            raise LaunchError(_fault(procs, done, failed))
     finally:
         for p in procs:
             p.join(timeout=5 if len(done) == nproc else 0)
@@ -81,7 +95,102 @@ def launch(
     return [done[r] for r in range(nproc)]
 
 
+STOP_GRACE_S = 60.0
+"""After SIGTERM or SIGHUP, how long the ranks may take to finish their step (and save) before they are
+killed (a scheduler kills on its own after its grace: Slurm's KillWait is 30 s by default)."""
+SETTLE_S = 2.0
+"""After one rank fails, how long the others get to fail or exit, so the report names the rank that caused
+it (a killed rank's peers fail in its collective within a moment) rather than the first to speak."""
+
+
+class _Forwarder:
+    """While the ranks run: SIGTERM or SIGHUP to this process goes on to every rank (which stop at their
+    next step boundary) and shortens the wait to `STOP_GRACE_S`; a second one stops waiting at once."""
+
+    def __init__(self, procs: list) -> None:
+        self.procs = procs
+        self.received = 0
+        self.deadline = math.inf
+        self._saved: dict[int, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name
+
+    def __enter__(self) -> _Forwarder:
+        if threading.current_thread() is threading.main_thread():  # handlers belong to the main thread
+            self._saved = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum: int, frame: object) -> None:
+        if self.received:
+            raise LaunchError(f"stopped by {self.name} and {signal.Signals(signum).name}: ranks killed without a checkpoint")
+        self.received = signum
+        self.deadline = time.monotonic() + STOP_GRACE_S
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+
+def _fault(procs: list, done: dict[int, Any], failed: dict[int, str]) -> str:
+    """Which rank brought the job down: one killed by a signal, or stopped, or that exited without a result,
+    before one that raised; the others' errors as one line each (theirs follow from it)."""
+    lines = {r: _last_line(tb) for r, tb in failed.items()}
+    culprits = []
+    for r, p in enumerate(procs):
+        if r in done or r in failed:
+            continue
+        if p.exitcode is not None and p.exitcode < 0:
+            culprits.append(f"rank {r} was killed by {signal.Signals(-p.exitcode).name}")
+        elif p.exitcode not in (None, 0):
+            culprits.append(f"rank {r} exited with code {p.exitcode} without a result")
+        elif _stopped(p.pid):
+            culprits.append(f"rank {r} stopped responding (its process is stopped: SIGSTOP or SIGTSTP)")
+        elif lines and all("timed out" in line.lower() for line in lines.values()):
+            culprits.append(f"rank {r} stopped responding (its peers timed out waiting for it)")
+    if not culprits:  # a rank raised on its own: its traceback is the news
+        first = min(failed)
+        others = "".join(f"\n(rank {r}: {line})" for r, line in sorted(lines.items()) if r != first)
+        return f"rank {first} raised:\n{failed[first]}{others}"
+    return "; ".join(culprits) + "".join(f"\n(rank {r} then failed: {line})" for r, line in sorted(lines.items()))
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last non-empty line: the exception."""
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), text)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (Linux /proc; elsewhere never)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+WATCH_S = 0.5
+"""How often a rank looks whether the process that started it is still there."""
+
+
+def exit_with_parent() -> None:
+    """Exit this process (status 1) as soon as the process that started it is gone: a launcher killed with
+    SIGKILL runs no handler, and its ranks would train on as orphans (a daemon thread polls the parent)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(1)  # nobody reads this rank's result any more, and its peers exit alike
+
+    threading.Thread(target=watch, name="dhp-parent-watch", daemon=True).start()
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp.Queue, args: tuple) -> None:
+    exit_with_parent()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )

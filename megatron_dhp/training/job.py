@@ -37,18 +37,19 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
     `fn` must be a module-level function returning something picklable. `timeout_s` bounds the whole job
     when ranks are spawned (each collective is bounded by `train.timeout_s` regardless).
     """
+    from megatron_dhp.testing.launch import LaunchError, exit_with_parent, launch
+
     if under_torchrun():
+        exit_with_parent()  # torchrun's agent killed outright leaves its workers running otherwise
         results = [rank_main(fn, config, *args)]
     else:
-        from megatron_dhp.testing.launch import LaunchError, launch
-
         # megatron-core warns about missing TransformerEngine / Apex while a spawned rank unpickles its
         # function, before any code of ours runs there; the environment is the only way to reach that.
         try:
             results = launch(rank_main, config.train.num_ranks, fn, config, *args, timeout_s=timeout_s,
                              env={"PYTHONWARNINGS": "ignore"})
         except LaunchError as e:
-            raise DhpError(f"a rank failed: {e}") from None
+            raise DhpError(str(e)) from None
     failures = [r for r in results if isinstance(r, _Failure)]
     if failures:
         raise DhpError(failures[0].message)

@@ -39,6 +39,7 @@ from megatron_dhp.training.checkpoint import Checkpointer
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.data import TokenPipeline
 from megatron_dhp.training.model import build_model, build_optimizer
+from megatron_dhp.training.preemption import StopRequest, signal_name
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class StepRecord:
     slow_ranks: str = ""
     """The ranks the plan was made for as slow, with their speeds (`r3@0.50`), from the closed loop or the
     stated speeds; empty when all ran at one speed."""
+    stopped_by: str = ""
+    """The signal (`SIGTERM`) some rank received during the step: the run saves and stops after it."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +129,8 @@ class Trainer:
         self.completed = 0
         """Steps done so far (the data position: the next batch is batch `completed`)."""
         self.last_plan: Plan | None = None
+        self.stop = StopRequest()
+        """A stop signal this rank caught (`StopRequest.install`): the run saves and stops after the step."""
 
     def describe(self) -> str:
         """One line on what runs: model, ranks, planner, memory cap, cost model, data."""
@@ -167,10 +172,12 @@ class Trainer:
                 if inputs is None:
                     break
                 record = self._step(engine, inputs, start)
-                if run.save and (self.completed == run.steps or
+                if run.save and (self.completed == run.steps or record.stopped_by or
                                  (run.save_interval and self.completed % run.save_interval == 0)):
                     self.checkpointer.save(run.save, self.completed, self.model, self.optimizer, self.scheduler)
                 yield record
+                if record.stopped_by:  # every rank sees the same record: all stop after the same step
+                    break
         finally:
             self.runtime.planner.close()
 
@@ -195,7 +202,8 @@ class Trainer:
         if not ok:
             raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
         self.completed = step + 1
-        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s, t3 - start]
+        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s, t3 - start,
+                self.stop.signal]
         return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens, engine.groups_on_p2p(plan))
 
     def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
@@ -229,6 +237,7 @@ class Trainer:
             plan_wait_s=times[3],
             wall_s=times[4],
             slow_ranks=rank_speeds_text(plan.slow_ranks()),
+            stopped_by=signal_name(int(times[5])) if times[5] else "",
         )
 
 

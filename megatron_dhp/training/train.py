@@ -35,6 +35,11 @@ class TrainResult:
     """Multi-rank groups (communicators per domain) created at start-up: the group family."""
 
     @property
+    def stopped_by(self) -> str:
+        """The signal that stopped the run before `train.steps` (`SIGTERM`), or ''."""
+        return self.records[-1].stopped_by if self.records else ""
+
+    @property
     def median_step_s(self) -> float:
         """Median wall time of a step (the whole iteration); NaN when the run had no step to do."""
         return statistics.median(r.wall_s for r in self.records) if self.records else float("nan")
@@ -66,6 +71,7 @@ class TrainResult:
             f"cost model vs measured: median |error| {100 * median(errors):.1f}%, max {100 * max(errors):.1f}%, "
             f"{self.steps_within()}/{len(errors)} steps within 15%",
             f"groups: {self.groups_at_startup} created at start-up, {last.groups_created} created after start-up",
+            *([f"stopped by {self.stopped_by} after step {last.step}"] if self.stopped_by else []),
         ]
 
     def to_dict(self) -> dict:
@@ -87,6 +93,7 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
     from megatron_dhp.training.loop import Trainer
 
     trainer = Trainer(config)
+    trainer.stop.install()
     if config.train.load:
         trainer.resume(config.train.load)
     plans: list[dict] = []

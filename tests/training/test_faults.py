@@ -1,0 +1,125 @@
+"""Faults a cluster job meets, on real spawned ranks of `megatron-dhp train`: a scheduler's SIGTERM (save
+at the step boundary, exit 143, resume to the uninterrupted losses), a rank killed or frozen (named), and
+a launcher killed outright (no rank outlives it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_dhp.training.train import train
+from tests.training import workers
+
+STEPS = 12
+
+
+def config_file(tmp_path: Path, name: str, **run: object) -> Path:
+    """The tiny two-rank job as a YAML file, closed loop off (bitwise-equal resumption), saving every step."""
+    config = workers.tiny_config().with_overrides(train={"steps": STEPS, **run}, dhp={"adaptive": False})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return path
+
+
+def start(config: Path, *flags: str) -> subprocess.Popen:
+    """`megatron-dhp train` in its own session (the test's signals go where it sends them)."""
+    return subprocess.Popen([sys.executable, "-m", "megatron_dhp", "train", "--config", str(config), "--quiet", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(condition, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The launcher's rank processes in rank order (spawned one after the other; its resource tracker is not one)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+    return sorted(spawned)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the job did not end within {timeout_s} s")
+    return proc.returncode, out, err
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_losses(tmp_path):
+    save = tmp_path / "ckpt"
+    # injected slots (4x on rank 1) make the steps slow enough to signal mid-run; results do not change
+    slow = config_file(tmp_path, "slow", save=str(save), save_interval=1)
+    proc = start(slow, "--slow-rank", "1:4.0")
+    wait_for(lambda: (save / "latest").is_file())
+    ranks = ranks_of(proc.pid)
+    assert len(ranks) == 2
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, 90)
+    assert code == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after step" in out
+    stopped_at = int((save / "latest").read_text().strip().removeprefix("step_"))
+    assert 1 <= stopped_at < STEPS and (save / f"step_{stopped_at:06d}" / "meta.json").is_file()
+    wait_for(lambda: not any(alive(r) for r in ranks), 10)
+
+    resumed = tmp_path / "resumed.json"
+    code, out, err = finish(start(slow, "--load", str(save), "--json", str(resumed)), 240)
+    assert code == 0, err
+    records = json.loads(resumed.read_text())["result"]["records"]
+    assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == STEPS
+    whole = train(workers.tiny_config().with_overrides(train={"steps": STEPS}, dhp={"adaptive": False}), show=False)
+    assert [r["loss"] for r in records] == [r.loss for r in whole.records[stopped_at:]]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_frozen_rank_is_named_and_the_job_ends(tmp_path, fault):
+    save = tmp_path / "ckpt"
+    # a frozen rank is found when its peers' collectives time out: train.timeout_s bounds the wait
+    proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1, timeout_s=10), "--slow-rank", "1:4.0")
+    wait_for(lambda: (save / "latest").is_file())
+    ranks = ranks_of(proc.pid)
+    began = time.monotonic()
+    os.kill(ranks[1], getattr(signal, fault))
+    code, out, err = finish(proc, 90)
+    assert code == 2, err
+    expected = "rank 1 was killed by SIGKILL" if fault == "SIGKILL" else "rank 1 stopped responding (its process is stopped"
+    assert expected in err, err
+    assert len(err.strip().splitlines()) <= 4, err  # the survivors' tracebacks are one line each
+    assert time.monotonic() - began < (30 if fault == "SIGKILL" else 10 + 30)
+    wait_for(lambda: not any(alive(r) for r in ranks), 10)
+
+
+def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
+    save = tmp_path / "ckpt"
+    proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1), "--slow-rank", "1:4.0")
+    wait_for(lambda: (save / "latest").is_file())
+    ranks = ranks_of(proc.pid)
+    proc.kill()
+    proc.communicate()
+    wait_for(lambda: not any(alive(r) for r in ranks), 10)
