@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--planner", choices=sorted(PLANNERS), help="planner (overrides dhp.planner; nothing else changes)")
     p.add_argument("--save", metavar="DIR", help="checkpoint folder (overrides train.save)")
     p.add_argument("--save-interval", type=int, metavar="K", help="save every K steps (overrides train.save_interval)")
-    p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR (overrides train.load)")
+    p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR; 'auto': from --save's "
+                                                 "latest if it has one, else start fresh (overrides train.load)")
     p.add_argument("--json", metavar="FILE", help="write every step's record as JSON")
     p.add_argument("--quiet", action="store_true", help="no per-step lines (progress bar and summary only)")
     p.set_defaults(run=run)

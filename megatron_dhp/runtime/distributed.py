@@ -32,7 +32,7 @@ def init_distributed(
         os.environ.setdefault(SHARE_RESOURCES, "1")
         bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(bound["device_id"])
-    dist.init_process_group(backend=backend, timeout=timeout, **bound)
+    dist.init_process_group(backend=backend, timeout=timeout, **bound, **attempt_store(timeout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -40,3 +40,20 @@ def init_distributed(
         distributed_timeout_minutes=timeout.total_seconds() / 60,  # timedelta(minutes=...): a fraction is exact
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def attempt_store(timeout: timedelta) -> dict:
+    """Under a torchrun restart (`--max-restarts`), the rendezvous store of this attempt: torchrun's store
+    with keys of their own (the `store`, `rank` and `world_size` of `init_process_group`); {} otherwise.
+
+    torchrun keeps its store across restarts, and a restarted rank read the previous attempt's gloo
+    addresses there and failed with "Connection refused" (torch 2.x, static and c10d rendezvous alike).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it, else rank 0 does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=not agent)
+    return {"store": dist.PrefixStore(f"megatron-dhp/attempt-{attempt}", store), "rank": rank, "world_size": world}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.errors import DhpError
-from megatron_dhp.training.config import TrainConfig
+from megatron_dhp.training.config import AUTO_LOAD, TrainConfig
 
 SCHEMA = "megatron-dhp/checkpoint/v1"
 
@@ -40,6 +41,25 @@ def run_fingerprint(config: TrainConfig, *, world_size: int) -> dict:
     data["truncate"] = config.dhp.truncate
     stages = {"pp": config.train.pp} if config.train.pp > 1 else {}  # PP 1 fingerprints as before: old checkpoints resume
     return {"model": to_mapping(config.model), "tp": config.train.tp, **stages, "world_size": world_size, "data": data}
+
+
+def resume_directory(load: str | None, save: str | None) -> str | None:
+    """The folder to resume from: `load`, or with `load: auto` the `save` folder when it holds a checkpoint
+    (None: start fresh)."""
+    if load != AUTO_LOAD:
+        return load
+    return save if save is not None and (Path(save) / "latest").is_file() else None
+
+
+def sweep_incomplete(directory: str | Path) -> list[str]:
+    """Remove the step folders of `directory` that have no meta.json (saves cut off by a kill: a temporary
+    or partial rank file, never loaded since `latest` still names an older step); returns their names."""
+    swept = []
+    for folder in sorted(Path(directory).glob("step_*")):
+        if folder.is_dir() and not (folder / "meta.json").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            swept.append(folder.name)
+    return swept
 
 
 class Checkpointer:
@@ -123,6 +143,9 @@ class Checkpointer:
 
 def _latest(directory: Path) -> Path:
     marker = directory / "latest"
+    if not marker.is_file() and any(directory.glob("rank*.pt*")):
+        raise DhpError(f"checkpoint {str(directory)!r} is incomplete (no meta.json: its save was interrupted); "
+                       f"load {str(directory.parent)!r} to resume from the latest complete checkpoint")
     if not marker.is_file():
         raise DhpError(f"no checkpoint in {str(directory)!r} (no 'latest' file); pass the --save folder of a run "
                        "that saved at least once")

@@ -18,6 +18,9 @@ from megatron_dhp.presets import resolve_preset
 from megatron_dhp.testing.gpt import TinyGPTConfig
 from megatron_dhp.testing.vlm import TinyVLMConfig, VisionTowerConfig
 
+AUTO_LOAD = "auto"
+"""`train.load` value that resumes from `train.save` when it holds a checkpoint and starts fresh otherwise."""
+
 
 @dataclass(frozen=True)
 class ModelConfig(TinyGPTConfig):
@@ -119,7 +122,8 @@ class RunConfig:
     save_interval: int = 0
     """Steps between checkpoints (0: only after the last step, when `save` is set)."""
     load: str | None = None
-    """Checkpoint directory to resume from (its latest complete checkpoint)."""
+    """Checkpoint directory to resume from (its latest complete checkpoint); `auto`: `save`'s latest when it
+    has one, else a fresh start, so one command line serves the first start and every restart."""
     timeout_s: float = 300.0
     """Longest any collective may wait before the job fails instead of hanging."""
     pin_cores: bool = False
@@ -138,6 +142,8 @@ class RunConfig:
             raise DhpError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} between 0 and lr")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.timeout_s <= 0:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
+        if self.load == AUTO_LOAD and not self.save:
+            raise DhpError("train.load = auto resumes from train.save's latest checkpoint; set train.save (--save DIR)")
         if self.warmup_steps >= self.steps:
             raise DhpError(f"train.warmup_steps = {self.warmup_steps} must be below train.steps = {self.steps}")
         if self.nproc and self.nproc % self.model_parallel:

@@ -90,12 +90,21 @@ def train(config: TrainConfig, *, show: bool = True, lines: bool = True, timeout
 def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
     import torch.distributed as dist
 
+    from megatron_dhp.training.checkpoint import resume_directory, sweep_incomplete
     from megatron_dhp.training.loop import Trainer
 
     trainer = Trainer(config)
     trainer.stop.install()
-    if config.train.load:
-        trainer.resume(config.train.load)
+    run = config.train
+    notes = []
+    if run.save and dist.get_rank() == 0:  # debris of saves cut off by a kill; `latest` never named them
+        notes += [f"removed {name} from {run.save}: an interrupted save (no meta.json)" for name in sweep_incomplete(run.save)]
+    dist.barrier()  # the sweep is done before any rank looks for a checkpoint
+    resume = resume_directory(run.load, run.save)
+    if resume:
+        trainer.resume(resume)
+    elif run.load:
+        notes.append(f"load: auto found no checkpoint in {run.save}: starting fresh")
     plans: list[dict] = []
 
     def keep_plan(record: StepRecord) -> None:
@@ -107,7 +116,8 @@ def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
         title = f"{config.dhp.planner} on {dist.get_world_size()} ranks"
         with StepReporter(total_steps=config.train.steps, first_step=trainer.completed, title=title,
                           lines=lines, plans=config.dhp.log_plans) as reporter:
-            reporter.note(trainer.describe())
+            for note in [trainer.describe(), *notes]:
+                reporter.note(note)
             records = trainer.train(on_step=lambda r: (keep_plan(r), reporter(r)))
     else:
         records = trainer.train(on_step=keep_plan)

@@ -42,13 +42,13 @@ def wait_for(condition, timeout_s: float = 180.0) -> None:
         time.sleep(0.1)
 
 
-def ranks_of(pid: int) -> list[int]:
-    """The launcher's rank processes in rank order (spawned one after the other; its resource tracker is not one)."""
+def ranks_of(pid: int, marker: str = "spawn_main") -> list[int]:
+    """The launcher's rank processes in rank order (started one after the other), told apart from its other
+    children (a resource tracker) by `marker` in their command line."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
-    spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
-    return sorted(spawned)
+    return sorted(c for c in children if marker in Path(f"/proc/{c}/cmdline").read_text(errors="replace"))
 
 
 def alive(pid: int) -> bool:
@@ -72,6 +72,11 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
 
 
+def uninterrupted_losses() -> list[float]:
+    return [r.loss for r in train(workers.tiny_config().with_overrides(train={"steps": STEPS}, dhp={"adaptive": False}),
+                                  show=False).records]
+
+
 def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_losses(tmp_path):
     save = tmp_path / "ckpt"
     # injected slots (4x on rank 1) make the steps slow enough to signal mid-run; results do not change
@@ -93,8 +98,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_lo
     assert code == 0, err
     records = json.loads(resumed.read_text())["result"]["records"]
     assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == STEPS
-    whole = train(workers.tiny_config().with_overrides(train={"steps": STEPS}, dhp={"adaptive": False}), show=False)
-    assert [r["loss"] for r in records] == [r.loss for r in whole.records[stopped_at:]]
+    assert [r["loss"] for r in records] == uninterrupted_losses()[stopped_at:]
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
@@ -123,3 +127,42 @@ def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
     proc.kill()
     proc.communicate()
     wait_for(lambda: not any(alive(r) for r in ranks), 10)
+
+
+def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
+    # one command line for the first start and the restart: --load auto starts fresh, then resumes
+    save, out = tmp_path / "ckpt", tmp_path / "out.json"
+    config = config_file(tmp_path, "job", save=str(save), save_interval=1, load="auto")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                             "--monitor-interval", "1", "-m", "megatron_dhp", "train", "--config", str(config), "--quiet",
+                             "--slow-rank", "1:20.0", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: (save / "latest").is_file())
+    first = ranks_of(proc.pid, "megatron_dhp")
+    assert len(first) == 2
+    os.kill(first[1], signal.SIGKILL)
+    code, _, err = finish(proc, 240)
+    assert code == 0, err[-3000:]
+    records = json.loads(out.read_text())["result"]["records"]
+    resumed_at = records[0]["step"] - 1
+    assert 1 <= resumed_at < STEPS and records[-1]["step"] == STEPS
+    assert [r["loss"] for r in records] == uninterrupted_losses()[resumed_at:]
+
+
+def test_half_written_checkpoints_are_swept_and_named_when_loaded(tmp_path):
+    save = tmp_path / "ckpt"
+    (save / "step_000005").mkdir(parents=True)
+    (save / "step_000005" / "rank0.pt.tmp").write_bytes(b"")  # a save cut off by a kill
+    code, _, err = finish(start(config_file(tmp_path, "job"), "--load", str(save / "step_000005")), 120)
+    assert code == 2 and "is incomplete (no meta.json: its save was interrupted)" in err, err
+    code, out, err = finish(start(config_file(tmp_path, "job", save=str(save), load="auto")), 180)
+    assert code == 0, err
+    assert "removed step_000005" in out and "found no checkpoint" in out
+    assert not (save / "step_000005").exists() and (save / "latest").read_text() == f"step_{STEPS:06d}"
+
+
+def test_load_auto_needs_a_save_folder():
+    from megatron_dhp.errors import DhpError
+
+    with pytest.raises(DhpError, match="train.load = auto resumes from train.save"):
+        workers.tiny_config().with_overrides(train={"load": "auto"})
