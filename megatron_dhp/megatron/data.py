@@ -93,6 +93,11 @@ class StepIterator:
             logger.info("dhp plan: %s | %s%s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p, measured)
         return inputs
 
+    def close(self) -> None:
+        """Let go of Megatron's loader iterator, so that its worker processes shut down when nothing else holds
+        it (`hooks.setup` calls it at exit)."""
+        self.source = None
+
     def _read(self) -> list[TokenSample] | None:
         """The next step's sequences from the loader, on every model-parallel rank; None at the end. Collective
         over the model-parallel group."""

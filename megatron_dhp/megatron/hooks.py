@@ -6,6 +6,7 @@ Everything else megatron-dhp needs in a run hangs off these; the patches in patc
 from __future__ import annotations
 
 import argparse
+import atexit
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,7 +19,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
-from megatron_dhp.megatron.data import wrap_data_iterator
+from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -86,11 +87,24 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         equal_rows=equal_rows,
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
-    return (
+    wrapped = (
         wrap_data_iterator(train_data_iterator, runtime, lookahead=config.overlap_planning),
         wrap_data_iterator(valid_data_iterator, runtime, lookahead=False),
         wrap_data_iterator(test_data_iterator, runtime, lookahead=False),
     )
+    # At exit our iterators let go of Megatron's loaders before multiprocessing joins their workers: a worker
+    # forked after --exit-signal-handler took SIGTERM ignores the terminate() that join waits on, so a loader
+    # still held hung the exit (torchrun killed the ranks 20 s later); let go, each shuts its workers down.
+    atexit.register(lambda: [step_iterator(it).close() for it in _flat(wrapped)])
+    return wrapped
+
+
+def _flat(iterators: tuple) -> list:
+    """The wrapped iterators, lists (one per virtual pipeline stage) flattened, None left out."""
+    out = []
+    for it in iterators:
+        out += [x for x in it if x is not None] if isinstance(it, list) else [it] if it is not None else []
+    return out
 
 
 def _loader_sharing() -> tuple[dist.ProcessGroup | None, int]:

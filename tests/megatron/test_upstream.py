@@ -13,6 +13,7 @@ import py_compile
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -183,12 +184,18 @@ def patched(request, tmp_path_factory) -> Path:
     return copy
 
 
+def cpu_command(tree: Path, flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """torchrun of pretrain_gpt.py on 4 CPU ranks through the CPU shim, and its environment."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+               str(REPO / "scripts" / "megatron_lm_cpu.py"), *flags]
+    return command, {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+                     "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
 def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False) -> tuple[list[float], int | str]:
     """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged (or,
     with `full_log`, the whole log)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-               str(REPO / "scripts" / "megatron_lm_cpu.py"), *flags]
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    command, env = cpu_command(tree, flags)
     out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     log = out.stdout + out.stderr
@@ -271,3 +278,39 @@ def test_a_checkpoint_saved_under_dhp_resumes_with_or_without_it(patched, tmp_pa
     assert plans == 4
     assert resumed == pytest.approx(upstream, rel=2e-6), (resumed, upstream)
     assert switched_off == pytest.approx(upstream, rel=2e-6), (switched_off, upstream)
+
+
+def iteration_losses(log: str) -> dict[int, float]:
+    """Training loss by iteration, as pretrain_gpt.py logs it."""
+    return {int(i): float(x) for i, x in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", log)}
+
+
+def test_exit_signal_handler_saves_exits_and_resumes_like_upstream(patched, tmp_path):
+    """A scheduler's SIGTERM to torchrun under --dhp --exit-signal-handler: Megatron-LM saves at the iteration
+    boundary and every rank exits on its own (no kill after torchrun's grace); the run resumed with --dhp
+    logs the losses of upstream saved at that iteration and resumed."""
+    flags = [*TINY, "--train-iters", "8", "--eval-interval", "100", *DOCUMENTS]
+    command, env = cpu_command(patched, [*flags, *DHP, "--exit-signal-handler", "--save", str(tmp_path / "ckpt"),
+                                         "--save-interval", "100"])
+    run = subprocess.Popen(command, cwd=patched, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    log = []
+    for line in run.stdout:
+        log.append(line)
+        if re.search(r"iteration\s+2/", line):
+            run.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+            break
+    log.append(run.communicate(timeout=300)[0])
+    log = "".join(log)
+    assert "exiting program after receiving SIGTERM" in log, log[-3000:]
+    assert "forcefully exiting" not in log, log[-3000:]  # torchrun killed no rank: each exited by itself
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < 8
+    # upstream saved at the same iteration (by --exit-interval) and resumed: what a resumed run logs there
+    up_saved = ["--save", str(tmp_path / "up"), "--save-interval", str(saved), "--exit-interval", str(saved)]
+    train_on_cpu(patched, [*flags, *up_saved])
+    _, upstream = train_on_cpu(patched, [*flags, "--load", str(tmp_path / "up")], full_log=True)
+    _, resumed = train_on_cpu(patched, [*flags, *DHP, "--load", str(tmp_path / "ckpt")], full_log=True)
+    upstream, resumed = iteration_losses(upstream), iteration_losses(resumed)
+    assert sorted(resumed) == sorted(upstream) == list(range(saved + 1, 9))
+    assert [resumed[i] for i in sorted(resumed)] == pytest.approx([upstream[i] for i in sorted(resumed)], rel=2e-6)
