@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_dhp.testing.launch import free_port
 from megatron_dhp.training.train import train
 from tests.training import workers
 
@@ -134,6 +135,7 @@ def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
     save, out = tmp_path / "ckpt", tmp_path / "out.json"
     config = config_file(tmp_path, "job", save=str(save), save_interval=1, load="auto")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                             "--master-port", str(free_port()),
                              "--monitor-interval", "1", "-m", "megatron_dhp", "train", "--config", str(config), "--quiet",
                              "--slow-rank", "1:20.0", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
