@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from megatron_dhp.testing.launch import free_port
+from megatron_dhp.testing.processes import alive, children, wait_until
 from megatron_dhp.training.train import train
 from tests.training import workers
 
@@ -37,27 +38,7 @@ def start(config: Path, *flags: str) -> subprocess.Popen:
 
 
 def wait_for(condition, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
-
-
-def ranks_of(pid: int, marker: str = "spawn_main") -> list[int]:
-    """The launcher's rank processes in rank order (started one after the other), told apart from its other
-    children (a resource tracker) by `marker` in their command line."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return sorted(c for c in children if marker in Path(f"/proc/{c}/cmdline").read_text(errors="replace"))
-
-
-def alive(pid: int) -> bool:
-    """Whether the process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert wait_until(condition, timeout_s), "timed out waiting"
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
@@ -84,7 +65,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_lo
     slow = config_file(tmp_path, "slow", save=str(save), save_interval=1)
     proc = start(slow, "--slow-rank", "1:4.0")
     wait_for(lambda: (save / "latest").is_file())
-    ranks = ranks_of(proc.pid)
+    ranks = children(proc.pid)
     assert len(ranks) == 2
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc, 90)
@@ -108,7 +89,7 @@ def test_a_killed_or_frozen_rank_is_named_and_the_job_ends(tmp_path, fault):
     # a frozen rank is found when its peers' collectives time out: train.timeout_s bounds the wait
     proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1, timeout_s=10), "--slow-rank", "1:4.0")
     wait_for(lambda: (save / "latest").is_file())
-    ranks = ranks_of(proc.pid)
+    ranks = children(proc.pid)
     began = time.monotonic()
     os.kill(ranks[1], getattr(signal, fault))
     code, out, err = finish(proc, 90)
@@ -124,7 +105,7 @@ def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
     save = tmp_path / "ckpt"
     proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1), "--slow-rank", "1:4.0")
     wait_for(lambda: (save / "latest").is_file())
-    ranks = ranks_of(proc.pid)
+    ranks = children(proc.pid)
     proc.kill()
     proc.communicate()
     wait_for(lambda: not any(alive(r) for r in ranks), 10)
@@ -140,7 +121,7 @@ def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
                              "--slow-rank", "1:20.0", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(lambda: (save / "latest").is_file())
-    first = ranks_of(proc.pid, "megatron_dhp")
+    first = children(proc.pid, "megatron_dhp")
     assert len(first) == 2
     os.kill(first[1], signal.SIGKILL)
     code, _, err = finish(proc, 240)
