@@ -82,8 +82,8 @@ def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, stra
 @dataclass(frozen=True)
 class Windows:
     """Every window a wide sample of some degree may take, flat and ordered by (size, start): for each its
-    size, first rank, placement, slowest rank's speed and microbatch overhead, with the sparse-table
-    indices that give its latest-free rank in two lookups (`level`, `tail`)."""
+    size, first rank, placement, slowest rank's speed and microbatch overhead, and its ranks as one row of
+    `ranks` (padded with its last rank), which gives all windows' latest-free ranks in one gather."""
 
     size: np.ndarray
     start: np.ndarray
@@ -98,8 +98,9 @@ class Windows:
     overhead: np.ndarray
     capacity: np.ndarray | None
     """With rank speeds, the sum of each window's speeds (None without)."""
-    level: np.ndarray
-    tail: np.ndarray
+    end: np.ndarray
+    """start + size."""
+    ranks: np.ndarray
 
     @classmethod
     def of(cls, inst: Instance, sizes: list[int], cell: int, straddle: bool) -> Windows:
@@ -111,30 +112,19 @@ class Windows:
         start = np.concatenate([starts[k] for k in kept]).astype(np.int64)
         segment = np.repeat(np.arange(len(kept)), [len(starts[k]) for k in kept])
         intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
-        level = (np.frexp(size)[1] - 1).astype(np.int64)  # floor(log2(size)), exact
+        end = start + size
+        ranks = np.minimum(start[:, None] + np.arange(int(size.max(initial=1)))[None, :], end[:, None] - 1)
         speed: np.ndarray | float = 1.0
         capacity = None
         if not inst.nominal:  # each window at its slowest rank's speed, and the sum of its speeds
-            speed = -np.maximum(*sparse_lookups(-inst.speeds, level, start, start + size - 2**level))
+            speed = inst.speeds[ranks].min(axis=1)
             total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
-            capacity = total[start + size] - total[start]
+            capacity = total[end] - total[start]
         pairs = list(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))
         over = {pair: inst.overhead(*pair) for pair in set(pairs)}
         overhead = np.array([over[pair] for pair in pairs])
         firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
-        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, level,
-                   start + size - 2**level)
-
-
-def sparse_lookups(values: np.ndarray, level: np.ndarray, first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """max(values[p : p + 2**level]) at positions `first` and `second` (a sparse table up to the top level)."""
-    n, top = len(values), int(level.max(initial=0))
-    table = np.empty((top + 1, n))
-    table[0] = values
-    for k in range(1, top + 1):
-        span, end = 2 ** (k - 1), n - 2**k + 1
-        np.maximum(table[k - 1, :end], table[k - 1, span : span + end], out=table[k, :end])
-    return table[level, first], table[level, second]
+        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, end, ranks)
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
@@ -157,6 +147,8 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
     sizes = inst.sizes
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
+    prefix = np.zeros(inst.num_ranks + 1)  # ranks' free times summed: prefix[b] - prefix[a] over ranks [a, b)
+    by = limit_s if limit_s is not None else None if inst.nominal else bound_s
     for k in order:
         i, degree = int(items[k]), int(degrees[k])
         key = ("windows", degree, grow, cell, straddle)
@@ -164,9 +156,9 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
             inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist(), cell, straddle)
         w = inst.memo[key]
         assert len(w.sizes), f"no window of {degree}+ ranks"  # every degree is an allowed size
-        prefix = np.concatenate([[0.0], np.cumsum(skyline.ready)])
-        begin = np.maximum(*sparse_lookups(skyline.ready, w.level, w.start, w.tail))
-        waste = w.size * begin - (prefix[w.start + w.size] - prefix[w.start])
+        np.cumsum(skyline.ready, out=prefix[1:])
+        begin = skyline.ready[w.ranks].max(axis=1)
+        waste = w.size * begin - (prefix[w.end] - prefix[w.start])
         seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
         if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
             todo = [int(j) for j in items[degrees == degree] if int(j) not in seconds]
@@ -179,15 +171,15 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         finish = begin + time + w.overhead
         # per size: the least-wasting window that ends by the limit, the earliest end where none does
         order_by, cost = finish, waste
-        by = limit_s if limit_s is not None else None if inst.nominal else bound_s
         if by is not None:
             late = finish > by
             order_by = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
             if limit_s is None:  # with speeds: the speed-weighted rank-seconds the window gives up
                 weighted = np.concatenate([[0.0], np.cumsum(inst.speeds * skyline.ready)])
-                cost = finish * w.capacity - (weighted[w.start + w.size] - weighted[w.start])
-        ranked = np.lexsort((w.start, cost, order_by, w.segment))
-        firsts = ranked[w.firsts]  # sorted by segment first: each segment's best where it began
+                cost = finish * w.capacity - (weighted[w.end] - weighted[w.start])
+        # sorted by segment first: each segment's best where it began (one size: no segment key)
+        ranked = np.lexsort((w.start, cost, order_by) if len(w.sizes) == 1 else (w.start, cost, order_by, w.segment))
+        firsts = ranked[w.firsts]
         j = int(firsts[0])
         for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier
             if finish[f] < finish[j] * (1 - 1e-3):
