@@ -22,7 +22,8 @@ COST_KINDS = ("reference", "profiled")
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
-                 "rank_speeds", "speed_scales_comm")
+                 "rank_speeds", "speed_scales_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
+                 "attention_heads")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -177,6 +178,21 @@ class CostConfig:
     cores (gloo on a CPU, where a busy neighbour takes the copies' time too, and `profile` sets it on gloo),
     false where links and copy engines carry them (NCCL on GPUs, the reference model). With it a group's
     whole time, lambda included, divides by its slowest rank's speed."""
+    tensor_parallel: int = 1
+    """t: each domain position is a tensor-parallel group of t GPUs of one node, with sequence parallelism.
+    The other keys then describe one GPU without tensor parallelism (world_size and gpus_per_node count GPUs,
+    max_tokens_per_rank is one GPU's), and `cost.tensor_parallel` prices the N / t positions from them
+    (docs/cost-model.md#tensor-parallelism). 1: positions are GPUs, as every config before this key."""
+    tp_efficiency: float = 1.0
+    """The share of the ideal t-fold speed-up of the linear and attention compute that each doubling of t
+    keeps (thinner GEMMs, per-layer launch gaps): a position at t computes at t x tp_efficiency^log2(t)."""
+    tp_comm_bytes_per_token: float = 0.0
+    """Bytes the tensor-parallel collectives move per token over all layers, forward+backward, before the
+    (t - 1) / t of a ring: with sequence parallelism an all-gather and a reduce-scatter of the token's
+    activations around attention and around the MLP, each way (8 x hidden x bytes x layers). Runs on the
+    intra-node links; added to the linear compute, or overlapped with it under `overlap_comm`."""
+    attention_heads: int = 0
+    """The model's attention heads (0: not stated), checked against tensor_parallel: t must divide them."""
     description: str = ""
     """Free text: where the numbers come from."""
 
@@ -198,6 +214,16 @@ class CostConfig:
         if ep < 1 or self.world_size % ep:
             raise DhpError(f"cost key 'expert_parallel_size' = {ep!r} must be >= 1 and divide world_size = "
                            f"{self.world_size} (the expert-parallel groups tile the domain)")
+        t = self.tensor_parallel
+        if t < 1 or self.gpus_per_node % t or self.world_size % t:
+            raise DhpError(f"cost key 'tensor_parallel' = {t!r} must be >= 1 and divide gpus_per_node = "
+                           f"{self.gpus_per_node} and world_size = {self.world_size} (a tensor-parallel group sits "
+                           "in one node)")
+        if t > 1 and self.attention_heads and self.attention_heads % t:
+            raise DhpError(f"cost key 'tensor_parallel' = {t} must divide attention_heads = {self.attention_heads} "
+                           "(each GPU of a tensor-parallel group holds whole heads)")
+        if not 0 < self.tp_efficiency <= 1:
+            raise DhpError(f"cost key 'tp_efficiency' = {self.tp_efficiency!r} must be in (0, 1]")
         if self.moe_a2a_bytes_per_token and ep == 1:
             raise DhpError(f"cost key 'moe_a2a_bytes_per_token' = {self.moe_a2a_bytes_per_token!r} needs "
                            "expert_parallel_size > 1 (an expert-parallel group of one rank moves nothing)")

@@ -1,0 +1,58 @@
+"""Tensor parallelism in the cost model: a domain position that is a tensor-parallel group of t GPUs of
+one node, priced from one GPU's coefficients.
+
+With sequence parallelism a group of t GPUs holds t times one GPU's tokens (every activation is split t
+ways), computes the linear and attention work t x e^log2(t) times as fast (e = `tp_efficiency` per
+doubling), moves each token's activations through an all-gather and a reduce-scatter around attention and
+around the MLP (intra-node links), and exchanges a context-parallel group's keys and values over its t
+GPUs' links at once (each holds 1 / t of the heads). The position's config is the one-GPU config with those
+coefficients on N / t positions, g / t per node; at t = 1 it is the config itself, so every plan and number
+stays as it was. docs/cost-model.md#tensor-parallelism states each formula.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.errors import DhpError
+
+
+def tp_speedup(t: int, efficiency: float) -> float:
+    """How much faster a group of t GPUs computes than one: t x efficiency^log2(t)."""
+    return t * efficiency ** math.log2(t)
+
+
+def tp_comm_s_per_token(config: CostConfig, t: int) -> float:
+    """Seconds of one token's tensor-parallel all-gathers and reduce-scatters on a group of t GPUs (rings:
+    each GPU moves (t - 1) / t of the bytes over its intra-node link)."""
+    return config.tp_comm_bytes_per_token * (t - 1) / t / config.intra_node_bytes_per_s
+
+
+def per_position(config: CostConfig) -> CostConfig:
+    """The config of one domain position at `config.tensor_parallel` = t (itself at t = 1)."""
+    t = config.tensor_parallel
+    if t == 1:
+        return config
+    if config.moe_expert_s_per_token or config.expert_parallel_size > 1:
+        raise DhpError(f"cost key 'tensor_parallel' = {t} with MoE terms is not priced (expert and tensor "
+                       "parallelism share the GPUs of a node); price an MoE model at tensor_parallel 1")
+    if config.rank_speeds:
+        raise DhpError(f"cost key 'rank_speeds' with tensor_parallel = {t}: speeds are per domain position; "
+                       "state them on the positions' config (tensor_parallel 1) instead")
+    speedup = tp_speedup(t, config.tp_efficiency)
+    linear, comm = config.linear_s_per_token / speedup, tp_comm_s_per_token(config, t)
+    return replace(
+        config,
+        world_size=config.world_size // t,
+        gpus_per_node=config.gpus_per_node // t,
+        max_tokens_per_rank=config.max_tokens_per_rank * t,
+        attn_s_per_token2=config.attn_s_per_token2 / speedup,
+        linear_s_per_token=max(linear, comm) if config.overlap_comm else linear + comm,
+        enc_attn_s_per_token2=config.enc_attn_s_per_token2 / speedup,
+        enc_linear_s_per_token=config.enc_linear_s_per_token / speedup,
+        comm_bytes_per_token=config.comm_bytes_per_token / t,
+        tensor_parallel=1,
+        description=f"{config.description} (a position: TP {t} of these GPUs)",
+    )

@@ -1,0 +1,95 @@
+"""Tensor parallelism in the cost model: a position of t GPUs priced from one GPU's coefficients; t = 1 is
+the config itself; the bound stays a bound; bad TP is a clear error."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost.bound import best_lower_bound
+from megatron_dhp.cost.tensor_parallel import per_position
+from megatron_dhp.errors import DhpError
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.random_plan import random_plan
+from megatron_dhp.workload.sample import Sample
+from tests.test_bound import random_batch
+
+BASE = CostConfig.load("gpt7b-64")
+GPT7B_TP_BYTES = 8 * 4096 * 2 * 32
+"""All-gathers and reduce-scatters of one token's bf16 activations, 4 per layer each way, 32 layers of 4096."""
+
+
+def test_tensor_parallel_1_is_the_config_itself():
+    assert per_position(BASE) is BASE
+    assert "tensor_parallel" not in BASE.to_dict()  # reference files stay as they were
+    same = replace(BASE, tp_efficiency=0.5, tp_comm_bytes_per_token=1e9)  # no effect without TP
+    batch = random_batch(random.Random(0), BASE.world_size * BASE.max_tokens_per_rank, 64)
+    plan = run_planner(build_planner("dhp"), batch, build_cost_model(BASE))
+    assert simulate(plan, build_cost_model(same)).step_time_s == simulate(plan, build_cost_model(BASE)).step_time_s
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("t", [2, 8])
+def test_a_position_of_t_gpus_by_hand(t, overlap):
+    config = replace(BASE, tensor_parallel=t, tp_efficiency=0.9, tp_comm_bytes_per_token=GPT7B_TP_BYTES,
+                     overlap_comm=overlap, attention_heads=32)
+    model = build_cost_model(config)
+    assert (model.domain.world_size, model.domain.gpus_per_node) == (64 // t, 8 // t)
+    assert model.domain.max_tokens_per_rank == 8192 * t  # sequence parallelism splits every activation t ways
+    speedup = t * 0.9 ** np.log2(t)
+    tp_comm = GPT7B_TP_BYTES * (t - 1) / t / BASE.intra_node_bytes_per_s
+    samples = [Sample(0, 4096), Sample(1, 65536)]
+    tokens, work = np.array([4096.0, 65536.0]), model.sample_work(samples)
+    linear = BASE.linear_s_per_token / speedup
+    compute = BASE.attn_s_per_token2 / speedup * tokens**2 + (max(linear, tp_comm) if overlap else linear + tp_comm) * tokens
+    np.testing.assert_allclose(model.sample_time(tokens, work, 1, True), compute, rtol=1e-12)
+    # a context-parallel pair of positions: each GPU moves 1 / t of the keys and values over its own link
+    cp = BASE.comm_bytes_per_token / t * tokens * 0.5 / BASE.intra_node_bytes_per_s
+    expected = np.maximum(compute / 2, cp) if overlap else compute / 2 + cp
+    np.testing.assert_allclose(model.sample_time(tokens, work, 2, True), expected, rtol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), t=st.sampled_from([2, 4, 8]), size=st.integers(1, 40),
+       overlap=st.booleans())
+def test_the_bound_stays_a_bound_under_tensor_parallelism(seed, t, size, overlap):
+    config = replace(BASE, world_size=16, tensor_parallel=t, tp_efficiency=0.85, tp_comm_bytes_per_token=GPT7B_TP_BYTES,
+                     overlap_comm=overlap)
+    model = build_cost_model(config)
+    rng = random.Random(seed)
+    batch = random_batch(rng, model.domain.capacity, size)
+    assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)
+    bound = best_lower_bound(model, batch.samples)
+    plans = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
+    plans.append(run_planner(build_planner("dhp"), batch, model))
+    for plan in plans:
+        assert bound <= simulate(plan, model).step_time_s * (1 + 1e-9), plan.planner
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"tensor_parallel": 3}, "'tensor_parallel' = 3 must be >= 1 and divide gpus_per_node = 8"),
+    ({"tensor_parallel": 0}, "'tensor_parallel' = 0 must be >= 1"),
+    ({"tensor_parallel": 4, "attention_heads": 6}, "'tensor_parallel' = 4 must divide attention_heads = 6"),
+    ({"tp_efficiency": 0.0}, "'tp_efficiency' = 0.0 must be in (0, 1]"),
+    ({"tensor_parallel": 2, "moe_expert_s_per_token": 1e-6}, "with MoE terms is not priced"),
+    ({"tensor_parallel": 2, "rank_speeds": (1.0,) * 64}, "speeds are per domain position"),
+])
+def test_bad_tensor_parallelism_is_a_clear_error(overrides, message):
+    with pytest.raises(DhpError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_cost_model(replace(BASE, **overrides))
+
+
+def test_a_training_job_refuses_a_cost_model_with_tensor_parallelism(tmp_path):
+    from megatron_dhp.integration.dhp_config import DhpConfig
+    from megatron_dhp.integration.planning import live_cost_config
+
+    path = tmp_path / "tp.yaml"
+    replace(BASE, tensor_parallel=2).save(path)
+    with pytest.raises(DhpError, match="prices simulated layouts; a job's TP is its own"):
+        live_cost_config(DhpConfig(cost=str(path)), policy=None)
