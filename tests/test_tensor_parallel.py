@@ -93,3 +93,18 @@ def test_a_training_job_refuses_a_cost_model_with_tensor_parallelism(tmp_path):
     replace(BASE, tensor_parallel=2).save(path)
     with pytest.raises(DhpError, match="prices simulated layouts; a job's TP is its own"):
         live_cost_config(DhpConfig(cost=str(path)), policy=None)
+
+
+def test_static_best_is_never_slower_than_static_at_tp_1_and_tries_every_tp():
+    from megatron_dhp.solver.static_best import tp_degrees, tune_dhp, tune_static
+    from megatron_dhp.workload import LengthSource
+
+    base = replace(BASE, tp_efficiency=0.9, tp_comm_bytes_per_token=GPT7B_TP_BYTES, attention_heads=32)
+    assert tp_degrees(base) == [1, 2, 4, 8] and tp_degrees(replace(base, attention_heads=12)) == [1, 2, 4]
+    source = LengthSource.from_args(dist="wlbllm")
+    batches = [source.draw(global_batch=128, seed=0, index=k, capacity=64 * 8192) for k in range(2)]
+    static, dhp = tune_static(base, batches), tune_dhp(base, batches)
+    at_tp1 = min((s for s in static if s.tp == 1), key=lambda s: s.cp)  # Megatron's static CP at TP 1
+    assert static[0].step_s <= at_tp1.step_s and {s.tp for s in static} == {1, 2, 4, 8}
+    assert [d.step_s for d in dhp] == sorted(d.step_s for d in dhp) and {d.tp for d in dhp} == {1, 2, 4, 8}
+    assert all(s.cp & (s.cp - 1) == 0 for s in static)  # powers of two, as a user runs CP

@@ -1,0 +1,72 @@
+"""The layouts a user tunes once per run: `static` at its best (TP, CP) and `dhp` at its best TP.
+
+A Megatron user with long documents does not run the smallest CP that fits at a fixed TP; they try tensor
+parallelism inside a node (with sequence parallelism a TP group holds t times the tokens, so CP shrinks)
+and keep the layout that trains their length distribution fastest, once, for the whole run. `tune_static`
+does that over every power-of-two t dividing the node (and the heads, when the config states them) and
+every power-of-two CP from the smallest that holds the run's longest sample up to the whole domain, each
+packed as `static` packs; `tune_dhp` picks dhp's TP the same way. Both price each layout with the cost
+model at that t (`cost.tensor_parallel`) and score it by the mean simulated step over the given batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.solver.base import PlannerUnsupported, run_planner
+from megatron_dhp.solver.dhp import DhpPlanner
+from megatron_dhp.solver.static import StaticPlanner, static_cp_size
+from megatron_dhp.workload.sample import Batch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tuned layout: its TP degree, its CP size (0 for dhp, whose groups change per step) and mean step."""
+
+    tp: int
+    cp: int
+    step_s: float
+
+
+def tp_degrees(config: CostConfig) -> list[int]:
+    """Powers of two that divide the node, the domain and (when stated) the heads: the TP a user would try."""
+    out, t = [], 1
+    while t <= config.gpus_per_node:
+        if config.gpus_per_node % t == 0 and config.world_size % t == 0 and (not config.attention_heads or config.attention_heads % t == 0):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def mean_step(config: CostConfig, batches: Sequence[Batch], planner) -> float:
+    """The mean simulated step of `planner`'s plans for `batches` under `config` (inf where it cannot plan one)."""
+    model = build_cost_model(config)
+    try:
+        return float(np.mean([simulate(run_planner(planner, b, model), model).step_time_s for b in batches]))
+    except PlannerUnsupported:
+        return float("inf")
+
+
+def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
+    """Every static (TP, CP) layout that holds the longest sample, fastest first."""
+    longest = max(int(b.lengths.max()) for b in batches)
+    layouts = []
+    for t in tp_degrees(base):
+        config = replace(base, tensor_parallel=t)
+        domain = build_cost_model(config).domain
+        cp = static_cp_size(longest, domain)
+        while cp <= domain.world_size:  # static packs each size as Megatron would run it: CP fixed for the run
+            planner = StaticPlanner(dataset_max_tokens=cp * domain.max_tokens_per_rank)
+            layouts.append(Layout(t, cp, mean_step(config, batches, planner)))
+            cp *= 2
+    return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp, layout.cp))
+
+
+def tune_dhp(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
+    """dhp at every TP degree, fastest first."""
+    layouts = [Layout(t, 0, mean_step(replace(base, tensor_parallel=t), batches, DhpPlanner())) for t in tp_degrees(base)]
+    return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp))
