@@ -62,11 +62,16 @@ from megatron_dhp.solver import (
     planner_comm_policy,
     run_planner,
 )
+from megatron_dhp.solver.static_best import tune_dhp, tune_static
 from megatron_dhp.workload import LengthSource
 
 WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")
 DOMAINS = ("gpt7b-64", "gpt7b-48")
 PEERS = ("megatron-hcp", "fcp-ref", "flexsp-milp")
+GPT7B_TP = {"attention_heads": 32, "tp_comm_bytes_per_token": 8 * 4096 * 2 * 32}
+"""GPT-7B's heads and its sequence-parallel all-gathers and reduce-scatters per token (bf16, 32 layers of 4096):
+the tensor-parallel terms `--tuned` prices the presets' TP layouts with."""
+TUNED = ("static-best", "dhp-best-tp")
 
 
 
@@ -97,6 +102,8 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
         for domain, workload in cases:
             model = build_cost_model(CostConfig.load(domain))
             batches, planners = batches_and_planners(model, workload, args)
+            if args.tuned:
+                records += tuned_records(domain, workload, batches, args)
             for k, batch in enumerate(batches):
                 for planner, family in planners:
                     record = {"domain": domain, "workload": workload, "batch": k, "planner": planner.name}
@@ -112,6 +119,16 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
             if args.json:  # a long run (flexsp-milp) keeps what it has measured if it is stopped
                 save_json(args.json, records, [])
     return records
+
+
+def tuned_records(domain: str, workload: str, batches: list, args: argparse.Namespace) -> list[dict]:
+    """`static-best` (the (TP, CP) a user tunes once on these batches) and dhp at its best TP, a record per
+    batch each, TP priced with GPT-7B's terms at `--tp-efficiency` (`solver.static_best`)."""
+    base = dataclasses.replace(CostConfig.load(domain), tp_efficiency=args.tp_efficiency, **GPT7B_TP)
+    best = {"static-best": tune_static(base, batches)[0], "dhp-best-tp": tune_dhp(base, batches)[0]}
+    return [{"domain": domain, "workload": workload, "batch": k, "planner": name, "step_s": layout.steps[k],
+             "layout": f"TP {layout.tp}" + (f" CP {layout.cp}" if layout.cp else "")}
+            for name, layout in best.items() for k in range(len(batches))]
 
 
 def save_json(path: str, records: list[dict], results: list[tuple[str, str, bool]]) -> None:
@@ -193,10 +210,16 @@ def markdown_summary(records: list[dict], planners: list[str]) -> str:
             ratios = [step[(domain, workload, b, p)]["step_s"] / d["step_s"] for b, d in dhp.items()
                       if (domain, workload, b, p) in step]
             cells.append(f"{np.mean(ratios):.3f}x ({len(ratios)})" if ratios else "n/a")
+        tuned = {name: {k[2]: v for k, v in step.items() if k[:2] == (domain, workload) and k[3] == name} for name in TUNED}
+        if all(tuned.values()):  # --tuned: dhp at its best TP against the static (TP, CP) a user would tune
+            layout = next(iter(tuned["static-best"].values()))["layout"]
+            ratios = [tuned["static-best"][b]["step_s"] / d["step_s"] for b, d in tuned["dhp-best-tp"].items()]
+            cells.append(f"{np.mean(ratios):.3f}x ({layout})")
         n = CostConfig.load(domain).world_size
         mean = np.mean([v["ratio"] for v in dhp.values()])
         rows.append([workload, str(n), f"{mean:.4f}", *cells])
-    return markdown_table(["workload", "N", "dhp step / LB", *(f"dhp vs {p}" for p in peers)], rows)
+    tuned_col = ["dhp best TP vs static-best (TP, CP)"] if any(r["planner"] in TUNED for r in records) else []
+    return markdown_table(["workload", "N", "dhp step / LB", *(f"dhp vs {p}" for p in peers), *tuned_col], rows)
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, bool]]:
@@ -455,6 +478,11 @@ def main() -> None:
     parser.add_argument("--comm", choices=tuple(STEP_COMMS), default="mixed",
                         help="the training comm dhp plans for: under mixed (the default) and p2p any group costs no "
                              "communicator, so dhp plans with any group; under allgather, ring, ulysses with its family")
+    parser.add_argument("--tuned", action="store_true",
+                        help="also tune static's (TP, CP) and dhp's TP on each workload's batches (TP priced with "
+                             "GPT-7B's terms) and report dhp best TP against static-best")
+    parser.add_argument("--tp-efficiency", type=float, default=0.9,
+                        help="--tuned: share of the ideal speed-up each TP doubling keeps (default 0.9; 1: ideal)")
     parser.add_argument("--any-groups", action="store_true",
                         help=f"with --variants, also plan dhp with any groups as {ANY_GROUPS} (the group family's cost)")
     args = parser.parse_args()

@@ -6,7 +6,8 @@ and keep the layout that trains their length distribution fastest, once, for the
 does that over every power-of-two t dividing the node (and the heads, when the config states them) and
 every power-of-two CP from the smallest that holds the run's longest sample up to the whole domain, each
 packed as `static` packs; `tune_dhp` picks dhp's TP the same way. Both price each layout with the cost
-model at that t (`cost.tensor_parallel`) and score it by the mean simulated step over the given batches.
+model at that t (`cost.tensor_parallel`) and rank it by the mean simulated step over the given batches
+(`bench/plan_quality.py --tuned`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,17 @@ from megatron_dhp.workload.sample import Batch
 
 @dataclass(frozen=True)
 class Layout:
-    """A tuned layout: its TP degree, its CP size (0 for dhp, whose groups change per step) and mean step."""
+    """A tuned layout: its TP degree, its CP size (0 for dhp, whose groups change per step) and its step on
+    each batch."""
 
     tp: int
     cp: int
-    step_s: float
+    steps: tuple[float, ...]
+
+    @property
+    def step_s(self) -> float:
+        """The mean step over the batches (what the tuning ranks by)."""
+        return float(np.mean(self.steps))
 
 
 def tp_degrees(config: CostConfig) -> list[int]:
@@ -42,13 +49,13 @@ def tp_degrees(config: CostConfig) -> list[int]:
     return out
 
 
-def mean_step(config: CostConfig, batches: Sequence[Batch], planner) -> float:
-    """The mean simulated step of `planner`'s plans for `batches` under `config` (inf where it cannot plan one)."""
+def steps(config: CostConfig, batches: Sequence[Batch], planner) -> tuple[float, ...]:
+    """The simulated step of `planner`'s plan for each batch under `config` (inf where it cannot plan one)."""
     model = build_cost_model(config)
     try:
-        return float(np.mean([simulate(run_planner(planner, b, model), model).step_time_s for b in batches]))
+        return tuple(simulate(run_planner(planner, b, model), model).step_time_s for b in batches)
     except PlannerUnsupported:
-        return float("inf")
+        return (float("inf"),) * len(batches)
 
 
 def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
@@ -61,12 +68,12 @@ def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
         cp = static_cp_size(longest, domain)
         while cp <= domain.world_size:  # static packs each size as Megatron would run it: CP fixed for the run
             planner = StaticPlanner(dataset_max_tokens=cp * domain.max_tokens_per_rank)
-            layouts.append(Layout(t, cp, mean_step(config, batches, planner)))
+            layouts.append(Layout(t, cp, steps(config, batches, planner)))
             cp *= 2
     return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp, layout.cp))
 
 
 def tune_dhp(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
     """dhp at every TP degree, fastest first."""
-    layouts = [Layout(t, 0, mean_step(replace(base, tensor_parallel=t), batches, DhpPlanner())) for t in tp_degrees(base)]
+    layouts = [Layout(t, 0, steps(replace(base, tensor_parallel=t), batches, DhpPlanner())) for t in tp_degrees(base)]
     return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp))
