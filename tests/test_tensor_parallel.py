@@ -108,3 +108,25 @@ def test_static_best_is_never_slower_than_static_at_tp_1_and_tries_every_tp():
     assert static[0].step_s <= at_tp1.step_s and {s.tp for s in static} == {1, 2, 4, 8}
     assert [d.step_s for d in dhp] == sorted(d.step_s for d in dhp) and {d.tp for d in dhp} == {1, 2, 4, 8}
     assert all(s.cp & (s.cp - 1) == 0 for s in static)  # powers of two, as a user runs CP
+
+
+def test_the_token_cap_of_a_position_from_a_memory_budget():
+    # GPT-7B in bf16 with fp32 Adam states (16 bytes per parameter) on 80 GB GPUs; 34 x hidden bytes per token
+    # per layer of activations with sequence parallelism and selective recomputation (Korthikanti et al. 2022)
+    states, activations = 16 * 6.74e9, 34 * 4096 * 32
+    config = replace(BASE, memory_budget_bytes=80e9, model_state_bytes=states, activation_bytes_per_token=activations)
+    for t in (2, 4, 8):
+        cap = build_cost_model(replace(config, tensor_parallel=t)).domain.max_tokens_per_rank
+        assert cap == int((80e9 * t - states) // activations)  # 11704, 47607, 119413 tokens
+    with pytest.raises(DhpError, match="at tensor_parallel = 1 the model's states"):
+        build_cost_model(config)  # 108 GB of states do not fit one 80 GB GPU
+    from megatron_dhp.solver.static_best import tune_static
+    from megatron_dhp.workload import LengthSource
+
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=64, seed=0, index=0, capacity=64 * 8192)
+    assert {layout.tp for layout in tune_static(config, [batch])} == {2, 4, 8}  # TP 1 does not fit memory
+
+
+def test_a_memory_budget_needs_the_activations_per_token():
+    with pytest.raises(DhpError, match="'memory_budget_bytes' needs activation_bytes_per_token"):
+        replace(BASE, memory_budget_bytes=80e9)

@@ -23,7 +23,7 @@ OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
                  "rank_speeds", "speed_scales_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
-                 "attention_heads")
+                 "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -193,6 +193,16 @@ class CostConfig:
     intra-node links; added to the linear compute, or overlapped with it under `overlap_comm`."""
     attention_heads: int = 0
     """The model's attention heads (0: not stated), checked against tensor_parallel: t must divide them."""
+    memory_budget_bytes: float = 0.0
+    """One GPU's memory for the model's states and its activations (0: not stated; max_tokens_per_rank then
+    gives the cap as it is). With it, a position's cap is derived: M_t = floor((budget x t - model_state_bytes)
+    / activation_bytes_per_token) (`cost.tensor_parallel.token_cap`)."""
+    model_state_bytes: float = 0.0
+    """Weights, gradients and optimizer states of the whole model on one GPU without tensor parallelism (a
+    TP group of t holds 1 / t of them per GPU)."""
+    activation_bytes_per_token: float = 0.0
+    """Activation memory one token keeps on one GPU without tensor parallelism, kept until its backward
+    (sequence parallelism splits it t ways)."""
     description: str = ""
     """Free text: where the numbers come from."""
 
@@ -222,6 +232,9 @@ class CostConfig:
         if t > 1 and self.attention_heads and self.attention_heads % t:
             raise DhpError(f"cost key 'tensor_parallel' = {t} must divide attention_heads = {self.attention_heads} "
                            "(each GPU of a tensor-parallel group holds whole heads)")
+        if self.memory_budget_bytes and not self.activation_bytes_per_token:
+            raise DhpError("cost key 'memory_budget_bytes' needs activation_bytes_per_token > 0 (what one token keeps "
+                           "on a GPU) to derive max_tokens_per_rank")
         if not 0 < self.tp_efficiency <= 1:
             raise DhpError(f"cost key 'tp_efficiency' = {self.tp_efficiency!r} must be in (0, 1]")
         if self.moe_a2a_bytes_per_token and ep == 1:

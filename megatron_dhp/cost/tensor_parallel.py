@@ -30,11 +30,26 @@ def tp_comm_s_per_token(config: CostConfig, t: int) -> float:
     return config.tp_comm_bytes_per_token * (t - 1) / t / config.intra_node_bytes_per_s
 
 
+def token_cap(config: CostConfig, t: int) -> int:
+    """M_t, the tokens a position of t GPUs holds per microbatch: t x max_tokens_per_rank, or with a stated
+    memory budget what the budget leaves once each GPU holds 1 / t of the model's states, over 1 / t of a
+    token's activations: floor((budget x t - states) / activations per token)."""
+    if not config.memory_budget_bytes:
+        return config.max_tokens_per_rank * t
+    cap = math.floor((config.memory_budget_bytes * t - config.model_state_bytes) / config.activation_bytes_per_token)
+    if cap < 1:
+        raise DhpError(f"at tensor_parallel = {t} the model's states ({config.model_state_bytes / t:.3g} bytes per GPU) "
+                       f"leave no room for a token's activations in memory_budget_bytes = {config.memory_budget_bytes:.3g}; "
+                       "raise tensor_parallel or the budget")
+    return cap
+
+
 def per_position(config: CostConfig) -> CostConfig:
-    """The config of one domain position at `config.tensor_parallel` = t (itself at t = 1)."""
+    """The config of one domain position at `config.tensor_parallel` = t (itself at t = 1 without a memory
+    budget; with one, its max_tokens_per_rank derived)."""
     t = config.tensor_parallel
     if t == 1:
-        return config
+        return replace(config, max_tokens_per_rank=token_cap(config, 1)) if config.memory_budget_bytes else config
     if config.moe_expert_s_per_token or config.expert_parallel_size > 1:
         raise DhpError(f"cost key 'tensor_parallel' = {t} with MoE terms is not priced (expert and tensor "
                        "parallelism share the GPUs of a node); price an MoE model at tensor_parallel 1")
@@ -47,7 +62,7 @@ def per_position(config: CostConfig) -> CostConfig:
         config,
         world_size=config.world_size // t,
         gpus_per_node=config.gpus_per_node // t,
-        max_tokens_per_rank=config.max_tokens_per_rank * t,
+        max_tokens_per_rank=token_cap(config, t),
         attn_s_per_token2=config.attn_s_per_token2 / speedup,
         linear_s_per_token=max(linear, comm) if config.overlap_comm else linear + comm,
         enc_attn_s_per_token2=config.enc_attn_s_per_token2 / speedup,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import PlannerUnsupported, run_planner
 from megatron_dhp.solver.dhp import DhpPlanner
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
@@ -49,6 +50,15 @@ def tp_degrees(config: CostConfig) -> list[int]:
     return out
 
 
+def fits(config: CostConfig) -> bool:
+    """Whether the layout's memory holds at all (a stated budget may leave no room at small TP)."""
+    try:
+        build_cost_model(config)
+    except DhpError:
+        return False
+    return True
+
+
 def steps(config: CostConfig, batches: Sequence[Batch], planner) -> tuple[float, ...]:
     """The simulated step of `planner`'s plan for each batch under `config` (inf where it cannot plan one)."""
     model = build_cost_model(config)
@@ -64,6 +74,8 @@ def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
     layouts = []
     for t in tp_degrees(base):
         config = replace(base, tensor_parallel=t)
+        if not fits(config):
+            continue
         domain = build_cost_model(config).domain
         cp = static_cp_size(longest, domain)
         while cp <= domain.world_size:  # static packs each size as Megatron would run it: CP fixed for the run
@@ -75,5 +87,6 @@ def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
 
 def tune_dhp(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
     """dhp at every TP degree, fastest first."""
-    layouts = [Layout(t, 0, steps(replace(base, tensor_parallel=t), batches, DhpPlanner())) for t in tp_degrees(base)]
+    configs = [replace(base, tensor_parallel=t) for t in tp_degrees(base)]
+    layouts = [Layout(c.tensor_parallel, 0, steps(c, batches, DhpPlanner())) for c in configs if fits(c)]
     return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp))
