@@ -18,8 +18,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from megatron_dhp.testing.processes import state
 
 
 class LaunchError(RuntimeError):
@@ -148,7 +149,7 @@ def _fault(procs: list, done: dict[int, Any], failed: dict[int, str]) -> str:
             culprits.append(f"rank {r} was killed by {signal.Signals(-p.exitcode).name}")
         elif p.exitcode not in (None, 0):
             culprits.append(f"rank {r} exited with code {p.exitcode} without a result")
-        elif _stopped(p.pid):
+        elif state(p.pid) in ("T", "t"):
             culprits.append(f"rank {r} stopped responding (its process is stopped: SIGSTOP or SIGTSTP)")
         elif lines and all("timed out" in line.lower() for line in lines.values()):
             culprits.append(f"rank {r} stopped responding (its peers timed out waiting for it)")
@@ -162,14 +163,6 @@ def _fault(procs: list, done: dict[int, Any], failed: dict[int, str]) -> str:
 def _last_line(text: str) -> str:
     """A traceback's last non-empty line: the exception."""
     return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), text)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether the process is stopped (Linux /proc; elsewhere never)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 WATCH_S = 0.5

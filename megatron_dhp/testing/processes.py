@@ -1,5 +1,6 @@
-"""Looking at a job's processes from outside (Linux /proc): the fault tests and `bench/faults.py` find a
-launcher's ranks, signal them, and check that none is left."""
+"""Looking at a job's processes from outside (Linux /proc): the launcher tells a stopped rank from one that
+waits, and the fault tests and `bench/faults.py` find a launcher's ranks, signal them, and check that none is
+left."""
 
 from __future__ import annotations
 
@@ -17,12 +18,18 @@ def children(pid: int, marker: str = "spawn_main") -> list[int]:
     return sorted(c for c in found if marker in Path(f"/proc/{c}/cmdline").read_text(errors="replace"))
 
 
+def state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T stopped, Z zombie, ...); None where it is gone or there is
+    no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether the process exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return state(pid) not in (None, "Z")
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
