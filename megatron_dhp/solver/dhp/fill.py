@@ -31,8 +31,7 @@ class BinSet:
         gpn = inst.model.domain.gpus_per_node
         self.inst = inst
         self.bins = bins
-        self.shared = inst.footprint.shared.tolist()
-        self.held = inst.footprint.held.tolist()
+        self.shared, self.held = inst.loads
         self.min_degree = inst.min_degree.tolist()
         keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn, b.speed) for b in bins]
         self.classes = sorted(set(keys))
@@ -49,10 +48,6 @@ class BinSet:
             lst.sort()
         self.where: dict[int, int] = {}  # sample index -> bin
 
-    def load(self, item: int, size: int) -> int:
-        """What the sample takes of a microbatch's room on `size` ranks (`Instance.load`)."""
-        return self.shared[item] + size * self.held[item]
-
     def finish(self, b: int) -> float:
         """When bin b ends."""
         return self.bins[b].finish_s
@@ -68,7 +63,7 @@ class BinSet:
         for c, size in enumerate(self.sizes):
             if size < lo:
                 continue
-            length = shared + size * held  # `load`
+            length = shared + size * held  # `Instance.load`, inlined
             m = self.class_overhead[c]
             t = self.times[c][item]
             first = None
@@ -92,7 +87,7 @@ class BinSet:
     def add(self, item: int, b: int) -> None:
         """Put the sample into bin b (best-fit microbatch)."""
         c = self.class_of[b]
-        add_to_group(self.bins[b], item, self.load(item, self.bins[b].size), self.times[c][item])
+        add_to_group(self.bins[b], item, self.inst.load(item, self.bins[b].size), self.times[c][item])
         self.where[item] = b
         self._refresh(b)
 
@@ -103,7 +98,7 @@ class BinSet:
         k = next(k for k, mb in enumerate(g.microbatches) if item in mb)
         before = g.finish_s
         g.microbatches[k].remove(item)
-        g.rooms[k] += self.load(item, g.size)
+        g.rooms[k] += self.inst.load(item, g.size)
         g.finish_s -= self.times[self.class_of[b]][item]
         if not g.microbatches[k]:
             del g.microbatches[k], g.rooms[k]

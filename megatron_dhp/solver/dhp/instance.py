@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -62,12 +63,16 @@ class Instance:
         """Group sizes a sample may get: the family's, or every size 1..N."""
         return np.array(self.family.sizes) if self.family else np.arange(1, self.num_ranks + 1)
 
+    @functools.cached_property
+    def loads(self) -> tuple[list[int], list[int]]:
+        """Each sample's `footprint` shared and held parts as Python ints: the search asks a sample's load per
+        group thousands of times, and numpy on scalars costs more than the arithmetic."""
+        return self.footprint.shared.tolist(), self.footprint.held.tolist()
+
     def load(self, item: int, size: int) -> int:
         """Tokens sample `item` takes of a microbatch's room of size x `footprint.cap` on `size` ranks
-        (`Footprint.load`, in Python ints: the search asks it per sample and group, thousands of times)."""
-        if "loads" not in self.memo:
-            self.memo["loads"] = (self.footprint.shared.tolist(), self.footprint.held.tolist())
-        shared, held = self.memo["loads"]
+        (`Footprint.load`)."""
+        shared, held = self.loads
         return shared[item] + size * held[item]
 
     @property
