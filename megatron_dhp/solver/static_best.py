@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.base import PlannerUnsupported, run_planner
 from megatron_dhp.solver.dhp import DhpPlanner
@@ -50,18 +50,20 @@ def tp_degrees(config: CostConfig) -> list[int]:
     return out
 
 
-def fits(config: CostConfig) -> bool:
-    """Whether the layout's memory holds at all (a stated budget may leave no room at small TP)."""
-    try:
-        build_cost_model(config)
-    except DhpError:
-        return False
-    return True
+def models(base: CostConfig) -> dict[int, CostModel]:
+    """The cost model of every TP a user would try (`tp_degrees`) whose memory holds at all (a stated budget
+    may leave no room at small TP), by TP."""
+    out = {}
+    for t in tp_degrees(base):
+        try:
+            out[t] = build_cost_model(replace(base, tensor_parallel=t))
+        except DhpError:
+            continue
+    return out
 
 
-def steps(config: CostConfig, batches: Sequence[Batch], planner) -> tuple[float, ...]:
-    """The simulated step of `planner`'s plan for each batch under `config` (inf where it cannot plan one)."""
-    model = build_cost_model(config)
+def steps(model: CostModel, batches: Sequence[Batch], planner) -> tuple[float, ...]:
+    """The simulated step of `planner`'s plan for each batch under `model` (inf where it cannot plan one)."""
     try:
         return tuple(simulate(run_planner(planner, b, model), model).step_time_s for b in batches)
     except PlannerUnsupported:
@@ -72,21 +74,17 @@ def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
     """Every static (TP, CP) layout that holds the longest sample, fastest first."""
     longest = max(int(b.lengths.max()) for b in batches)
     layouts = []
-    for t in tp_degrees(base):
-        config = replace(base, tensor_parallel=t)
-        if not fits(config):
-            continue
-        domain = build_cost_model(config).domain
+    for t, model in models(base).items():
+        domain = model.domain
         cp = static_cp_size(longest, domain)
         while cp <= domain.world_size:  # static packs each size as Megatron would run it: CP fixed for the run
             planner = StaticPlanner(dataset_max_tokens=cp * domain.max_tokens_per_rank)
-            layouts.append(Layout(t, cp, steps(config, batches, planner)))
+            layouts.append(Layout(t, cp, steps(model, batches, planner)))
             cp *= 2
     return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp, layout.cp))
 
 
 def tune_dhp(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
-    """dhp at every TP degree, fastest first."""
-    configs = [replace(base, tensor_parallel=t) for t in tp_degrees(base)]
-    layouts = [Layout(c.tensor_parallel, 0, steps(c, batches, DhpPlanner())) for c in configs if fits(c)]
+    """dhp at every TP degree whose memory holds, fastest first."""
+    layouts = [Layout(t, 0, steps(model, batches, DhpPlanner())) for t, model in models(base).items()]
     return sorted(layouts, key=lambda layout: (layout.step_s, layout.tp))
