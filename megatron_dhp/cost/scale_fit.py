@@ -8,9 +8,9 @@ ranks running at the typical speed (`counted`), each rank's y brought to speed 1
 estimate: a rank found slow leaves the fit, the steps it measured before it was known to be slow included
 (without that, its early steps inflated both factors for a whole window), and so does the noise of its
 speed (a core shared with a busy process gives its rank 40-60 % from step to step, which the speed
-estimate smooths and its slots' seconds do not: fitted through it, the attention factor swung by a third). Two factors, not one, because a preset priced for another model or GPU is off by
-different amounts in its quadratic and its linear terms: one factor fits short-sample steps or long-sample
-ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for
+estimate smooths and its slots' seconds do not: fitted through it, the attention factor swung by a third).
+Two factors, not one, because a preset priced for another model or GPU is off by different amounts in its
+quadratic and its linear terms: one factor fits short-sample steps or long-sample ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for
 both. A factor is published when it moves more than `SCALE_STEP`.
 """
 

@@ -44,7 +44,8 @@ def tp_degrees(config: CostConfig) -> list[int]:
     """Powers of two that divide the node, the domain and (when stated) the heads: the TP a user would try."""
     out, t = [], 1
     while t <= config.gpus_per_node:
-        if config.gpus_per_node % t == 0 and config.world_size % t == 0 and (not config.attention_heads or config.attention_heads % t == 0):
+        heads_ok = not config.attention_heads or config.attention_heads % t == 0
+        if config.gpus_per_node % t == 0 and config.world_size % t == 0 and heads_ok:
             out.append(t)
         t *= 2
     return out
