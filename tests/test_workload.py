@@ -173,3 +173,20 @@ def test_fit_to_domain_errors_or_truncates():
     cut = fit_to_domain(batch, 4096, truncate=True)
     assert list(cut.lengths) == [100, 4096, 4096] and [i.enc for i in cut[1].images] == [1000, 3000]
     assert truncate_sample(Sample(0, 10), 20) == Sample(0, 10)
+
+
+def test_the_published_distributions_match_their_papers():
+    # FlexSP's Wikipedia, rebuilt from its percentiles, against the statistics it publishes besides them:
+    # mean 1,014 tokens; 78.8 % of documents <= 1K holding 24.9 % of the tokens; 84.9 % of tokens <= 16K.
+    wiki = LengthSource.from_args(dist="wikipedia").draw(global_batch=200_000, seed=0, capacity=10**7).lengths
+    assert abs(wiki.mean() / 1014 - 1) < 0.03
+    assert abs(np.mean(wiki <= 1024) - 0.788) < 0.01 and abs(wiki[wiki <= 1024].sum() / wiki.sum() - 0.249) < 0.01
+    assert abs(wiki[wiki <= 16384].sum() / wiki.sum() - 0.849) < 0.01
+    # Megatron's example: mu = ln(1024) - sigma^2 / 2, clipped to 128-8192 (mean ~907, a quarter at 128).
+    dcp = LengthSource.from_args(dist="dcp-lognormal").draw(global_batch=200_000, seed=0, capacity=10**7).lengths
+    assert abs(dcp.mean() - 907) < 10 and abs(np.mean(dcp == 128) - 0.26) < 0.01 and dcp.max() == 8192
+    # DHP's burst: one 128K sample in about half the batches, fillers 512-4K.
+    bursts = [LengthSource.from_args(dist="burst").draw(global_batch=128, seed=0, index=k, capacity=64 * 8192).lengths
+              for k in range(200)]
+    assert 0.4 < np.mean([b.max() == 131072 for b in bursts]) < 0.6
+    assert all(np.sum(b > 4096) <= 1 and b.min() >= 512 for b in bursts)

@@ -19,10 +19,13 @@ from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")
+CP_COMMS = ("ring", "all-to-all")
+"""How a context-parallel group exchanges attention inputs: ring (Megatron's CP: every rank sees every other
+rank's keys and values) or all-to-all (DeepSpeed-Ulysses, FlexSP: heads scattered, sequence gathered)."""
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
-                 "rank_speeds", "speed_scales_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
+                 "rank_speeds", "speed_scales_comm", "cp_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
                  "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
@@ -178,6 +181,13 @@ class CostConfig:
     cores (gloo on a CPU, where a busy neighbour takes the copies' time too, and `profile` sets it on gloo),
     false where links and copy engines carry them (NCCL on GPUs, the reference model). With it a group's
     whole time, lambda included, divides by its slowest rank's speed."""
+    cp_comm: str = "ring"
+    """How a context-parallel group of d ranks exchanges attention inputs, and so how its comm scales:
+    `ring` (Megatron's context parallelism, the reference model: each rank receives the other ranks' keys and
+    values, gamma L (d - 1) / d bytes) or `all-to-all` (DeepSpeed-Ulysses, as FlexSP runs it: each rank sends
+    (d - 1) / d of its own L / d tokens' attention inputs and outputs, gamma L (d - 1) / d^2; gamma is then
+    those bytes per token, 4 all-to-alls x 2 x hidden x bytes x layers). The planners do not check that d
+    divides the heads, which all-to-all needs."""
     tensor_parallel: int = 1
     """t: each domain position is a tensor-parallel group of t GPUs of one node, with sequence parallelism.
     The other keys then describe one GPU without tensor parallelism (world_size and gpus_per_node count GPUs,
@@ -217,6 +227,8 @@ class CostConfig:
         self.domain  # noqa: B018 - validates the domain fields
         if self.merge < 1:
             raise DhpError(f"cost key 'merge' = {self.merge!r} must be an integer >= 1 (encoder tokens per LLM token)")
+        if self.cp_comm not in CP_COMMS:
+            raise DhpError(f"cost key 'cp_comm' = {self.cp_comm!r} is unknown; use one of {', '.join(CP_COMMS)}")
         if self.encoder_placement not in ENCODER_PLACEMENTS:
             raise DhpError(f"cost key 'encoder_placement' = {self.encoder_placement!r} is unknown; use one of "
                            f"{', '.join(ENCODER_PLACEMENTS)}")

@@ -2,7 +2,7 @@
 
 For a sample of length L on a group of d ranks:
     compute(L, d) = (a L^2 + b L + sum_images (e sum_blocks B^2 + f P)) / d
-    comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw
+    comm(L, d)    = 0 if d == 1 else gamma L (d - 1) / d / bw      (ring; all-to-all: gamma L (d - 1) / d^2 / bw)
     t(L, d)       = max(compute, comm) if overlap_comm else compute + comm
 where bw is the intra-node bandwidth when all the group's ranks sit on one node. A microbatch costs
 m + sum t and is feasible only if sum L / d <= M. Three optional terms, 0 in the reference model and set by
@@ -54,6 +54,7 @@ class ReferenceCostModel:
         # `auto` is resolved by the planner (solver.encoder_auto); until then the model prices as split.
         self.encoder_placement = config.encoder_placement
         self._pricing = "split" if config.encoder_placement == "auto" else config.encoder_placement
+        self.all_to_all = config.cp_comm == "all-to-all"
 
     def with_placement(self, placement: str) -> ReferenceCostModel:
         """This model with the encoder run as `placement`."""
@@ -97,6 +98,8 @@ class ReferenceCostModel:
         if not nominal:
             compute = compute / speed
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
+        if self.all_to_all:  # each rank sends its own L / d tokens' share
+            comm = comm / d
         if not nominal and c.speed_scales_comm:
             comm = comm / speed
         t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
@@ -164,7 +167,8 @@ class ReferenceCostModel:
         Within one bandwidth regime t(d) = max((W - F)/d + F, c(d-1)/d) (F: the undivided part, 0 but under
         `replicate`) is minimised where the two terms cross, at d* = 1 + W/(c - F), and t(d) = (W - F)/d + F +
         c(d-1)/d is monotone in d; so the optimum is one of a few candidates per sample (range ends, node
-        boundary, the crossing), evaluated vectorised.
+        boundary, the crossing), evaluated vectorised. Under all-to-all comm, c(d-1)/d^2, both terms fall with
+        d from 2 on, so the range ends and the node boundary hold it (the crossings are merely evaluated too).
         """
         tokens = np.asarray(tokens, dtype=np.float64)
         fixed = fixed_work(work)
@@ -201,8 +205,8 @@ class ReferenceCostModel:
         bound on `global`'s encoder phase.
 
         d ranges over feasible degrees (the memory rule's minimum, `Footprint.min_degree`: ceil(L / M) without
-        encoder memory, and d <= N) with the best placement. d t(L, d) is non-decreasing in d for both overlap
-        modes (compute total is fixed, communication grows), so the first term takes the minimum. With encoder
+        encoder memory, and d <= N) with the best placement. d t(L, d) is non-decreasing in d for both overlap modes and both comm
+        forms (compute total is fixed, communication grows), so the first term takes the minimum. With encoder
         memory L / M is the shared footprint over the cap (a microbatch's ranks hold at least that share).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))

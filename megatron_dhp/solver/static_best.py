@@ -71,9 +71,10 @@ def steps(model: CostModel, batches: Sequence[Batch], planner) -> tuple[float, .
         return (float("inf"),) * len(batches)
 
 
-def tune_static(base: CostConfig, batches: Sequence[Batch]) -> list[Layout]:
-    """Every static (TP, CP) layout that holds the longest sample, fastest first."""
-    longest = max(int(b.lengths.max()) for b in batches)
+def tune_static(base: CostConfig, batches: Sequence[Batch], longest: int | None = None) -> list[Layout]:
+    """Every static (TP, CP) layout that holds the longest sample (`longest`: the run's, when the batches do
+    not hold it, as a run at a fixed context length must), fastest first."""
+    longest = max([int(b.lengths.max()) for b in batches] + [longest or 0])
     layouts = []
     for t, model in models(base).items():
         domain = model.domain

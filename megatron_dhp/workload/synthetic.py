@@ -79,6 +79,40 @@ def _draw_giant(
     return _from_lengths(lengths)
 
 
+def _draw_quantiles(
+    rng: np.random.Generator, n: int, *, capacity: int, quantiles: tuple[tuple[float, int], ...], shortest: int,
+    longest: int,
+) -> list[Sample]:
+    """Inverse-CDF draws from published percentiles: log(length) linear in -log(1 - p) between them (a power
+    law between neighbours, so the tail keeps its shape), from `shortest` at p = 0 linear in p up to the first,
+    the last segment's slope beyond the last, cut at `longest` and at the capacity."""
+    p = np.array([q[0] for q in quantiles])
+    log_len = np.log([q[1] for q in quantiles])
+    u_knots, u = -np.log1p(-p), -np.log1p(-rng.random(n))
+    out = np.interp(u, u_knots, log_len)
+    head = u < u_knots[0]
+    out[head] = np.log(shortest) + (log_len[0] - np.log(shortest)) * u[head] / u_knots[0]
+    tail = u > u_knots[-1]
+    slope = (log_len[-1] - log_len[-2]) / (u_knots[-1] - u_knots[-2])
+    out[tail] = log_len[-1] + slope * (u[tail] - u_knots[-1])
+    return _from_lengths(np.clip(np.rint(np.exp(out)), shortest, min(longest, capacity)).astype(np.int64))
+
+
+def _draw_clipped_lognormal(
+    rng: np.random.Generator, n: int, *, capacity: int, mean: float, sigma: float, lo: int, hi: int,
+) -> list[Sample]:
+    return _from_lengths(_lognormal(rng, n, mean * np.exp(-sigma**2 / 2), sigma, lo, min(hi, capacity)))
+
+
+def _draw_burst(
+    rng: np.random.Generator, n: int, *, capacity: int, burst_prob: float, burst: int, filler: tuple[int, int],
+) -> list[Sample]:
+    lengths = rng.integers(filler[0], filler[1] + 1, n)
+    if rng.random() < burst_prob:
+        lengths[0] = min(burst, capacity)
+    return _from_lengths(lengths)
+
+
 def _draw_multimodal(
     rng: np.random.Generator, n: int, *, capacity: int, text_median: int, image_prob: float, max_images: int,
     tiled_prob: float, max_tiles: int, video_prob: float, video_frames: tuple[int, int], tile: tuple[int, int],
@@ -135,6 +169,27 @@ DISTRIBUTIONS: dict[str, Distribution] = {
             "one sample at 90% of the domain's capacity N x M among short log-normal ones (median 1K)",
             dict(giant_fraction=0.9, median=1024, sigma=0.8),
             _draw_giant,
+        ),
+        Distribution(
+            "wikipedia",
+            "FlexSP's Wikipedia lengths (ASPLOS'25), rebuilt from its published percentiles: mean 997 (published "
+            "1,014), 79% of documents <= 1K holding 25% of the tokens, p99.99 101K",
+            dict(quantiles=((0.10, 87), (0.25, 146), (0.50, 347), (0.75, 862), (0.90, 2112), (0.95, 3720),
+                            (0.99, 10919), (0.999, 37353), (0.9999, 101537)), shortest=16, longest=1_820_000),
+            _draw_quantiles,
+        ),
+        Distribution(
+            "burst",
+            "the DHP paper's synthetic burst: with probability 0.5 one 128K-token sample, among uniform 512-4K fillers",
+            dict(burst_prob=0.5, burst=131072, filler=(512, 4096)),
+            _draw_burst,
+        ),
+        Distribution(
+            "dcp-lognormal",
+            "Megatron-LM's dynamic-CP example (examples/dynamic_context_parallel): log-normal of mean 1024, sigma "
+            "1.5, clipped to 128-8192 (mean 907; 26% at 128)",
+            dict(mean=1024, sigma=1.5, lo=128, hi=8192),
+            _draw_clipped_lognormal,
         ),
         Distribution(
             "multimodal",

@@ -254,6 +254,30 @@ def test_dhp_never_plans_worse_than_static_cp_on_a_batch_one_video_dominates(mon
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s > 1.3 * static
 
 
+def test_dhp_is_never_behind_static_cp_at_a_larger_cp_than_the_batch_needs(monkeypatch):
+    # The DHP paper's burst (one 128K sample among 127 short ones) on 16 positions of 32K tokens, inter-node
+    # at 12.5 GB/s: the whole domain as one group runs everything in one microbatch (1.002x the bound), and
+    # static CP 16 finds it; dhp's own drafts put the burst alone first (1.3 % slower). Static's layouts at
+    # every CP from the batch's smallest up to N are its fallback now.
+    from dataclasses import replace
+
+    from megatron_dhp.cost import CostConfig
+    from megatron_dhp.solver.static import StaticPlanner
+
+    cost = replace(CostConfig.load("gpt7b-64"), world_size=16, gpus_per_node=4, max_tokens_per_rank=32768,
+                   attn_s_per_token2=1.96e-9, linear_s_per_token=6.3e-5, comm_bytes_per_token=4.1e4,
+                   intra_node_bytes_per_s=56e9, inter_node_bytes_per_s=12.5e9)
+    model = build_cost_model(cost)
+    batch = LengthSource.from_args(dist="burst").draw(global_batch=128, seed=0, capacity=model.domain.capacity)
+    assert int(batch.lengths.max()) == 131072
+    statics = [run_planner(StaticPlanner(dataset_max_tokens=cp * 32768), batch, model).predicted_step_time_s
+               for cp in (4, 8, 16)]
+    dhp = run_planner(build_planner("dhp"), batch, model).predicted_step_time_s
+    assert dhp <= min(statics)
+    monkeypatch.setattr("megatron_dhp.solver.dhp.planner.static_layouts", lambda inst, batch, beat_s: [])
+    assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s > 1.01 * min(statics)
+
+
 def test_wide_groups_of_a_node_or_less_may_straddle_nodes_without_a_family():
     # 3 nodes of 8, comm overlapped: four samples of 6 ranks' memory (5.5 M tokens) and 24 short ones. Inside
     # nodes only three 6-wide groups fit at once (the fourth waited: 4.78 s); on 6-rank windows at multiples

@@ -4,8 +4,10 @@ For each candidate cell size (the divisors of the node size), samples that need 
 would run longer than the lower bound on one, become wide groups of just enough ranks, placed skyline-style;
 everything else is packed into the cells' remaining rank runs by LPT with microbatch best-fit, then
 rebalanced by local moves. The candidate whose draft is fastest, if still far from its bound, is built again
-with wide samples grown, in columns of their own degree (`columns.py`) and multifit-packed (`multifit`). The
-shortest simulated step wins. With rank speeds (`CostModel.group_speed`) every group is priced at its slowest rank's
+with wide samples grown, in columns of their own degree (`columns.py`) and multifit-packed (`multifit`). Far
+from its bound, static CP's layouts are tried too (at the batch's smallest CP and each double of it: one
+group of the whole domain can hold a giant sample and all the short ones in one microbatch). The shortest
+simulated step wins. With rank speeds (`CostModel.group_speed`) every group is priced at its slowest rank's
 speed and bins never mix speeds, so slow ranks get less work, share groups with each other, or idle. Every
 choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
@@ -324,14 +326,15 @@ class DhpPlanner(Planner):
         ]
         if best.makespan_s <= target * (1 + self.gap):
             return groups
-        # Far from the bound: static CP's layout may still be faster. Its longest replica's microbatches back to
-        # back end no sooner than the draft (whose makespan is its simulated step, from the same tables): then
-        # the draft stands without simulating either.
+        # Far from the bound: a static CP layout may still be faster, at the batch's smallest CP or a larger one
+        # (one group of the whole domain can hold a giant sample and every short one in one microbatch). A
+        # layout whose longest replica's microbatches back to back end no sooner than the draft (whose makespan
+        # is its simulated step, from the same tables) is dropped without simulating either.
         others = []
-        static = StaticPlanner().solve(batch, model)
-        floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
-        if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
-            others.append(static)
+        for static in static_layouts(inst, batch, best.makespan_s):
+            floor = max((sum(times) for times in inst.layout_times(static)), default=0.0)
+            if floor < best.makespan_s and (family is None or all(family.contains(g.ranks) for g in static)):
+                others.append(static)
         if family is None:  # with any groups, a default family's plan too: its few sizes can pack wide samples better
             shape = group_family(domain.world_size, domain.gpus_per_node, DEFAULT_MAX_GROUPS_PER_RANK)
             others += [g for g in [self.search(batch, model, shape, 1, beat_s=best.makespan_s)] if g is not None]
@@ -351,6 +354,21 @@ class DhpPlanner(Planner):
                 draft = multifit(inst, cand, degrees_of, draft, max_moves=self.max_moves, probes=self.probes,
                                  straddle=straddle, beat_s=beat_s)
         return draft
+
+
+def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[PlanGroup]]:
+    """Static CP's layouts of the batch: at its smallest CP (`StaticPlanner`'s choice) and at every double of it
+    that divides the domain, but those whose replicas' mean time alone (all ranks nominal) reaches `beat_s`."""
+    model = inst.model
+    first = StaticPlanner().solve(batch, model)
+    layouts, n, cap = [first], model.domain.world_size, model.domain.max_tokens_per_rank
+    cp = 2 * len(first[0].ranks)
+    while cp <= n and n % cp == 0:
+        mean_s = float(inst.times(cp, model.is_intra(range(cp))).sum()) * cp / n
+        if not inst.nominal or mean_s < beat_s:
+            layouts.append(StaticPlanner(dataset_max_tokens=cp * cap).solve(batch, model))
+        cp *= 2
+    return layouts
 
 
 def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
@@ -391,7 +409,7 @@ def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], sta
     """The candidate layout whose step is the shortest (the first of equals): simulated, or at P = `stages` > 1
     run by the 1F1B simulator with its microbatches priced from the instance's tables.
 
-    Without PP the candidates are dhp's plan and static CP's layout: a batch with little work and one sample
+    Without PP the candidates are dhp's plan and static CP's layouts: a batch with little work and one sample
     that dominates it (a video of a CPU-sized multimodal batch) can make dhp give that sample a wide group
     whose collectives cost more than they save, where static CP's layout is faster."""
     plans = [draft_plan(inst, batch, groups, stages) for groups in candidates]
