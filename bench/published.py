@@ -18,6 +18,10 @@ cannot take (docs/planners.md#published-results-re-simulated holds the table and
   of the same scheduler).
 
     python bench/published.py [--batches 5] [--time-limit 5] [--settings flexsp-wiki-192k,...] [--json out.json]
+
+Columns: the published ratio; the baseline's and their plan's mean simulated step (priced as they
+communicate); their plan, dhp and dhp at its best TP against the baseline, their plan and static-best (the
+(TP, CP) layout a Megatron user tunes, ring); each a mean over batches of per-batch ratios.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from megatron_dhp.cost import CostConfig, build_cost_model
-from megatron_dhp.solver import PlannerContext, build_planner
+from megatron_dhp.cost import CostConfig, CostModel, build_cost_model
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver import Planner, PlannerContext, build_planner
 from megatron_dhp.solver.dhp import DhpPlanner
 from megatron_dhp.solver.static import StaticPlanner
 from megatron_dhp.solver.static_best import steps, tune_dhp, tune_static
@@ -40,8 +45,9 @@ from megatron_dhp.workload import LengthSource
 from megatron_dhp.workload.batches import truncate_sample
 from megatron_dhp.workload.sample import Batch
 
-ULYSSES = dict(cp_comm="all-to-all", comm_bytes_per_token=4 * 2 * 4096 * 2 * 32)
-"""DeepSpeed-Ulysses as FlexSP runs it: 4 all-to-alls each way per layer of a token's bf16 hidden state."""
+ULYSSES = dict(cp_comm="all-to-all", comm_bytes_per_token=4 * 2 * 4096 * 2 * 32, overlap_comm=False)
+"""DeepSpeed-Ulysses as FlexSP runs and prices it: 4 all-to-alls each way per layer of a token's bf16 hidden
+state, on the critical path (FlexSP's model adds them to compute)."""
 FLEXSP = dict(max_tokens_per_rank=6144, microbatch_overhead_s=0.6294, intra_node_bytes_per_s=100e9,
               inter_node_bytes_per_s=6e9, attention_heads=64, tp_comm_bytes_per_token=8 * 4096 * 2 * 32)
 """GPT-6.7B as FlexSP fits and runs it: beta, its 28 GB budget (~6K tokens a GPU), its all-to-all bandwidths
@@ -62,6 +68,34 @@ def dcp_config(n: int) -> dict:
                 attn_s_per_token2=5.128e-9 * (12 * 2048) / (32 * 4096), linear_s_per_token=1.84e-4 * 0.87 / 6.7,
                 comm_bytes_per_token=1.5e6 * (12 * 2048) / (32 * 4096), microbatch_overhead_s=0.005,
                 attention_heads=16, tp_comm_bytes_per_token=8 * 2048 * 2 * 12)
+
+
+@dataclass
+class DpBalanced(Planner):
+    """Megatron-LM's `--sequence-packing-scheduler dp_balanced` (megatron/core/datasets/data_schedule.py on
+    dev), as the DCP example's baseline runs: samples in arrival order, next-fit into packs of CP x M tokens;
+    the pack count evened to a multiple of DP by splitting samples off the last packs into packs of their own;
+    microbatch i gives DP replica r pack i x DP + r. Unlike `static` it does not sort or balance by time."""
+
+    cp: int = 4
+    name: str = "dp-balanced"
+
+    def solve(self, batch: Batch, model: CostModel) -> list[PlanGroup]:
+        """One group per DP replica of `cp` contiguous ranks, its packs in order."""
+        cap, dp = self.cp * model.domain.max_tokens_per_rank, model.domain.world_size // self.cp
+        packs: list[list[int]] = [[]]
+        for s in batch.samples:
+            if packs[-1] and sum(batch.samples[i].tokens for i in packs[-1]) + s.tokens > cap:
+                packs.append([])
+            packs[-1].append(s.id)
+        last = len(packs) - 1
+        while len(packs) % dp:  # a sample off the last pack that holds more than one, into a pack of its own
+            while len(packs[last]) < 2:
+                last -= 1
+            packs.append([packs[last].pop()])
+        return [PlanGroup(ranks=tuple(range(r * self.cp, (r + 1) * self.cp)),
+                          microbatches=tuple(tuple(packs[i]) for i in range(r, len(packs), dp)))
+                for r in range(dp)]
 
 
 @dataclass(frozen=True)
@@ -115,7 +149,8 @@ def measure(setting: Setting, count: int, time_limit_s: float) -> dict:
     ours = build_cost_model(config)
     theirs = build_cost_model(replace(config, **setting.their_comm))
     drawn = batches(setting, ours.domain.capacity, count)
-    baseline = StaticPlanner(dataset_max_tokens=setting.baseline_cp * ours.domain.max_tokens_per_rank)
+    baseline = (DpBalanced(setting.baseline_cp) if setting.system == "megatron-hcp" else
+                StaticPlanner(dataset_max_tokens=setting.baseline_cp * ours.domain.max_tokens_per_rank))
     system = build_planner(setting.system, PlannerContext(time_limit_s=time_limit_s))
     best_static, best_dhp = tune_static(config, drawn, setting.context)[0], tune_dhp(config, drawn)[0]
     return {"baseline": steps(theirs, drawn, baseline), "system": steps(theirs, drawn, system),
@@ -149,14 +184,16 @@ def main() -> None:
             progress.advance(task)
     table = Table(title=f"published results re-simulated ({args.batches} batches each; mean of per-batch ratios)")
     for col in ("setting", "published", "measured", "baseline s", "their plan s", "their plan / baseline",
-                "dhp / baseline", "dhp / their plan", "static-best", "dhp best TP / static-best"):
+                "dhp / baseline", "dhp / their plan", "static-best", "static-best / their plan",
+                "dhp best TP / static-best"):
         table.add_column(col, justify="left" if col in ("setting", "published", "static-best") else "right")
     for name in names:
         s, r = SETTINGS[name], results[name]
         table.add_row(name, s.source, f"{s.measured:.2f}x", f"{np.mean(r['baseline']):.3f}", f"{np.mean(r['system']):.3f}",
                       f"{ratio(r['baseline'], r['system']):.2f}x",
                       f"{ratio(r['baseline'], r['dhp']):.2f}x", f"{ratio(r['system'], r['dhp']):.3f}x",
-                      r["static-best layout"], f"{ratio(r['static-best'], r['dhp-best-tp']):.2f}x (TP {r['dhp TP']})")
+                      r["static-best layout"], f"{ratio(r['static-best'], r['system']):.2f}x",
+                      f"{ratio(r['static-best'], r['dhp-best-tp']):.2f}x (TP {r['dhp TP']})")
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -61,6 +61,19 @@ def plans(batch: Batch, model, rng: random.Random) -> list:
     return out + [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
 
 
+def assert_best_bound_holds(model, seed: int, size: int) -> None:
+    """`best_lower_bound` is never above dhp's or five random valid plans' simulated steps (a random batch of
+    `size` samples that fits the model's domain)."""
+    rng = random.Random(seed)
+    batch = random_batch(rng, model.domain.capacity, size)
+    assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)
+    bound = best_lower_bound(model, batch.samples)
+    candidates = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
+    candidates.append(run_planner(build_planner("dhp"), batch, model))
+    for plan in candidates:
+        assert bound <= simulate(plan, model).step_time_s * (1 + 1e-9), plan.planner
+
+
 @settings(max_examples=40, deadline=None)
 @given(overrides=variants, seed=st.integers(0, 2**31 - 1), size=st.integers(1, 40))
 def test_bound_never_above_a_valid_plan(overrides, seed, size):

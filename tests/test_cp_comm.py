@@ -3,21 +3,17 @@ the bound still a bound, a bad form a clear error; ring stays the default and th
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.cost.bound import best_lower_bound
+from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.errors import DhpError
-from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload.sample import Sample
-from tests.test_bound import random_batch
+from tests.test_bound import assert_best_bound_holds
 
 BASE = CostConfig.load("gpt7b-64")
 ULYSSES_BYTES = 4 * 2 * 4096 * 2 * 32
@@ -64,15 +60,7 @@ def test_the_best_degree_is_the_brute_force_minimum(overlap):
 def test_the_bound_stays_a_bound_under_all_to_all(seed, size, overlap):
     config = replace(BASE, world_size=16, cp_comm="all-to-all", comm_bytes_per_token=ULYSSES_BYTES,
                      overlap_comm=overlap)
-    model = build_cost_model(config)
-    rng = random.Random(seed)
-    batch = random_batch(rng, model.domain.capacity, size)
-    assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)
-    bound = best_lower_bound(model, batch.samples)
-    plans = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
-    plans.append(run_planner(build_planner("dhp"), batch, model))
-    for plan in plans:
-        assert bound <= simulate(plan, model).step_time_s * (1 + 1e-9), plan.planner
+    assert_best_bound_holds(build_cost_model(config), seed, size)
 
 
 def test_an_unknown_comm_form_is_a_clear_error():

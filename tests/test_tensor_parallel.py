@@ -8,17 +8,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.cost.bound import best_lower_bound
-from megatron_dhp.cost.tensor_parallel import per_position
+from megatron_dhp.cost.tensor_parallel import fit_tensor_parallel, per_position
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload.sample import Sample
-from tests.test_bound import random_batch
+from tests.test_bound import assert_best_bound_holds, random_batch
 
 BASE = CostConfig.load("gpt7b-64")
 GPT7B_TP_BYTES = 8 * 4096 * 2 * 32
@@ -61,15 +59,7 @@ def test_a_position_of_t_gpus_by_hand(t, overlap):
 def test_the_bound_stays_a_bound_under_tensor_parallelism(seed, t, size, overlap):
     config = replace(BASE, world_size=16, tensor_parallel=t, tp_efficiency=0.85, tp_comm_bytes_per_token=GPT7B_TP_BYTES,
                      overlap_comm=overlap)
-    model = build_cost_model(config)
-    rng = random.Random(seed)
-    batch = random_batch(rng, model.domain.capacity, size)
-    assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)
-    bound = best_lower_bound(model, batch.samples)
-    plans = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
-    plans.append(run_planner(build_planner("dhp"), batch, model))
-    for plan in plans:
-        assert bound <= simulate(plan, model).step_time_s * (1 + 1e-9), plan.planner
+    assert_best_bound_holds(build_cost_model(config), seed, size)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -130,3 +120,28 @@ def test_the_token_cap_of_a_position_from_a_memory_budget():
 def test_a_memory_budget_needs_the_activations_per_token():
     with pytest.raises(DhpError, match="'memory_budget_bytes' needs activation_bytes_per_token"):
         replace(BASE, memory_budget_bytes=80e9)
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_fitting_the_tp_terms_recovers_them(t):
+    # A position priced from known terms, read back as a profile would (tensor_parallel 1, non-overlapped):
+    # the fit returns the efficiency and the collectives' bytes it was made with.
+    one = replace(BASE, kind="profiled", overlap_comm=False)
+    truth = replace(one, tensor_parallel=t, tp_efficiency=0.83, tp_comm_bytes_per_token=GPT7B_TP_BYTES)
+    position = replace(per_position(truth), description="position")
+    fitted = fit_tensor_parallel(one, position, t)
+    assert fitted.tp_efficiency == pytest.approx(0.83, rel=1e-12)
+    assert fitted.tp_comm_bytes_per_token == pytest.approx(GPT7B_TP_BYTES, rel=1e-9)
+    again = per_position(replace(fitted, tensor_parallel=t))
+    assert again.attn_s_per_token2 == pytest.approx(position.attn_s_per_token2, rel=1e-12)
+    assert again.linear_s_per_token == pytest.approx(position.linear_s_per_token, rel=1e-12)
+
+
+def test_fitting_the_tp_terms_refuses_what_it_cannot_measure():
+    one = replace(BASE, kind="profiled", overlap_comm=False)
+    with pytest.raises(DhpError, match="needs a position profiled at TP >= 2, not 1"):
+        fit_tensor_parallel(one, one, 1)
+    with pytest.raises(DhpError, match="attention coefficient a > 0"):
+        fit_tensor_parallel(one, replace(one, attn_s_per_token2=0.0), 2)
+    # faster than t GPUs (caches): efficiency 1, never above
+    assert fit_tensor_parallel(one, replace(one, attn_s_per_token2=one.attn_s_per_token2 / 3), 2).tp_efficiency == 1.0

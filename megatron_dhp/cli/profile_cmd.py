@@ -10,6 +10,7 @@ grid's rounds (printing their predicted vs measured time), and writes a YAML tha
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from megatron_dhp.cli.train_cmd import add_train_args
 
@@ -32,6 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(all but the first 2 steps), each printed (default 16; 0 skips them)")
     p.add_argument("--reps", type=int, default=5, metavar="R", help="timed repetitions per point, median kept (default 5)")
     p.add_argument("--out", default="profiled_cost.yaml", metavar="YAML", help="where to write the cost model")
+    p.add_argument("--tp", type=int, metavar="T", help="tensor-parallel size the ranks profile at; the domain is "
+                                                       "their positions (overrides train.tp)")
+    p.add_argument("--tp-from", metavar="YAML",
+                   help="with --tp > 1: this job's profile at TP 1 (same model and device); fit the tensor-parallel "
+                        "efficiency and collectives from the two and write them into a copy of it (--tp-out), "
+                        "the one-GPU form that prices TP layouts (docs/cost-model.md#tensor-parallelism)")
+    p.add_argument("--tp-out", default="profiled_cost_tp.yaml", metavar="YAML",
+                   help="where --tp-from writes the one-GPU config with the fitted TP terms")
     p.set_defaults(run=run)
 
 
@@ -56,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--data-points", args.data_points), ("--calibration-steps", args.calibration_steps)):
         if value < 0:
             raise DhpError(f"{flag} {value} must be 0 or more")
+    one_gpu = _tp_baseline(args, config)
     lengths = _parse_lengths(args.lengths)
     ranks = config.train.num_ranks // config.train.tp
     grid = default_grid(num_ranks=ranks, max_tokens_per_rank=config.dhp.max_tokens_per_rank, lengths=lengths)
@@ -89,7 +99,36 @@ def run(args: argparse.Namespace) -> int:
                           f"({100 * (predicted / measured - 1):+.1f}%)")
     c.save(args.out)
     console.print(f"wrote {args.out}; use it with `megatron-dhp train --cost {args.out}` (or plan / simulate --cost)")
+    if one_gpu is not None:
+        from megatron_dhp.cost.tensor_parallel import fit_tensor_parallel
+
+        t = config.train.tp
+        fitted = replace(fit_tensor_parallel(one_gpu, c, t), attention_heads=config.model.num_attention_heads)
+        console.print(f"TP {t} against {args.tp_from}: speed-up {one_gpu.attn_s_per_token2 / c.attn_s_per_token2:.2f}x "
+                      f"on attention -> tp_efficiency {fitted.tp_efficiency:.3f}; linear {c.linear_s_per_token:.3e} "
+                      f"s/token vs {one_gpu.linear_s_per_token:.3e} at TP 1 -> tp_comm_bytes_per_token "
+                      f"{fitted.tp_comm_bytes_per_token:.4g}")
+        fitted.save(args.tp_out)
+        console.print(f"wrote {args.tp_out}: the TP 1 profile with these terms (set tensor_parallel: {t} in it to price "
+                      "positions of that TP)")
     return 0
+
+
+def _tp_baseline(args: argparse.Namespace, config):
+    """The TP 1 profile `--tp-from` names (None without it), checked against this job before any timing."""
+    from megatron_dhp.cost import CostConfig
+    from megatron_dhp.errors import DhpError
+
+    if args.tp_from is None:
+        return None
+    if config.train.tp < 2:
+        raise DhpError(f"--tp-from needs this job at tensor parallelism >= 2 (train.tp = {config.train.tp}): "
+                       "profile once at --tp 1, then at --tp t with --tp-from the first profile")
+    one = CostConfig.load(args.tp_from)
+    if one.kind != "profiled" or one.tensor_parallel != 1:
+        raise DhpError(f"--tp-from {args.tp_from!r} must be a profile written by `megatron-dhp profile` at TP 1 "
+                       f"(kind profiled, tensor_parallel 1; it has kind {one.kind}, tensor_parallel {one.tensor_parallel})")
+    return one
 
 
 def load_profile_config(args: argparse.Namespace):
@@ -97,7 +136,7 @@ def load_profile_config(args: argparse.Namespace):
     from megatron_dhp.cli.train_cmd import load_config
 
     args.steps = None
-    return load_config(args)
+    return load_config(args, train={"tp": getattr(args, "tp", None)})
 
 
 def _parse_lengths(text: str | None) -> tuple[int, ...]:

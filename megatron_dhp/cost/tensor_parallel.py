@@ -71,3 +71,26 @@ def per_position(config: CostConfig) -> CostConfig:
         tensor_parallel=1,
         description=f"{config.description} (a position: TP {t} of these GPUs)",
     )
+
+
+def fit_tensor_parallel(one_gpu: CostConfig, position: CostConfig, t: int) -> CostConfig:
+    """`one_gpu` with the tensor-parallel terms that make its position at t match `position`, both profiled
+    on the same device and model (`megatron-dhp profile` at TP 1, then at TP t with `--tp-from`): the speed-up
+    from the attention coefficients, s_t = a_1 / a_t, gives the efficiency (s_t / t)^(1 / log2 t); what the
+    linear coefficient has beyond b_1 / s_t is the TP collectives' seconds per token (the profiles are fitted
+    without overlap), written as bytes at one_gpu's intra-node bandwidth. A speed-up above t (caches) keeps
+    efficiency 1."""
+    if t < 2:
+        raise DhpError(f"fitting tensor-parallel terms needs a position profiled at TP >= 2, not {t}")
+    if one_gpu.tensor_parallel != 1 or position.tensor_parallel != 1:
+        raise DhpError("fit the tensor-parallel terms from two profiled configs (tensor_parallel 1 each: one of a "
+                       "GPU, one of a position of t GPUs)")
+    if not (one_gpu.attn_s_per_token2 > 0 and position.attn_s_per_token2 > 0):
+        raise DhpError("both profiles need an attention coefficient a > 0 to measure the speed-up; profile longer "
+                       "--lengths")
+    speedup = one_gpu.attn_s_per_token2 / position.attn_s_per_token2
+    efficiency = min(1.0, (speedup / t) ** (1.0 / math.log2(t)))
+    comm_s = max(0.0, position.linear_s_per_token - one_gpu.linear_s_per_token / tp_speedup(t, efficiency))
+    return replace(one_gpu, tp_efficiency=efficiency,
+                   tp_comm_bytes_per_token=comm_s * one_gpu.intra_node_bytes_per_s * t / (t - 1),
+                   description=f"{one_gpu.description}; TP terms fitted at TP {t} ({position.description})")

@@ -180,7 +180,7 @@ DISTRIBUTIONS: dict[str, Distribution] = {
         ),
         Distribution(
             "burst",
-            "the DHP paper's synthetic burst: with probability 0.5 one 128K-token sample, among uniform 512-4K fillers",
+            "the DHP paper's synthetic burst: in half the batches one 128K-token sample, among uniform 512-4K fillers",
             dict(burst_prob=0.5, burst=131072, filler=(512, 4096)),
             _draw_burst,
         ),

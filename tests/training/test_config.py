@@ -74,7 +74,8 @@ def test_auto_rank_count_is_at_least_two_and_a_multiple_of_tp():
 @pytest.mark.parametrize("command,words", [
     ("train", ["--config", "--planner", "--save", "--save-interval", "--load", "--nproc", "--cost", "--pp"]),
     ("demo", ["--config", "--nproc", "--planners", "--calibrate", "--out", "--pp"]),
-    ("profile", ["--config", "--lengths", "--data-points", "--calibration-steps", "--reps", "--out"]),
+    ("profile", ["--config", "--lengths", "--data-points", "--calibration-steps", "--reps", "--out", "--tp",
+                 "--tp-from", "--tp-out"]),
 ])
 def test_help(command, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -89,6 +90,9 @@ def test_help(command, words, capsys):
     (["profile", "--lengths", "64,x"], "--lengths '64,x' must be comma-separated integers"),
     (["profile", "--calibration-steps", "-1"], "--calibration-steps -1 must be 0 or more"),
     (["demo", "--planners", "dhp"], "--planners 'dhp': give at least two of"),
+    (["profile", "--tp-from", "configs/tiny-gpt-cpu.yaml"], "--tp-from needs this job at tensor parallelism >= 2"),
+    (["profile", "--tp", "2", "--nproc", "2", "--tp-from", "gpt7b-64"], "must be a profile written by `megatron-dhp "
+                                                                         "profile` at TP 1 (kind profiled"),
 ])
 def test_cli_errors_are_one_line(argv, match, capsys):
     assert main(argv) == 2
