@@ -260,14 +260,15 @@ class DhpPlanner(Planner):
               pipeline_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step: every
         group one of `family`'s, or any contiguous window without one."""
-        groups = self.search(batch, model, family, pipeline_stages)
-        assert groups is not None  # nothing to beat: some draft always stands
-        return groups
+        found = self.search(batch, model, family, pipeline_stages)
+        assert found is not None  # nothing to beat: some draft always stands
+        return found[0]
 
     def search(self, batch: Batch, model: CostModel, family: GroupFamily | None, pipeline_stages: int,
-               beat_s: float = math.inf) -> list[PlanGroup] | None:
-        """`solve`, or None where no draft ends before `beat_s` (a step another search already reached: its
-        drafts stop as soon as they cannot beat it)."""
+               beat_s: float = math.inf) -> tuple[list[PlanGroup], float | None] | None:
+        """`solve`'s groups, with their draft's makespan where they are a draft as built (None where a
+        simulation chose them among other layouts); or None where no draft ends before `beat_s` (a step
+        another search already reached: its drafts stop as soon as they cannot beat it)."""
         p = pipeline_stages
         domain = model.domain
         inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p), family)
@@ -318,14 +319,14 @@ class DhpPlanner(Planner):
                 peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
-            return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p)
+            return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p), None
         groups = [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
             for g in best.groups
         ]
         if best.makespan_s <= target * (1 + self.gap):
-            return groups
+            return groups, best.makespan_s
         # Far from the bound: a static CP layout may still be faster, at the batch's smallest CP or a larger one
         # (one group of the whole domain can hold a giant sample and every short one in one microbatch). A
         # layout whose longest replica's microbatches back to back end no sooner than the draft (whose makespan
@@ -337,8 +338,11 @@ class DhpPlanner(Planner):
                 others.append(static)
         if family is None:  # with any groups, a default family's plan too: its few sizes can pack wide samples better
             shape = group_family(domain.world_size, domain.gpus_per_node, DEFAULT_MAX_GROUPS_PER_RANK)
-            others += [g for g in [self.search(batch, model, shape, 1, beat_s=best.makespan_s)] if g is not None]
-        return fastest(inst, batch, [groups, *others]) if others else groups
+            found = self.search(batch, model, shape, 1, beat_s=best.makespan_s)
+            if found is not None and found[1] is not None and not others:
+                return found  # a draft that ends before this one (the only kind it returns): no need to simulate
+            others += [found[0]] if found is not None else []
+        return (fastest(inst, batch, [groups, *others]), None) if others else (groups, best.makespan_s)
 
     def rebuilt(self, inst: Instance, cand: Candidate, degrees_of: np.ndarray, draft: Draft,
                 family: GroupFamily | None, beat_s: float = math.inf) -> Draft:
