@@ -100,6 +100,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "--multi-latent-attention with --dhp",
             "only standard self-attention takes dynamic groups",
             "drop `--multi-latent-attention`"),
+    Refusal("fully sharded data parallelism (`--use-megatron-fsdp`, `--use-torch-fsdp2`)",
+            lambda a, c: " and ".join(flag for flag, on in (("--use-megatron-fsdp", getattr(a, "use_megatron_fsdp", False)),
+                                                          ("--use-torch-fsdp2", getattr(a, "use_torch_fsdp2", False))) if on),
+            "{value} with --dhp",
+            "sharded parameters under groups that change every step are not verified yet (their gathers and "
+            "scatters run on the static data-parallel group, which is the whole domain, but no run has checked "
+            "the losses)",
+            "use `--use-distributed-optimizer`, which shards the optimizer's states over the same domain"),
     Refusal("legacy models (`--use-legacy-models`)",
             lambda a, c: getattr(a, "use_legacy_models", False),
             "--use-legacy-models with --dhp",

@@ -93,6 +93,8 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
         ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
         ([], dict(use_legacy_models=True), "--use-legacy-models"),
+        ([], dict(use_megatron_fsdp=True), "--use-megatron-fsdp with --dhp.*use --use-distributed-optimizer"),
+        ([], dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "--use-megatron-fsdp and --use-torch-fsdp2 with --dhp"),
         ([], dict(reset_attention_mask=True), "--reset-attention-mask with --dhp needs --reset-position-ids"),
         ([], dict(iterations_to_skip=[5]), "--iterations-to-skip"),
         ([], dict(rampup_batch_size=[16, 16, 1000]), "--rampup-batch-size with overlap_planning"),
