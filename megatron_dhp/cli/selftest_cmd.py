@@ -53,6 +53,8 @@ class SelftestOptions:
     family: int = DEFAULT_MAX_GROUPS_PER_RANK
     """Create the group family of this bound at start-up and draw the random plans' groups from it; 0: any
     groups, non-contiguous ones included, created as plans need them."""
+    mtp_layers: int = 0
+    """Multi-token prediction layers on the model (megatron-core's MTP block); 0: none."""
     slow_ranks: tuple[str, ...] = ()
     """`RANK:FACTOR`: those ranks hold each slot FACTOR times as long, and `dhp` plans every batch with the
     matching speeds (1 / FACTOR) instead of random plans."""
@@ -81,6 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"with --model vlm: comma-separated encoder placements, used in turn (default {','.join(CONCRETE_PLACEMENTS)})")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size, carved from the domain's ranks (with --model moe; default 1)")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="K multi-token prediction layers (megatron-core's MTP block, its loss and its token roll "
+                        "checked too; --tp 1, not with --model vlm; default 0)")
     p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
                    help="megatron-core's MoE token dispatcher (default alltoall)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
@@ -130,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
                        "is replicated over the domain")
     if args.ep > 1 and (args.model != "moe" or args.pp > 1):
         raise DhpError(f"--ep {args.ep} splits the experts of --model moe; it needs --model moe and --pp 1")
+    if args.mtp < 0 or (args.mtp and (args.tp > 1 or args.ep > 1 or args.model == "vlm")):
+        raise DhpError(f"--mtp {args.mtp} must be >= 0, with --tp 1, --ep 1 and a text model (got --tp {args.tp}, "
+                       f"--ep {args.ep}, --model {args.model}): the one-process oracle runs megatron's MTP block, "
+                       "whose cross entropy reads the job's tensor-parallel group and whose MoE layer takes its "
+                       "experts from the job's expert-parallel state")
     plan_file = None
     if args.plan is not None:
         from megatron_dhp.plan.plan import Plan
@@ -138,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file, placements, args.family, tuple(args.slow_rank or ()))
+                              plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()))
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
@@ -190,7 +200,7 @@ def worker(options: SelftestOptions) -> int:
         config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest),
                                sequence_parallel=options.sequence_parallel,
                                num_experts=4 if options.model == "moe" else 0,
-                               moe_token_dispatcher=options.moe_dispatcher)
+                               moe_token_dispatcher=options.moe_dispatcher, mtp_num_layers=options.mtp_layers)
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
         slowdowns = parse_slowdowns(options.slow_ranks)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
@@ -206,8 +216,9 @@ def worker(options: SelftestOptions) -> int:
                 tower = vlm.tower
                 moe = (f", VLM: ViT {tower.layers}x{tower.hidden_size} over tiles of {tower.patches_per_tile} "
                        f"patches -> {tower.tokens_per_tile} tokens, placements {','.join(options.placements)}")
+            mtp = f", MTP {options.mtp_layers}" if options.mtp_layers else ""
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
-                  f"{sp}{pp}{moe}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+                  f"{sp}{pp}{moe}{mtp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
             family = check.policy("mixed").family
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
         rng = random.Random(options.seed)

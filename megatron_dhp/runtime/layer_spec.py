@@ -54,6 +54,27 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
     return spec
 
 
+def mtp_block_spec(spec: ModuleSpec | TransformerBlockSubmodules, num_layers: int, *, last_stage: bool = True):
+    """megatron-core's multi-token prediction block on `spec`'s (last) layer, `num_layers` deep, for the last
+    pipeline stage (None elsewhere, and for no layers): a dynamic-CP spec gives MTP layers dynamic-CP attention,
+    and megatron-core's token roll follows megatron-dhp's layout (`runtime.mtp`). Built from the stage it is
+    told rather than megatron's parallel state, so a single-process oracle builds it too."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec_for_backend,
+    )
+
+    from megatron_dhp.runtime import mtp
+
+    if not num_layers or not last_stage:
+        return None
+    mtp.install()
+    layer = spec.layer_specs[-1] if isinstance(spec, TransformerBlockSubmodules) else spec
+    return MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec_for_backend(transformer_layer_spec=layer, backend=LocalSpecProvider())] * num_layers)
+
+
 def _swap_attention(spec: ModuleSpec, backend: str) -> None:
     """`with_dynamic_cp` on one layer spec, in place (idempotent: layers may share one spec object)."""
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)

@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
@@ -55,6 +56,7 @@ def forward_thd(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext, *,
         decoder_input=decoder_input,
         labels=mb.labels[None].to(device) if labels else None,
         packed_seq_params=params,
+        loss_mask=mb.loss_mask[None].to(device) if labels else None,  # what multi-token prediction's loss keeps
     )
 
 
@@ -179,9 +181,10 @@ def run_step(
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)
         return work.result(inputs, computed=parallel_state.is_pipeline_last_stage())
-    # A MoE router's load-balancing loss (a sum over a microbatch's tokens under per-token loss) is
-    # divided by the same global loss-token count as the main loss.
+    # A MoE router's load-balancing loss and multi-token prediction's loss (sums over a microbatch's tokens
+    # under per-token loss) are divided by the same global loss-token count as the main loss.
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
+    MTPLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))
     if inputs.vision is None:
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)

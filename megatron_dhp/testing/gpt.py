@@ -15,7 +15,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dhp.runtime.layer_spec import dhp_layer_spec
+from megatron_dhp.runtime.layer_spec import dhp_layer_spec, mtp_block_spec
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ class TinyGPTConfig:
     """megatron-core's token dispatcher: `alltoall` or `allgather` (over the expert-parallel group)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the router's load-balancing loss; it depends on how tokens are split into microbatches."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction layers (megatron-core's MTP block on the last stage; depth k predicts token
+    i + 1 + k); 0: none."""
+    mtp_loss_scaling_factor: float = 0.5
+    """Weight of the MTP loss (large, so that a wrong roll shows in the gradients)."""
 
     def layer_spec_kwargs(self) -> dict[str, object]:
         """What megatron's GPT layer-spec builders need for this model (its MoE layer, if any)."""
@@ -75,6 +80,8 @@ class TinyGPTConfig:
             attention_dropout=0.0,
             hidden_dropout=0.0,
             calculate_per_token_loss=True,
+            mtp_num_layers=self.mtp_num_layers or None,
+            mtp_loss_scaling_factor=self.mtp_loss_scaling_factor,
         )
 
     def _moe_options(self, expert_parallel: int) -> dict[str, object]:
@@ -110,10 +117,12 @@ def build_tiny_gpt(
     config = config or TinyGPTConfig()
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     stage, stages = pgs.pp.rank(), pgs.pp.size()
+    spec = spec if spec is not None else dhp_layer_spec(**config.layer_spec_kwargs())
     model = GPTModel(
         config=config.transformer_config(tensor_parallel=pgs.tp.size(), pipeline_parallel=stages,
                                          expert_parallel=pgs.ep.size() if config.num_experts else 1),
-        transformer_layer_spec=spec if spec is not None else dhp_layer_spec(**config.layer_spec_kwargs()),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(spec, config.mtp_num_layers, last_stage=stage == stages - 1),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         position_embedding_type="rope",

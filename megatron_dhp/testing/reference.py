@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron_dhp.runtime.step_data import TokenSample
 from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt
@@ -64,19 +65,31 @@ def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> Reference
     model.zero_grad(set_to_none=True)
     num_tokens = int(sum(int(s.loss_mask.sum()) for s in samples))
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / num_tokens))  # shaped as megatron-core sets it
+    MTPLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / num_tokens))
     total = 0.0
     for s in samples:
         n = s.input_ids.numel()
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
         # Logits, not megatron's loss: its unfused vocab-parallel cross entropy reads the TP group from
         # parallel_state, not from the model's collection, and would reduce over the job's TP group.
-        logits = _logits(model, s, causal)
-        per_token = F.cross_entropy(logits[0].float(), s.labels.to(device), reduction="none")
-        loss = (per_token * s.loss_mask.float().to(device)).sum()
+        loss = (_per_token_loss(model, s, causal) * s.loss_mask.float().to(device)).sum()
         (loss / num_tokens).backward()
         total += float(loss.detach())
     grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
     return ReferenceResult(loss=total / num_tokens, num_tokens=num_tokens, grads=grads)
+
+
+def _per_token_loss(model: torch.nn.Module, sample: TokenSample, causal: torch.Tensor) -> torch.Tensor:
+    """A sample's per-token losses, unmasked. With multi-token prediction megatron's own loss path, which
+    also adds the MTP layers' masked loss to the backward (on one process: its plain roll of each sample);
+    else the cross entropy of `_logits`."""
+    device = causal.device
+    labels = sample.labels.to(device)
+    if getattr(model.config, "mtp_num_layers", None):
+        positions = torch.arange(sample.length, device=device)[None]
+        return model(sample.input_ids[None].to(device), positions, causal, labels=labels[None],
+                     loss_mask=sample.loss_mask[None].float().to(device))[0].float()
+    return F.cross_entropy(_logits(model, sample, causal)[0].float(), labels, reduction="none")
 
 
 def _logits(model: torch.nn.Module, sample: TokenSample, causal: torch.Tensor) -> torch.Tensor:

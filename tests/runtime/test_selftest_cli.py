@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
         (["--ep", "2"], "--ep 2 splits the experts of --model moe; it needs --model moe and --pp 1"),
         (["--model", "moe", "--ep", "2", "--nproc", "6", "--tp", "2"], "--nproc 6 must be a positive multiple of --tp 2 x --ep 2"),
+        (["--mtp", "1", "--tp", "2", "--nproc", "2"], "--mtp 1 must be >= 0, with --tp 1, --ep 1 and a text model"),
+        (["--mtp", "-1"], "--mtp -1 must be >= 0"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
@@ -96,3 +98,17 @@ def test_selftest_vlm_checks_each_encoder_placement():
     assert all(line.endswith("| ok") for line in lines) and "all plans exact" in proc.stdout
     bad = selftest("--model", "vlm", "--tp", "2", "--nproc", "2")
     assert bad.returncode == 2 and "--model vlm runs with --tp 1 and --pp 1" in bad.stderr
+
+
+@pytest.mark.parametrize("extra", [("--nproc", "3", "--mtp", "2", "--plans", "3"),
+                                   ("--nproc", "4", "--pp", "2", "--mtp", "1", "--plans", "2", "--samples", "6")],
+                         ids=["groups-of-3", "pp2"])
+def test_selftest_multi_token_prediction_is_exact(extra):
+    # The MTP layers' tokens, positions, labels and loss mask roll across each sample's shards on its
+    # dynamic group (runtime.mtp); a roll that drops the boundary token from the next rank mismatches the
+    # oracle's gradients by ~1e-2 (tests/runtime/test_mtp_roll.py checks the roll itself).
+    proc = selftest(*extra, "--seed", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert lines and all(line.endswith("| ok") for line in lines), proc.stdout
+    assert ", MTP " in proc.stdout and "all plans exact" in proc.stdout

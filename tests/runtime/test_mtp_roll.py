@@ -1,0 +1,32 @@
+"""Multi-token prediction's roll on megatron-dhp's layout: every rank's slot takes the value of its sample's
+next position, across chunk and rank boundaries, for any group size (all ranks simulated in one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.mtp import chunk_firsts, rolled
+
+
+@pytest.mark.parametrize("seq_multiple", [1, 2])
+@pytest.mark.parametrize("group_size", [1, 2, 3, 5])
+def test_every_slot_takes_its_samples_next_position(group_size, seq_multiple):
+    lengths = (7, 1, 30, 12)
+    gen = torch.Generator().manual_seed(group_size)
+    layouts = [MicrobatchLayout(tuple(range(len(lengths))), lengths, group_size, r, seq_multiple)
+               for r in range(group_size)]
+    padded = layouts[0].padded_lengths
+    values = [torch.randint(1, 1000, (n,), generator=gen) for n in padded]  # padding slots hold values too
+    local = [torch.cat([values[i][layout.sample_positions(i)] for i in range(len(lengths))])[None]
+             for layout in layouts]
+    firsts = [chunk_firsts(x, layout) for x, layout in zip(local, layouts)]
+    for r, (x, layout) in enumerate(zip(local, layouts)):
+        nxt, prev = firsts[(r + 1) % group_size][0], firsts[(r - 1) % group_size][1]
+        out = rolled(x, layout, nxt, prev)
+        expected = torch.cat([
+            torch.tensor([int(values[i][p + 1]) if p + 1 < padded[i] else 0 for p in layout.sample_positions(i).tolist()])
+            for i in range(len(lengths))
+        ])[None]
+        assert torch.equal(out, expected), (r, out, expected)
