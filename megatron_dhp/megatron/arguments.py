@@ -132,8 +132,14 @@ def exits_on_dhp_error() -> Iterator[None]:
 
 @exits_on_dhp_error()
 def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
-    """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank."""
-    return validate_dhp_args(args)
+    """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank.
+    A run with multi-token prediction has its MTP blocks built with dynamic-CP attention from here on."""
+    config = validate_dhp_args(args)
+    if config is not None and getattr(args, "mtp_num_layers", None):
+        from megatron_dhp.runtime.layer_spec import dynamic_mtp_blocks
+
+        dynamic_mtp_blocks(config.layer_spec)
+    return config
 
 
 def _rank() -> int:

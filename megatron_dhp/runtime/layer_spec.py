@@ -75,6 +75,28 @@ def mtp_block_spec(spec: ModuleSpec | TransformerBlockSubmodules, num_layers: in
         layer_specs=[get_mtp_layer_spec_for_backend(transformer_layer_spec=layer, backend=LocalSpecProvider())] * num_layers)
 
 
+def dynamic_mtp_blocks(backend: str) -> None:
+    """Make megatron-core's MTP block specs (`get_gpt_mtp_block_spec_for_backend`, which Megatron-LM's GPT
+    builder calls on a decoder layer spec of its own, not the one `with_dynamic_cp` swapped) take dynamic-CP
+    attention, and its token roll megatron-dhp's layout (`runtime.mtp`). Idempotent; call before the model
+    is built."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_dhp.runtime import mtp
+
+    mtp.install()
+    build = gpt_layer_specs.get_gpt_mtp_block_spec_for_backend
+    if getattr(build, "dhp_backend", None) == backend:
+        return
+    original = getattr(build, "__wrapped__", build)
+
+    def dynamic(config, spec, *args, **kwargs):
+        return original(config, with_dynamic_cp(spec, backend=backend), *args, **kwargs)
+
+    dynamic.__wrapped__, dynamic.dhp_backend = original, backend
+    gpt_layer_specs.get_gpt_mtp_block_spec_for_backend = dynamic
+
+
 def _swap_attention(spec: ModuleSpec, backend: str) -> None:
     """`with_dynamic_cp` on one layer spec, in place (idempotent: layers may share one spec object)."""
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)

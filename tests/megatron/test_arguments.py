@@ -90,7 +90,6 @@ def test_flags_override_the_yaml(tmp_path):
          "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 and --pipeline-model-parallel-size 2"
          ".*use --moe-token-dispatcher-type alltoall"),
         ([], dict(num_experts=8, moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex with --dhp"),
-        ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
         ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
         ([], dict(use_legacy_models=True), "--use-legacy-models"),
         ([], dict(use_megatron_fsdp=True), "--use-megatron-fsdp with --dhp.*use --use-distributed-optimizer"),

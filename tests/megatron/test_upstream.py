@@ -221,6 +221,11 @@ RUNS = {
     # same slots (idle ones pad), so the dispatcher's all-to-alls pair up while CP groups change
     "moe-ep2-alltoall": ([*MOE, "--moe-token-dispatcher-type", "alltoall", *DOCUMENTS], []),
     "moe-ep2-allgather": ([*MOE, "--moe-token-dispatcher-type", "allgather", *DOCUMENTS], []),
+    # multi-token prediction: its tokens, positions, labels and loss mask roll across the dynamic groups' shards.
+    # Rows, not documents: with --reset-attention-mask upstream rolls a row whole, so a document's last token
+    # is trained on the next document's tokens; megatron-dhp runs each document as its own sequence and rolls
+    # within it, as upstream does for packed (THD) sequences.
+    "mtp-rows": (["--mtp-num-layers", "1"], []),
     "moe-ep2-pp2": ([*MOE, "--moe-token-dispatcher-type", "alltoall", "--pipeline-model-parallel-size", "2",
                      *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
 }
