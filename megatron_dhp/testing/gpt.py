@@ -50,7 +50,8 @@ class TinyGPTConfig:
     """Multi-token prediction layers (megatron-core's MTP block on the last stage; depth k predicts token
     i + 1 + k); 0: none."""
     mtp_loss_scaling_factor: float = 0.5
-    """Weight of the MTP loss (large, so that a wrong roll shows in the gradients)."""
+    """Weight of the MTP loss in the objective (megatron's `--mtp-loss-scaling-factor`; above its 0.1 so that
+    a wrong roll shows plainly in the checks' gradients)."""
 
     def layer_spec_kwargs(self) -> dict[str, object]:
         """What megatron's GPT layer-spec builders need for this model (its MoE layer, if any)."""
