@@ -124,6 +124,7 @@ def validate_flags(tree: Path, argv: list[str], *, world_size: int) -> subproces
         warnings.filterwarnings("ignore")
         import megatron.training.arguments as arguments
         arguments.get_device_arch_version = lambda: 9  # validate_args reads the GPU generation
+        arguments.torch.cuda.get_device_capability = lambda *a: (9, 0)  # and --moe-grouped-gemm's
         import megatron_dhp.megatron as dhp
         sys.argv = ["pretrain_gpt.py", *{argv!r}]
         args = arguments.parse_args(dhp.with_dhp_args(None))
@@ -140,21 +141,44 @@ def test_upstream_llama3_8b_example_passes_with_dhp_added(tp, tmp_path):
     flags as its torchrun receives them, plus --dhp: Megatron-LM's validation and megatron-dhp's accept them."""
     tree = tree_of("core_v0.16.1")
     require_megatron_training(tree)
-    script = (tree / "examples" / "llama" / "train_llama3_8b_h100_fp8.sh").read_text()
-    (tmp_path / "pretrain_gpt.py").touch()  # the script checks that it runs from a Megatron-LM root
-    (tmp_path / "bin").mkdir()
-    torchrun = tmp_path / "bin" / "torchrun"
-    torchrun.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
-    torchrun.chmod(0o755)
-    (tmp_path / "train.sh").write_text(script.replace("TP_SIZE=1", f"TP_SIZE={tp}"))
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "ARGV_OUT": str(tmp_path / "argv")}
-    subprocess.run(["bash", str(tmp_path / "train.sh")], cwd=tmp_path, env=env, check=True, capture_output=True)
-    argv = (tmp_path / "argv").read_text().splitlines()
-    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    argv = recipe_argv(tree, "examples/llama/train_llama3_8b_h100_fp8.sh", tmp_path, edit=("TP_SIZE=1", f"TP_SIZE={tp}"))
     assert "--sequence-parallel" in argv and "--use-distributed-optimizer" in argv
     out = validate_flags(tree, [*argv, "--dhp"], world_size=8)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"RESULT {8 // tp} {tp} " in out.stdout
+
+
+def recipe_argv(tree: Path, script: str, tmp_path: Path, *, edit: tuple[str, str] = ("", ""), **env: str) -> list[str]:
+    """The pretrain_gpt.py arguments an upstream example script (its text with `edit` replaced) hands torchrun,
+    run with a fake torchrun."""
+    (tmp_path / "pretrain_gpt.py").touch()  # scripts check that they run from a Megatron-LM root
+    (tmp_path / "bin").mkdir()
+    torchrun = tmp_path / "bin" / "torchrun"
+    torchrun.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
+    torchrun.chmod(0o755)
+    (tmp_path / "train.sh").write_text((tree / script).read_text().replace(*edit))
+    env = {**os.environ, **env, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "ARGV_OUT": str(tmp_path / "argv")}
+    subprocess.run(["bash", str(tmp_path / "train.sh"), "/ckpt", "tokenizer.model", "/data"], cwd=tmp_path, env=env,
+                   check=True, capture_output=True)
+    argv = (tmp_path / "argv").read_text().splitlines()
+    return argv[argv.index("pretrain_gpt.py") + 1:]
+
+
+def test_upstream_mixtral_example_passes_with_dhp_and_per_token_loss(tmp_path):
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh on 4 nodes (PP 4, EP 8, TP 1 with --sequence-parallel,
+    grouped GEMM, the distributed optimizer): with --dhp added, the one problem is per-token loss, named with
+    its fix; with it, both validations accept the run (grouped GEMM's compute-capability check stubbed: a GPU
+    query)."""
+    tree = tree_of("core_v0.16.1")
+    require_megatron_training(tree)
+    argv = recipe_argv(tree, "examples/mixtral/train_mixtral_8x7b_distributed.sh", tmp_path, SLURM_NNODES="4")
+    assert {"--expert-model-parallel-size", "--moe-grouped-gemm", "--use-distributed-optimizer"} <= set(argv)
+    out = validate_flags(tree, [*argv, "--dhp"], world_size=32)
+    assert out.returncode != 0 and "--dhp needs --calculate-per-token-loss" in out.stderr, out.stderr[-2000:]
+    out = validate_flags(tree, [*argv, "--dhp", "--calculate-per-token-loss"], world_size=32)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT 8 1 local " in out.stdout
 
 
 # A tiny GPT on mock data, small enough for 4 CPU ranks; every fusion off (they need CUDA or TE).
