@@ -26,7 +26,8 @@ OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
                  "rank_speeds", "speed_scales_comm", "cp_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
-                 "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token")
+                 "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token",
+                 "sharded_state_bytes", "fsdp_gather_bytes")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
 
 
@@ -213,6 +214,17 @@ class CostConfig:
     activation_bytes_per_token: float = 0.0
     """Activation memory one token keeps on one GPU without tensor parallelism, kept until its backward
     (sequence parallelism splits it t ways)."""
+    sharded_state_bytes: float = 0.0
+    """States the data-parallel domain shards over all its world_size GPUs whatever t is: the distributed
+    optimizer's fp32 master weights and Adam moments (12 bytes per parameter), and under fully sharded data
+    parallelism also the weights and gradients (18 in all; `model_state_bytes` then 0). Counts against
+    memory_budget_bytes as sharded_state_bytes / world_size per GPU."""
+    fsdp_gather_bytes: float = 0.0
+    """Fully sharded data parallelism: the bytes of one GPU's per-microbatch parameter traffic without tensor
+    parallelism, before the (n - 1) / n of a ring over the domain's n positions: the weights all-gathered
+    for the forward and again for the backward, the gradients reduce-scattered (3 x 2 bytes per parameter
+    in bf16); 1 / t of it at TP t. Every rank of the domain joins each microbatch's collectives, so a plan
+    runs in lockstep slots (`cost.fsdp`); 0: no FSDP."""
     description: str = ""
     """Free text: where the numbers come from."""
 

@@ -32,13 +32,15 @@ def tp_comm_s_per_token(config: CostConfig, t: int) -> float:
 
 def token_cap(config: CostConfig, t: int) -> int:
     """M_t, the tokens a position of t GPUs holds per microbatch: t x max_tokens_per_rank, or with a stated
-    memory budget what the budget leaves once each GPU holds 1 / t of the model's states, over 1 / t of a
-    token's activations: floor((budget x t - states) / activations per token)."""
+    memory budget what the budget leaves once each GPU holds 1 / t of the model's states and 1 / N of the
+    sharded ones, over 1 / t of a token's activations: floor((budget - states / t - sharded / N) x t /
+    activations per token)."""
     if not config.memory_budget_bytes:
         return config.max_tokens_per_rank * t
-    cap = math.floor((config.memory_budget_bytes * t - config.model_state_bytes) / config.activation_bytes_per_token)
+    states = config.model_state_bytes / t + config.sharded_state_bytes / config.world_size  # per GPU
+    cap = math.floor((config.memory_budget_bytes - states) * t / config.activation_bytes_per_token)
     if cap < 1:
-        raise DhpError(f"at tensor_parallel = {t} the model's states ({config.model_state_bytes / t:.3g} bytes per GPU) "
+        raise DhpError(f"at tensor_parallel = {t} the model's states ({states:.3g} bytes per GPU) "
                        f"leave no room for a token's activations in memory_budget_bytes = {config.memory_budget_bytes:.3g}; "
                        "raise tensor_parallel or the budget")
     return cap
@@ -68,6 +70,7 @@ def per_position(config: CostConfig) -> CostConfig:
         enc_attn_s_per_token2=config.enc_attn_s_per_token2 / speedup,
         enc_linear_s_per_token=config.enc_linear_s_per_token / speedup,
         comm_bytes_per_token=config.comm_bytes_per_token / t,
+        fsdp_gather_bytes=config.fsdp_gather_bytes / t,
         tensor_parallel=1,
         description=f"{config.description} (a position: TP {t} of these GPUs)",
     )
