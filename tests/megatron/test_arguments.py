@@ -135,13 +135,15 @@ def test_every_problem_is_reported_at_once():
 
 def test_each_refusal_is_one_line_naming_the_value_and_the_fix():
     with pytest.raises(DhpError) as e:
-        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False, mtp_num_layers=1))
+        validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False,
+                                multi_latent_attention=True))
     assert str(e.value).splitlines() == [
         "--context-parallel-size 2 with --dhp: megatron-dhp forms the context-parallel groups itself every step; "
         "set --context-parallel-size 1 (the DP ranks become the dynamic domain)",
         "--dhp needs --calculate-per-token-loss: with groups that change every step only a loss summed per token "
         "and divided by the global token count keeps gradients exact; add --calculate-per-token-loss",
-        "--mtp-num-layers 1 with --dhp: multi-token prediction is not supported yet; drop --mtp-num-layers",
+        "--multi-latent-attention with --dhp: only standard self-attention takes dynamic groups; drop "
+        "--multi-latent-attention",
     ]
     assert all(rule.refused and rule.why and rule.fix for rule in REFUSALS)
 
