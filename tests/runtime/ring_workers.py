@@ -36,12 +36,15 @@ def _groups(sizes: tuple[int, ...]) -> Iterator[tuple[int, dist.ProcessGroup]]:
     dist.destroy_process_group()
 
 
-def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, query_chunk: int) -> dict:
-    """Per (group size, backend, ring or p2p): output and q/k/v gradients on this rank's shards minus one process's."""
+def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, query_chunk: int,
+                             v_dim: int = HEAD_DIM, comms: tuple[str, ...] = ("ring", "p2p")) -> dict:
+    """Per (group size, backend, variant): output and q/k/v gradients on this rank's shards minus one process's
+    (values `v_dim` wide, MLA's narrower V when below HEAD_DIM)."""
     blocks.QUERY_CHUNK = query_chunk  # several chunks per block, some seeing nothing in it
     whole = MicrobatchLayout(tuple(range(len(lengths))), lengths, 1, 0)
     gen = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
-    q, k, v, w = (torch.randn(sum(lengths), n, HEAD_DIM, generator=gen) for n in (heads, kv_heads, kv_heads, heads))
+    q, k, v, w = (torch.randn(sum(lengths), n, dim, generator=gen)
+                  for n, dim in ((heads, HEAD_DIM), (kv_heads, HEAD_DIM), (kv_heads, v_dim), (heads, v_dim)))
     tokens = Tokens(whole.local_positions, whole.segments, whole_samples=whole)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = attend(*leaves, tokens, tokens, 0.3, "math")
@@ -54,8 +57,9 @@ def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int
             return zigzag_pack(x, layout.cu_seqlens, layout.group_size, layout.rank)
 
         # p2p: the same ring with its members addressed by global rank on the world's communicator
-        rings = {"ring": group, "p2p": PeerRing(tuple(range(size)), group.rank(), None)}
-        for (comm, ring), backend in itertools.product(rings.items(), ("sdpa", "math")):
+        peers = {"p2p": PeerRing(tuple(range(size)), group.rank(), None)}
+        for comm, backend in itertools.product(comms, ("sdpa", "math")):
+            ring = peers.get(comm, group)
             shards = [shard(x).requires_grad_() for x in (q, k, v)]
             out = VARIANTS[comm](*shards, CPContext(layout, ring, comm, backend), 0.3)
             got = [out, *torch.autograd.grad((out * shard(w)).sum(), shards)]

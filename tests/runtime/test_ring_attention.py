@@ -59,6 +59,23 @@ def test_ring_output_and_gradients_equal_one_process(exactness, size, backend, c
         assert max(rank[size, backend, comm]) <= 1e-5, rank[size, backend, comm]
 
 
+@pytest.fixture(scope="module")
+def narrow_values() -> list[dict]:
+    """As `exactness`, with MLA's shape: values 5 wide against queries and keys 8 wide, every variant."""
+    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 16, 5,
+                  ("allgather", "ring", "ulysses", "p2p"), timeout_s=300)
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring", "ulysses", "p2p"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_variant_is_exact_with_values_narrower_than_keys(narrow_values, size, comm):
+    """MLA's V head is narrower than its Q/K head (128 against 192): the ring sends K and V side by side, the
+    CPU flash kernel pads V; fp32, 1e-5, sdpa and math."""
+    for rank in narrow_values[:size]:
+        for backend in ("sdpa", "math"):
+            assert max(rank[size, backend, comm]) <= 1e-5, (backend, rank[size, backend, comm])
+
+
 def test_ring_keeps_the_same_bytes_for_backward_at_every_group_size_while_allgather_grows():
     """4096 tokens per rank on one long sample, groups of 1 to 4 ranks: ring saves q, k, v, out and lse only."""
     per_rank = launch(ring_workers.saved_bytes_per_rank, 4, 4096, 2, timeout_s=300)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.math import MASKED, accumulation_dtype, visible
 
 QUERY_CHUNK = 1024
@@ -79,19 +80,34 @@ class MathKernel:
 
 
 class CpuFlashKernel:
-    """torch's tiled CPU flash attention, which returns the log-sum-exp and takes it back in backward."""
+    """torch's tiled CPU flash attention, which returns the log-sum-exp and takes it back in backward. It takes
+    one head size: a narrower V (MLA's) is padded with zero columns, which add zero columns to the output and
+    change nothing else, and cut off again."""
 
     def forward(self, q, k, v, bias, scale):  # noqa: D102
+        dv = v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, False, attn_mask=bias, scale=scale
+            q[None], k[None], _widened(v, q.shape[-1])[None], 0.0, False, attn_mask=bias, scale=scale
         )
-        return out[0], lse[0]
+        return out[0, ..., :dv], lse[0]
 
     def backward(self, grad, q, k, v, bias, out, lse, scale):  # noqa: D102
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad[None], q[None], k[None], v[None], out[None], lse[None], 0.0, False, attn_mask=bias, scale=scale
+        dv, width = v.shape[-1], q.shape[-1]
+        dq, dk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _widened(grad, width)[None], q[None], k[None], _widened(v, width)[None], _widened(out, width)[None],
+            lse[None], 0.0, False, attn_mask=bias, scale=scale
         )
-        return dq[0], dk[0], dv[0]
+        return dq[0], dk[0], gv[0, ..., :dv]
+
+
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` with zero columns up to `width` in its last dimension (itself when already that wide)."""
+    if x.shape[-1] == width:
+        return x
+    if x.shape[-1] > width:
+        raise DhpError(f"a value head of {x.shape[-1]} is wider than the key head of {width}; the CPU flash kernel "
+                       "takes V no wider than Q and K (use backend math)")
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 class CudaEfficientKernel:
@@ -130,8 +146,9 @@ def lse_kernel(backend: str, q: torch.Tensor) -> LseKernel:
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Chunk], scale: float,
                   kernel: LseKernel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heads-first q [h, t, dh] over one block [h, tk, dh]: output [h, t, dh], lse [h, t] (`MASKED` where unseen)."""
-    out = torch.zeros_like(q)
+    """Heads-first q [h, t, dk] over one block (k [h, tk, dk], v [h, tk, dv]): output [h, t, dv], lse [h, t]
+    (`MASKED` where unseen)."""
+    out = q.new_zeros(*q.shape[:2], v.shape[-1])
     lse = torch.full(q.shape[:2], MASKED, dtype=accumulation_dtype(q.dtype), device=q.device)
     for c in parts:
         out[:, c.rows], lse[:, c.rows] = kernel.forward(q[:, c.rows], k[:, c.cols], v[:, c.cols], c.bias, scale)

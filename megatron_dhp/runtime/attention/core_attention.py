@@ -62,6 +62,8 @@ class DynamicCPAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
@@ -76,7 +78,7 @@ class DynamicCPAttention(MegatronModule):
                 f"DynamicCPAttention supports causal self-attention only (got {attention_type} with "
                 f"{attn_mask_type.name}); use a causal GPT layer spec"
             )
-        head_dim = config.kv_channels
+        head_dim = k_channels or config.kv_channels  # MLA passes its query/key head (and a narrower v_channels)
         # apply_query_key_layer_scaling divides the scores by the layer number and the softmax multiplies
         # them back: the net scale is 1/sqrt(head_dim) either way.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

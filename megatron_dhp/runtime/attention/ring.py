@@ -33,13 +33,13 @@ class _RingAttention(torch.autograd.Function):
     def forward(fctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext, scale: float  # noqa: D102
                 ) -> torch.Tensor:
         kernel, size = lse_kernel(cp.backend, q), cp.layout.group_size
-        q_h, kv = q.transpose(0, 1), torch.stack((k, v))
+        q_h, kv, dk = q.transpose(0, 1), torch.cat((k, v), dim=-1), k.shape[-1]
         out = lse = None
         for step in range(size):
             pending = start_shift(kv, cp.group, _KV) if step < size - 1 else None
             parts = _chunks(cp, step, q)
             if parts:  # step 0 always has some: every query sees itself
-                o, s = block_forward(q_h, *_heads_first(kv, q.shape[1]), parts, scale, kernel)
+                o, s = block_forward(q_h, *_heads_first(kv, q.shape[1], dk), parts, scale, kernel)
                 o = o.to(s.dtype)
                 out, lse = (o, s) if out is None else (lse_merge([out, o], [lse, s]), torch.logaddexp(lse, s))
             if pending is not None:
@@ -56,7 +56,7 @@ class _RingAttention(torch.autograd.Function):
         kernel, size, heads = lse_kernel(cp.backend, q), cp.layout.group_size, q.shape[1]
         acc = accumulation_dtype(q.dtype)
         q_h, grad_h, out_h = q.transpose(0, 1), grad.transpose(0, 1), out.transpose(0, 1)
-        kv = torch.stack((k, v))
+        kv, dk = torch.cat((k, v), dim=-1), k.shape[-1]
         dq = torch.zeros(q_h.shape, dtype=acc, device=q.device)
         grad_kv = None
         for step in range(size):
@@ -64,16 +64,16 @@ class _RingAttention(torch.autograd.Function):
             block = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             parts = _chunks(cp, step, q)
             if parts:
-                gq, gk, gv = block_backward(grad_h, q_h, *_heads_first(kv, heads), out_h, lse, parts, scale, kernel)
+                gq, gk, gv = block_backward(grad_h, q_h, *_heads_first(kv, heads, dk), out_h, lse, parts, scale, kernel)
                 dq += gq
-                block[0], block[1] = _sum_kv_heads(gk, kv.shape[2]), _sum_kv_heads(gv, kv.shape[2])
+                block[..., :dk], block[..., dk:] = _sum_kv_heads(gk, kv.shape[1]), _sum_kv_heads(gv, kv.shape[1])
             # the accumulator of the block in hand arrives from the rank behind, which held this block last step
             grad_kv = block if grad_kv is None else grad_kv.wait() + block
             grad_kv = start_shift(grad_kv, cp.group, _GRAD_KV)
             if pending is not None:
                 kv = pending.wait()
         grad_kv = grad_kv.wait()  # after a full turn: this rank's own block, with every rank's share
-        return dq.transpose(0, 1).to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+        return dq.transpose(0, 1).to(q.dtype), grad_kv[..., :dk].to(k.dtype), grad_kv[..., dk:].to(v.dtype), None, None
 
 
 def _chunks(cp: CPContext, step: int, q: torch.Tensor) -> list[Chunk]:
@@ -83,9 +83,10 @@ def _chunks(cp: CPContext, step: int, q: torch.Tensor) -> list[Chunk]:
     return chunks((layout.local_positions, layout.segments), (layout.positions(source), layout.segments), q.dtype, q.device)
 
 
-def _heads_first(kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked [2, t, hk, dh] K/V as [h, t, dh] each, GQA heads repeated to one per query head."""
-    return tuple(expand_kv_heads(x, heads).transpose(0, 1) for x in kv)
+def _heads_first(kv: torch.Tensor, heads: int, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V side by side, [t, hk, dk + dv] (one tensor travels the ring; MLA's V is narrower than its K), as
+    [h, t, dk] and [h, t, dv], GQA heads repeated to one per query head."""
+    return tuple(expand_kv_heads(x, heads).transpose(0, 1) for x in (kv[..., :dk], kv[..., dk:]))
 
 
 def _sum_kv_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
