@@ -13,13 +13,18 @@ import copy
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import LAYER_SPECS
-from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPSelfAttention
+from megatron_dhp.runtime.attention.core_attention import (
+    DynamicCPAttention,
+    DynamicCPMLASelfAttention,
+    DynamicCPSelfAttention,
+)
 
 
 def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSpec:
@@ -100,16 +105,19 @@ def dynamic_mtp_blocks(backend: str) -> None:
 def _swap_attention(spec: ModuleSpec, backend: str) -> None:
     """`with_dynamic_cp` on one layer spec, in place (idempotent: layers may share one spec object)."""
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
-    if not isinstance(attention, ModuleSpec) or not (
-        isinstance(attention.module, type) and issubclass(attention.module, SelfAttention)
-    ):
+    module = getattr(attention, "module", None)
+    dynamic = next((d for base, d in _DYNAMIC.items() if isinstance(module, type) and issubclass(module, base)), None)
+    if not isinstance(attention, ModuleSpec) or dynamic is None:
         raise DhpError(
-            f"dynamic CP needs a GPT layer spec whose self_attention is megatron's SelfAttention, got "
-            f"{getattr(attention, 'module', attention)!r}; use a standard (non-MLA) GPT layer or decoder block spec"
+            f"dynamic CP needs a GPT layer spec whose self_attention is megatron's SelfAttention or MLASelfAttention, "
+            f"got {getattr(attention, 'module', attention)!r}; use a standard GPT layer or decoder block spec"
         )
     if backend == "local":
         attention.submodules.core_attention = DynamicCPAttention
     else:
+        if dynamic is DynamicCPMLASelfAttention:
+            raise DhpError("multi-latent attention under layer_spec 'te' is not verified (no GPU here); use "
+                           "layer_spec 'local'")
         te_attention = _require_te()
         if not (isinstance(attention.submodules.core_attention, type)
                 and issubclass(attention.submodules.core_attention, te_attention)):
@@ -117,7 +125,12 @@ def _swap_attention(spec: ModuleSpec, backend: str) -> None:
                 f"layer spec 'te' needs TEDotProductAttention as core attention, the spec has "
                 f"{attention.submodules.core_attention!r}; build it with --transformer-impl transformer_engine"
             )
-    attention.module = DynamicCPSelfAttention
+    attention.module = dynamic
+
+
+_DYNAMIC = {DynamicCPMLASelfAttention: DynamicCPMLASelfAttention, DynamicCPSelfAttention: DynamicCPSelfAttention,
+            MLASelfAttention: DynamicCPMLASelfAttention, SelfAttention: DynamicCPSelfAttention}
+"""Megatron's self-attention modules and their dynamic-CP subclasses (a swapped spec maps to itself)."""
 
 
 def _check_backend(backend: str) -> None:

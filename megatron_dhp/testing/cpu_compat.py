@@ -138,6 +138,13 @@ def apply_cpu_compat() -> bool:
     # copies into; the copy must not be recorded by autograd.
     optimizer._set_main_param_and_optimizer_states = torch.no_grad()(optimizer._set_main_param_and_optimizer_states)
 
+    # Multi-latent attention tests `isinstance(self.linear_proj, TELinear)` whenever its TE import did not fail,
+    # which it does not without TransformerEngine (megatron's extension module then stands mocks in for the
+    # classes): a TypeError.
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
     # The MoE router's gating GEMM tests `te_general_gemm is not None`, a name megatron-core only defines when
     # TransformerEngine imports; without TE it is undefined (NameError) instead of None.
     from megatron.core.transformer.moe import moe_utils

@@ -13,7 +13,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_dhp.runtime.layer_spec import dhp_layer_spec, mtp_block_spec
 
@@ -46,6 +46,10 @@ class TinyGPTConfig:
     """megatron-core's token dispatcher: `alltoall` or `allgather` (over the expert-parallel group)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the router's load-balancing loss; it depends on how tokens are split into microbatches."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (megatron-core's MLASelfAttention with q/k LayerNorms): queries and
+    keys 24 wide (16 + an 8-wide RoPE part), values 12 wide, K/V through a 32-wide latent, Q through 24; a key
+    per query head (MLA has no query groups)."""
     mtp_num_layers: int = 0
     """Multi-token prediction layers (megatron-core's MTP block on the last stage; depth k predicts token
     i + 1 + k); 0: none."""
@@ -54,19 +58,24 @@ class TinyGPTConfig:
     a wrong roll shows plainly in the checks' gradients)."""
 
     def layer_spec_kwargs(self) -> dict[str, object]:
-        """What megatron's GPT layer-spec builders need for this model (its MoE layer, if any)."""
-        return {"num_experts": self.num_experts, "moe_grouped_gemm": False} if self.num_experts else {}
+        """What megatron's GPT layer-spec builders need for this model (its MoE layer and MLA, if any)."""
+        moe = {"num_experts": self.num_experts, "moe_grouped_gemm": False} if self.num_experts else {}
+        mla = {"multi_latent_attention": True, "qk_layernorm": True} if self.multi_latent_attention else {}
+        return {**moe, **mla}
 
     def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                            expert_parallel: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
-        return TransformerConfig(
+        mla = dict(q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
+                   rope_type="rope", normalization="LayerNorm") if self.multi_latent_attention else {}
+        return (MLATransformerConfig if self.multi_latent_attention else TransformerConfig)(
+            **mla,
             **self._moe_options(expert_parallel),
             sequence_parallel=self.sequence_parallel and tensor_parallel > 1,
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
+            num_query_groups=self.num_attention_heads if self.multi_latent_attention else self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size,
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,

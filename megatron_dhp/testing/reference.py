@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -49,12 +50,25 @@ def single_rank_groups() -> ProcessGroupCollection:
     return ProcessGroupCollection(**{name: own for name in names})
 
 
+class _MLADotProductAttention(DotProductAttention):
+    """megatron-core's local DotProductAttention taking MLA's head sizes: 0.16.1's local MLA spec builds it
+    with `k_channels` and `v_channels`, which it does not accept, and it sizes its output by kv_channels.
+    Queries and keys keep their width; the output is v_channels per head."""
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:  # megatron's Attention first builds it without (MLA then rebuilds it with)
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
 def build_reference_gpt(config: TinyGPTConfig, pgs: ProcessGroupCollection, *, seed: int,
                         tied_embeddings: bool = False) -> GPTModel:
-    """The tiny GPT with megatron's unmodified local layer spec and the same weights as the model under test
-    (every expert in this one process)."""
-    return build_tiny_gpt(config, spec=get_gpt_layer_local_spec(**config.layer_spec_kwargs()), pg_collection=pgs, seed=seed,
-                          tied_embeddings=tied_embeddings)
+    """The tiny GPT with megatron's local layer spec and the same weights as the model under test (every
+    expert in this one process); MLA's core attention is megatron's local one, sized for MLA's heads."""
+    spec = get_gpt_layer_local_spec(**config.layer_spec_kwargs())
+    if config.multi_latent_attention:
+        spec.submodules.self_attention.submodules.core_attention = _MLADotProductAttention
+    return build_tiny_gpt(config, spec=spec, pg_collection=pgs, seed=seed, tied_embeddings=tied_embeddings)
 
 
 def reference_step(model: GPTModel, samples: Sequence[TokenSample]) -> ReferenceResult:

@@ -48,10 +48,17 @@ def test_layer_spec_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys,
 
     from megatron_dhp.megatron import layer_spec
 
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPMLASelfAttention
+
     monkeypatch.delenv("RANK", raising=False)
-    mla = get_gpt_layer_local_spec(multi_latent_attention=True)
-    (line,) = refused(capsys, lambda: layer_spec(mla, dhp_args()))
-    assert line.startswith("megatron-dhp: ") and "self_attention is megatron's SelfAttention" in line
+    odd = get_gpt_layer_local_spec()
+    odd.submodules.self_attention = ModuleSpec(module=torch.nn.Identity)
+    (line,) = refused(capsys, lambda: layer_spec(odd, dhp_args()))
+    assert line.startswith("megatron-dhp: ") and "self_attention is megatron's SelfAttention or MLASelfAttention" in line
+    mla = layer_spec(get_gpt_layer_local_spec(multi_latent_attention=True), dhp_args()).submodules.self_attention
+    assert mla.module is DynamicCPMLASelfAttention and mla.submodules.core_attention is DynamicCPAttention
     te = tmp_path / "te.yaml"
     te.write_text("layer_spec: te\n")
     if not torch.cuda.is_available():

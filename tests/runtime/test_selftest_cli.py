@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--model", "moe", "--ep", "2", "--nproc", "6", "--tp", "2"], "--nproc 6 must be a positive multiple of --tp 2 x --ep 2"),
         (["--mtp", "1", "--tp", "2", "--nproc", "2"], "--mtp 1 must be >= 0, with --tp 1, --ep 1 and a text model"),
         (["--mtp", "-1"], "--mtp -1 must be >= 0"),
+        (["--model", "mla", "--tp", "2"], "--model mla runs with --tp 1 (got --tp 2)"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
@@ -112,3 +113,17 @@ def test_selftest_multi_token_prediction_is_exact(extra):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert lines and all(line.endswith("| ok") for line in lines), proc.stdout
     assert ", MTP " in proc.stdout and "all plans exact" in proc.stdout
+
+
+@pytest.mark.parametrize("extra", [("--nproc", "3", "--plans", "4"),
+                                   ("--nproc", "4", "--pp", "2", "--mtp", "1", "--plans", "2", "--samples", "6")],
+                         ids=["every-variant", "pp2-mtp"])
+def test_selftest_multi_latent_attention_is_exact(extra):
+    # megatron-core's MLA (V heads narrower than Q/K, RoPE on a separate part, q/k LayerNorms) over dynamic
+    # groups: its RoPE on the group, its table kept whole (config CP size = the group's while it runs: without
+    # that MLA cuts the table to the local length and fails), values narrower than keys in every variant.
+    proc = selftest("--model", "mla", *extra, "--seed", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert lines and all(line.endswith("| ok") for line in lines), proc.stdout
+    assert ", MLA " in proc.stdout and "all plans exact" in proc.stdout

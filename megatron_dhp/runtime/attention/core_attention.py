@@ -10,6 +10,7 @@ megatron's THD RoPE slices true positions for the dynamic group instead of the s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
@@ -107,14 +109,41 @@ class DynamicCPAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-class DynamicCPSelfAttention(SelfAttention):
-    """Megatron's SelfAttention whose RoPE follows the microbatch's dynamic group."""
+class _RoPEOnTheDynamicGroup:
+    """An attention module whose RoPE (megatron's THD RoPE, reading the `cp` group of the module's collection)
+    follows the microbatch's dynamic group."""
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):  # noqa: D102
         params = kwargs.get("packed_seq_params")
         group = params.cp_group if isinstance(params, DhpPackedSeqParams) else None
         with _cp_group_for_rope(self.pg_collection, group):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+
+class DynamicCPSelfAttention(_RoPEOnTheDynamicGroup, SelfAttention):
+    """Megatron's SelfAttention whose RoPE follows the microbatch's dynamic group."""
+
+
+class DynamicCPMLASelfAttention(_RoPEOnTheDynamicGroup, MLASelfAttention):
+    """Megatron's multi-latent attention (DeepSeek's MLA: low-rank K/V, a separate RoPE part, V narrower than
+    Q/K) whose RoPE follows the microbatch's dynamic group. megatron-core's MLA refuses packed parameters
+    that carry `local_cp_size` (its own hybrid CP, which TE's attention reads); megatron-dhp's core attention
+    takes the group from `DhpPackedSeqParams.dhp` instead, so MLA gets the parameters without it. And MLA
+    cuts its RoPE table to the local length unless the config's static CP size is above 1
+    (multi_latent_attention.py:779), which would drop the positions of a shard's back chunk: while a
+    microbatch on a group of d > 1 runs, the config says d."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):  # noqa: D102
+        params = kwargs.get("packed_seq_params")
+        if not isinstance(params, DhpPackedSeqParams) or params.dhp is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        kwargs["packed_seq_params"] = dataclasses.replace(params, local_cp_size=None)
+        static = self.config.context_parallel_size
+        self.config.context_parallel_size = params.dhp.layout.group_size
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            self.config.context_parallel_size = static
 
 
 @contextmanager
