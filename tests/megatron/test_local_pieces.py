@@ -45,11 +45,9 @@ def refused(capsys: pytest.CaptureFixture, hook: Callable[[], object]) -> list[s
 
 def test_layer_spec_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys, monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_dhp.megatron import layer_spec
-
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_dhp.megatron import layer_spec
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention, DynamicCPMLASelfAttention
 
     monkeypatch.delenv("RANK", raising=False)
