@@ -90,12 +90,16 @@ REFUSALS: tuple[Refusal, ...] = (
             "--moe-token-dispatcher-type flex with --dhp",
             "DeepEP / HybridEP are not verified with per-step slot alignment",
             "use `--moe-token-dispatcher-type alltoall`"),
-    Refusal("MLA (`--multi-latent-attention`)",
-            lambda a, c: getattr(a, "multi_latent_attention", False),
-            "--multi-latent-attention with --dhp",
-            "megatron-dhp runs MLA over dynamic groups (`megatron-dhp selftest --model mla`, TP 1) but not yet "
-            "through Megatron-LM's training script, whose own CPU run of the local MLA spec fails on 0.16.1",
-            "drop `--multi-latent-attention`"),
+    Refusal("MLA (`--multi-latent-attention`) with `--tensor-model-parallel-size` > 1 or `layer_spec: te`",
+            lambda a, c: getattr(a, "multi_latent_attention", False) and (
+                f"--tensor-model-parallel-size {a.tensor_model_parallel_size}"
+                if getattr(a, "tensor_model_parallel_size", 1) > 1
+                else "layer_spec te" if c.layer_spec == "te" else None),
+            "--multi-latent-attention with {value} and --dhp",
+            "MLA over dynamic groups is checked at TP 1 with the local spec only (under TP megatron-core 0.16.1's "
+            "local MLA gradients differ from one process's even without context parallelism; TE's is unverified "
+            "here)",
+            "use `--tensor-model-parallel-size 1` and `layer_spec: local`"),
     Refusal("fully sharded data parallelism (`--use-megatron-fsdp`, `--use-torch-fsdp2`)",
             lambda a, c: " and ".join(flag for flag, on in (("--use-megatron-fsdp", getattr(a, "use_megatron_fsdp", False)),
                                                           ("--use-torch-fsdp2", getattr(a, "use_torch_fsdp2", False))) if on),

@@ -90,7 +90,8 @@ def test_flags_override_the_yaml(tmp_path):
          "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 and --pipeline-model-parallel-size 2"
          ".*use --moe-token-dispatcher-type alltoall"),
         ([], dict(num_experts=8, moe_token_dispatcher_type="flex"), "--moe-token-dispatcher-type flex with --dhp"),
-        ([], dict(multi_latent_attention=True), "--multi-latent-attention"),
+        ([], dict(multi_latent_attention=True, tensor_model_parallel_size=2), "--multi-latent-attention with "
+         "--tensor-model-parallel-size 2"),
         ([], dict(use_legacy_models=True), "--use-legacy-models"),
         ([], dict(use_megatron_fsdp=True), "--use-megatron-fsdp with --dhp.*use --use-distributed-optimizer"),
         ([], dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "--use-megatron-fsdp and --use-torch-fsdp2 with --dhp"),
@@ -117,6 +118,10 @@ def test_moe_is_accepted(ep, dispatcher):
     assert validate_dhp_args(args).planner == "dhp"
 
 
+def test_multi_latent_attention_is_accepted_at_tp_1():
+    assert validate_dhp_args(parse(["--dhp"], multi_latent_attention=True)).layer_spec == "local"
+
+
 def test_sequence_parallelism_is_accepted():
     assert validate_dhp_args(parse(["--dhp"], sequence_parallel=True)).planner == "dhp"
 
@@ -136,15 +141,16 @@ def test_every_problem_is_reported_at_once():
 def test_each_refusal_is_one_line_naming_the_value_and_the_fix():
     with pytest.raises(DhpError) as e:
         validate_dhp_args(parse(["--dhp"], context_parallel_size=2, calculate_per_token_loss=False,
-                                multi_latent_attention=True))
+                                multi_latent_attention=True, tensor_model_parallel_size=2))
     assert str(e.value).splitlines() == [
         "--context-parallel-size 2 with --dhp: megatron-dhp forms the context-parallel groups itself every step; "
         "set --context-parallel-size 1 (the DP ranks become the dynamic domain)",
         "--dhp needs --calculate-per-token-loss: with groups that change every step only a loss summed per token "
         "and divided by the global token count keeps gradients exact; add --calculate-per-token-loss",
-        "--multi-latent-attention with --dhp: megatron-dhp runs MLA over dynamic groups (megatron-dhp selftest "
-        "--model mla, TP 1) but not yet through Megatron-LM's training script, whose own CPU run of the local MLA "
-        "spec fails on 0.16.1; drop --multi-latent-attention",
+        "--multi-latent-attention with --tensor-model-parallel-size 2 and --dhp: MLA over dynamic groups is checked "
+        "at TP 1 with the local spec only (under TP megatron-core 0.16.1's local MLA gradients differ from one "
+        "process's even without context parallelism; TE's is unverified here); use --tensor-model-parallel-size 1 "
+        "and layer_spec: local",
     ]
     assert all(rule.refused and rule.why and rule.fix for rule in REFUSALS)
 
