@@ -270,12 +270,15 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "32"
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--rope-type", "rope"]
 
 
-def test_multi_latent_attention_on_dynamic_groups_trains_like_one_rank_per_row(patched):
-    """MLA (DeepSeek's attention, scaled down): upstream's own CPU run of the local MLA spec fails on 0.16.1
-    (its DotProductAttention does not take k_channels), so the reference is megatron-dhp's `static` planner with
-    every 64-token row on one rank, no context parallelism; dhp runs the rows on CP groups of 2-4."""
+@pytest.mark.parametrize("extra", [[], ["--mtp-num-layers", "1", *MOE, "--moe-token-dispatcher-type", "alltoall"]],
+                         ids=["mla", "deepseek-v3-like"])
+def test_multi_latent_attention_on_dynamic_groups_trains_like_one_rank_per_row(patched, extra):
+    """MLA (DeepSeek's attention, scaled down; and with MTP and MoE at EP 2, DeepSeek-V3's flags): upstream's own
+    CPU run of the local MLA spec fails on 0.16.1 (its DotProductAttention does not take k_channels), so the
+    reference is megatron-dhp's `static` planner with every 64-token row on one rank, no context parallelism;
+    dhp runs the rows on CP groups."""
     gqa = TINY.index("--num-query-groups")  # MLA has no query groups
-    flags = [f for f in TINY[:gqa] + TINY[gqa + 2:] if f != "--group-query-attention"] + [*MLA, *DHP]
+    flags = [f for f in TINY[:gqa] + TINY[gqa + 2:] if f != "--group-query-attention"] + [*MLA, *extra, *DHP]
     single, plans_single = train_on_cpu(patched, [*flags, "--dhp-planner", "static", "--dhp-max-tokens-per-rank", "64"])
     grouped, plans = train_on_cpu(patched, flags)
     assert len(single) == 6 and plans_single == plans == 6
