@@ -132,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
     if not placements or any(p not in CONCRETE_PLACEMENTS for p in placements):
         raise DhpError(f"--placement {args.placement!r}: use a comma-separated subset of {','.join(CONCRETE_PLACEMENTS)}")
     if args.model == "mla" and args.tp > 1:
-        raise DhpError(f"--model mla runs with --tp 1 (got --tp {args.tp}): at TP 2 linear_kv_down_proj's gradient "
-                       "differs from one process's even with groups of one rank, where no context-parallel code "
-                       "runs (megatron-core 0.16.1's local MLA under TP; not diagnosed further)")
+        raise DhpError(f"--model mla runs with --tp 1 (got --tp {args.tp}): under TP megatron-core 0.16.1's local "
+                       "MLA does not sum the gradient of its shared RoPE key part over the TP ranks' heads (the rows "
+                       "of linear_kv_down_proj differ from one process's even with groups of one rank)")
     if args.model == "vlm" and (args.tp > 1 or args.pp > 1):
         raise DhpError(f"--model vlm runs with --tp 1 and --pp 1 (got --tp {args.tp} --pp {args.pp}): its vision tower "
                        "is replicated over the domain")

@@ -97,8 +97,8 @@ REFUSALS: tuple[Refusal, ...] = (
                 else "layer_spec te" if c.layer_spec == "te" else None),
             "--multi-latent-attention with {value} and --dhp",
             "MLA over dynamic groups is checked at TP 1 with the local spec only (under TP megatron-core 0.16.1's "
-            "local MLA gradients differ from one process's even without context parallelism; TE's is unverified "
-            "here)",
+            "local MLA does not sum its shared RoPE key's gradient over the TP ranks, even without context "
+            "parallelism; TE's is unverified here)",
             "use `--tensor-model-parallel-size 1` and `layer_spec: local`"),
     Refusal("fully sharded data parallelism (`--use-megatron-fsdp`, `--use-torch-fsdp2`)",
             lambda a, c: " and ".join(flag for flag, on in (("--use-megatron-fsdp", getattr(a, "use_megatron_fsdp", False)),

@@ -148,9 +148,9 @@ def test_each_refusal_is_one_line_naming_the_value_and_the_fix():
         "--dhp needs --calculate-per-token-loss: with groups that change every step only a loss summed per token "
         "and divided by the global token count keeps gradients exact; add --calculate-per-token-loss",
         "--multi-latent-attention with --tensor-model-parallel-size 2 and --dhp: MLA over dynamic groups is checked "
-        "at TP 1 with the local spec only (under TP megatron-core 0.16.1's local MLA gradients differ from one "
-        "process's even without context parallelism; TE's is unverified here); use --tensor-model-parallel-size 1 "
-        "and layer_spec: local",
+        "at TP 1 with the local spec only (under TP megatron-core 0.16.1's local MLA does not sum its shared RoPE "
+        "key's gradient over the TP ranks, even without context parallelism; TE's is unverified here); use "
+        "--tensor-model-parallel-size 1 and layer_spec: local",
     ]
     assert all(rule.refused and rule.why and rule.fix for rule in REFUSALS)
 
