@@ -220,20 +220,26 @@ def _scaled_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / max(1.0, want.float().abs().max().item())
 
 
+HEAD_SHAPES = ((128, 128, ""), (192, 128, " mla"))
+"""(query/key head size, value head size, name suffix) of the attention checks."""
+
+
 def attention_checks(quick: bool) -> list[Check]:
     """Every CUDA attention backend against `math` in fp32, forward and backward, on each layout."""
-    heads, kv_heads, head_dim = 8, 2, 128
-    scale = head_dim**-0.5
+    heads, kv_heads = 8, 2
     dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
     te_missing = importlib.util.find_spec("transformer_engine") is None
     checks: list[Check] = []
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for case, layout, queries, keys in _layouts(quick):
         tq, tk = len(queries.positions), len(keys.positions)
-        for dtype in dtypes:
-            q = torch.randn(tq, heads, head_dim, device=DEVICE, generator=gen).to(dtype)
-            k, v = (torch.randn(tk, kv_heads, head_dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
-            grad = torch.randn(tq, heads, head_dim, device=DEVICE, generator=gen)
+        # the usual 128-wide heads, and in bf16 MLA's: Q/K 192 wide (128 + a 64-wide RoPE part), V 128
+        for dtype, (qk_dim, v_dim, shape) in [(d, s) for d in dtypes for s in HEAD_SHAPES[: 2 if d == torch.bfloat16 else 1]]:
+            scale = qk_dim**-0.5
+            q = torch.randn(tq, heads, qk_dim, device=DEVICE, generator=gen).to(dtype)
+            k = torch.randn(tk, kv_heads, qk_dim, device=DEVICE, generator=gen).to(dtype)
+            v = torch.randn(tk, kv_heads, v_dim, device=DEVICE, generator=gen).to(dtype)
+            grad = torch.randn(tq, heads, v_dim, device=DEVICE, generator=gen)
             inputs = (q, k, v, grad)
             tokens = {"queries": queries, "keys": keys, "scale": scale}
             want = _attention_grads(partial(attend, **tokens, backend="math"), q.float(), k.float(), v.float(), grad)
@@ -241,10 +247,11 @@ def attention_checks(quick: bool) -> list[Check]:
                 "flash": None if flash.usable(q) else "flash-attn not installed",
                 "sdpa": None,
                 "te": "transformer-engine not installed" if te_missing else
+                      "MLA's head shapes are not wired to TE here" if shape else
                       None if layout.group_size == 1 else "TE's context parallelism needs a group of ranks",
             }
             for backend, why_not in skip.items():
-                name = f"{backend} {case} {str(dtype).removeprefix('torch.')}"
+                name = f"{backend} {case}{shape} {str(dtype).removeprefix('torch.')}"
                 if why_not:
                     checks.append(Check(name, "skipped", reason=why_not))
                     continue

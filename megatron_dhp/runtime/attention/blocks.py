@@ -15,8 +15,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention.math import MASKED, accumulation_dtype, visible
+from megatron_dhp.runtime.attention.math import MASKED, accumulation_dtype, visible, widened
 
 QUERY_CHUNK = 1024
 """Queries per kernel call: bounds the mask (and `math`'s scores) to QUERY_CHUNK x block keys."""
@@ -80,34 +79,19 @@ class MathKernel:
 
 
 class CpuFlashKernel:
-    """torch's tiled CPU flash attention, which returns the log-sum-exp and takes it back in backward. It takes
-    one head size: a narrower V (MLA's) is padded with zero columns, which add zero columns to the output and
-    change nothing else, and cut off again."""
+    """torch's tiled CPU flash attention, which returns the log-sum-exp and takes it back in backward."""
 
     def forward(self, q, k, v, bias, scale):  # noqa: D102
-        dv = v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], _widened(v, q.shape[-1])[None], 0.0, False, attn_mask=bias, scale=scale
+            q[None], k[None], v[None], 0.0, False, attn_mask=bias, scale=scale
         )
-        return out[0, ..., :dv], lse[0]
+        return out[0], lse[0]
 
     def backward(self, grad, q, k, v, bias, out, lse, scale):  # noqa: D102
-        dv, width = v.shape[-1], q.shape[-1]
-        dq, dk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _widened(grad, width)[None], q[None], k[None], _widened(v, width)[None], _widened(out, width)[None],
-            lse[None], 0.0, False, attn_mask=bias, scale=scale
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad[None], q[None], k[None], v[None], out[None], lse[None], 0.0, False, attn_mask=bias, scale=scale
         )
-        return dq[0], dk[0], gv[0, ..., :dv]
-
-
-def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
-    """`x` with zero columns up to `width` in its last dimension (itself when already that wide)."""
-    if x.shape[-1] == width:
-        return x
-    if x.shape[-1] > width:
-        raise DhpError(f"a value head of {x.shape[-1]} is wider than the key head of {width}; the CPU flash kernel "
-                       "takes V no wider than Q and K (use backend math)")
-    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        return dq[0], dk[0], dv[0]
 
 
 class CudaEfficientKernel:
@@ -147,19 +131,21 @@ def lse_kernel(backend: str, q: torch.Tensor) -> LseKernel:
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Chunk], scale: float,
                   kernel: LseKernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Heads-first q [h, t, dk] over one block (k [h, tk, dk], v [h, tk, dv]): output [h, t, dv], lse [h, t]
-    (`MASKED` where unseen)."""
+    (`MASKED` where unseen). The fused kernels take one head size: a narrower V (MLA's) runs `widened`."""
+    dv, v = v.shape[-1], widened(v, q.shape[-1])
     out = q.new_zeros(*q.shape[:2], v.shape[-1])
     lse = torch.full(q.shape[:2], MASKED, dtype=accumulation_dtype(q.dtype), device=q.device)
     for c in parts:
         out[:, c.rows], lse[:, c.rows] = kernel.forward(q[:, c.rows], k[:, c.cols], v[:, c.cols], c.bias, scale)
-    return out, lse
+    return out[..., :dv], lse
 
 
 def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, parts: list[Chunk], scale: float, kernel: LseKernel
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of dq and its dk, dv (fp32), from the merged output and lse of the forward."""
-    acc = accumulation_dtype(q.dtype)
+    acc, width, narrow = accumulation_dtype(q.dtype), q.shape[-1], v.shape[-1]
+    grad, v, out = (widened(x, width) for x in (grad, v, out))  # a narrower V as block_forward ran it
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
     for c in parts:
@@ -168,7 +154,7 @@ def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq[:, r] += gq
         dk[:, s] += gk
         dv[:, s] += gv
-    return dq, dk, dv
+    return dq, dk, dv[..., :narrow]
 
 
 def _masked(dtype: torch.dtype) -> float:

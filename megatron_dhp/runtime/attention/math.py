@@ -82,6 +82,15 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
+def widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` with zero columns up to `width` in its last dimension (itself when that wide): how a kernel that takes
+    one head size runs MLA's V, narrower than its Q and K (zero columns of V give zero columns of the output,
+    and nothing else changes, forward or backward)."""
+    if x.shape[-1] >= width:
+        return x
+    return F.pad(x, (0, width - x.shape[-1]))
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half precision and fp32, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
