@@ -24,13 +24,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import CostConfig, CostModel, simulate
 from megatron_dhp.cost.fsdp import lockstep_step, slot_traffic_s
-from megatron_dhp.cost.tensor_parallel import per_position
-from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import run_planner
 from megatron_dhp.solver.dhp import DhpPlanner
-from megatron_dhp.solver.static_best import tp_degrees
+from megatron_dhp.solver.static_best import models
 from megatron_dhp.workload import LengthSource
 
 PARAMETERS = 70.6e9
@@ -42,29 +40,21 @@ def fsdp(config: CostConfig) -> CostConfig:
                    fsdp_gather_bytes=3 * 2 * PARAMETERS)
 
 
-def layouts(base: CostConfig) -> list[tuple[str, CostConfig]]:
-    """Every (FSDP or not, TP) layout whose states fit the budget."""
-    out = []
-    for name, config in (("distributed optimizer", base), ("FSDP", fsdp(base))):
-        for t in tp_degrees(config):
-            candidate = replace(config, tensor_parallel=t)
-            try:
-                per_position(candidate)
-            except DhpError:
-                continue
-            out.append((f"{name}, TP {t}", candidate))
-    return out
+def layouts(base: CostConfig) -> list[tuple[str, CostConfig, CostModel]]:
+    """Every (FSDP or not, TP) layout whose states fit the budget, with its cost model (`static_best.models`)."""
+    return [(f"{name}, TP {t}", replace(config, tensor_parallel=t), model)
+            for name, config in (("distributed optimizer", base), ("FSDP", fsdp(base)))
+            for t, model in models(config).items()]
 
 
-def step_s(config: CostConfig, batch) -> tuple[float, float, int]:
+def step_s(config: CostConfig, model: CostModel, batch) -> tuple[float, float, int]:
     """dhp's step on the batch under the layout (in lockstep slots with FSDP), the same plan run as without
     FSDP (each group as soon as its ranks are free, no traffic), and the position's token cap."""
-    model = build_cost_model(config)
     plan = run_planner(DhpPlanner(), batch, model)
     free = simulate(plan, model).step_time_s
     if not config.fsdp_gather_bytes:
         return free, free, model.domain.max_tokens_per_rank
-    step = lockstep_step(plan, model, slot_traffic_s(per_position(config)), config.overlap_comm)
+    step = lockstep_step(plan, model, slot_traffic_s(model.config), config.overlap_comm)
     return step, free, model.domain.max_tokens_per_rank
 
 
@@ -89,8 +79,8 @@ def main() -> None:
                 source = LengthSource.from_args(dist=workload)
                 batches = [source.draw(global_batch=512, seed=0, index=k, capacity=10**9) for k in range(args.batches)]
                 rows = []
-                for name, config in layouts(linked):
-                    results = np.array([step_s(config, b) for b in batches])
+                for name, config, model in layouts(linked):
+                    results = np.array([step_s(config, model, b) for b in batches])
                     rows.append((name, int(results[0, 2]), *results[:, :2].mean(axis=0).tolist()))
                 best = min(row[2] for row in rows)
                 for name, cap, step, free in rows:

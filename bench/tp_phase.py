@@ -64,12 +64,16 @@ class PerGroupTP(ReferenceCostModel):
         """The fastest of `tp_times`."""
         return np.minimum.reduce(list(self.tp_times(tokens, work, degree, intra, speed).values()))
 
-    def best_time(self, tokens, work, *, lo, hi, speed=1.0):
-        """Every degree in [lo, hi] tried: the TP choice breaks the closed form's candidates."""
+    def degree_table(self, tokens, work, lo, hi: int, speed=1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample's time on every degree 1..hi at its best placement (inf below its `lo`), and the degrees."""
         d = np.arange(1, hi + 1)
         table = self.sample_time(np.asarray(tokens, dtype=np.float64)[:, None], np.asarray(work)[:, None],
                                  d[None, :], self.best_placement_intra(d)[None, :], speed)
-        table = np.where(d[None, :] < np.asarray(lo).reshape(-1, 1), np.inf, table)
+        return np.where(d[None, :] < np.asarray(lo).reshape(-1, 1), np.inf, table), d
+
+    def best_time(self, tokens, work, *, lo, hi, speed=1.0):
+        """Every degree in [lo, hi] tried: the TP choice breaks the closed form's candidates."""
+        table, d = self.degree_table(tokens, work, lo, hi, speed)
         k = table.argmin(axis=1)
         return table[np.arange(len(k)), k], d[k]
 
@@ -77,14 +81,9 @@ class PerGroupTP(ReferenceCostModel):
         """The reference bound with each sample's cheapest area searched over every degree (d t(L, d) falls
         where a wider group allows a larger TP)."""
         n, m = self.domain.world_size, self.config.microbatch_overhead_s
-        lo = footprint.min_degree()
-        d = np.arange(1, n + 1)
-        table = self.sample_time(np.asarray(tokens, dtype=np.float64)[:, None], np.asarray(work)[:, None],
-                                 d[None, :], self.best_placement_intra(d)[None, :])
-        table = np.where(d[None, :] < lo[:, None], np.inf, table)
+        table, d = self.degree_table(tokens, work, footprint.min_degree(), n)
         area = float((table * d[None, :]).min(axis=1).sum())
         return max((area + m * float(footprint.shared.sum()) / footprint.cap) / n, m + float(table.min(axis=1).max()))
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

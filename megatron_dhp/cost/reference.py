@@ -205,9 +205,10 @@ class ReferenceCostModel:
         bound on `global`'s encoder phase.
 
         d ranges over feasible degrees (the memory rule's minimum, `Footprint.min_degree`: ceil(L / M) without
-        encoder memory, and d <= N) with the best placement. d t(L, d) is non-decreasing in d for both overlap modes and both comm
-        forms (compute total is fixed, communication grows), so the first term takes the minimum. With encoder
-        memory L / M is the shared footprint over the cap (a microbatch's ranks hold at least that share).
+        encoder memory, and d <= N) with the best placement. d t(L, d) is non-decreasing in d for both overlap
+        modes and both comm forms (compute total is fixed, communication grows), so the first term takes the
+        minimum. With encoder memory L / M is the shared footprint over the cap (a microbatch's ranks hold at
+        least that share).
         """
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
         return (self.step_overhead_s + self.encoder_phase(samples, bound=True).total_s

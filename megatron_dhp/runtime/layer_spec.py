@@ -128,9 +128,9 @@ def _swap_attention(spec: ModuleSpec, backend: str) -> None:
     attention.module = dynamic
 
 
-_DYNAMIC = {DynamicCPMLASelfAttention: DynamicCPMLASelfAttention, DynamicCPSelfAttention: DynamicCPSelfAttention,
-            MLASelfAttention: DynamicCPMLASelfAttention, SelfAttention: DynamicCPSelfAttention}
-"""Megatron's self-attention modules and their dynamic-CP subclasses (a swapped spec maps to itself)."""
+_DYNAMIC = {MLASelfAttention: DynamicCPMLASelfAttention, SelfAttention: DynamicCPSelfAttention}
+"""Megatron's self-attention modules and their dynamic-CP subclasses (a subclass, a swapped spec's among them,
+maps as its base does)."""
 
 
 def _check_backend(backend: str) -> None:

@@ -75,8 +75,8 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
     """megatron-core's `roll_tensor` (rolled tensor and its sum), on the layout of a megatron-dhp microbatch."""
     if isinstance(packed_seq_params, DhpPackedSeqParams) and packed_seq_params.dhp is not None:
         assert shifts == -1 and dims in (-1, tensor.dim() - 1), "multi-token prediction rolls one token left"
-        rolled = roll_left(tensor, packed_seq_params.dhp)
-        return rolled, rolled.sum()
+        out = roll_left(tensor, packed_seq_params.dhp)
+        return out, out.sum()
     return _ORIGINAL[_MODULES[0]](tensor, shifts, dims, cp_group, packed_seq_params)
 
 

@@ -183,8 +183,9 @@ def run_step(
         return work.result(inputs, computed=parallel_state.is_pipeline_last_stage())
     # A MoE router's load-balancing loss and multi-token prediction's loss (sums over a microbatch's tokens
     # under per-token loss) are divided by the same global loss-token count as the main loss.
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))  # megatron-core shape
-    MTPLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / inputs.num_loss_tokens))
+    per_token = torch.full((1,), 1.0 / inputs.num_loss_tokens)  # megatron-core's shape
+    MoEAuxLossAutoScaler.set_loss_scale(per_token)
+    MTPLossAutoScaler.set_loss_scale(per_token)
     if inputs.vision is None:
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_dhp.runtime.attention.math import widened
 from megatron_dhp.runtime.attention.tokens import Tokens
 from megatron_dhp.runtime.fused import gather_rows, zigzag_pack, zigzag_unpack
 from megatron_dhp.runtime.layout import MicrobatchLayout
@@ -54,9 +55,10 @@ def attend(
     scale: float,
     kernel: Any | None = None,
 ) -> torch.Tensor:
-    """Causal attention with keys = every slot of `layout` in group order; `kernel` defaults to flash-attn."""
+    """Causal attention with keys = every slot of `layout` in group order; `kernel` defaults to flash-attn.
+    flash-attn takes one head size: MLA's narrower V runs `widened` with zero columns, cut off after."""
     kernel = kernel or _varlen_kernel()
-    device = q.device
+    device, dv, v = q.device, v.shape[-1], widened(v, q.shape[-1])
     # the group's slots are the zigzag shards of the padded samples, which need no further padding
     padded, size = layout.cu_seqlens_padded, layout.group_size
     k_nat, v_nat = zigzag_unpack(k, padded, size, None), zigzag_unpack(v, padded, size, None)
@@ -66,7 +68,7 @@ def attend(
             zigzag_unpack(q, padded, size, None), k_nat, v_nat, cu_k, cu_k, layout.max_seqlen, layout.max_seqlen,
             softmax_scale=scale, causal=True,
         )
-        return zigzag_pack(out_nat, padded, size, None)
+        return zigzag_pack(out_nat, padded, size, None)[..., :dv]
     runs = query_runs(queries.positions, queries.segments)
     starts = padded.tolist()
     kv_index = torch.cat([torch.arange(starts[s], starts[s] + p0 + n) for _, n, s, p0 in runs]).to(device)
@@ -75,7 +77,7 @@ def attend(
     return kernel(
         q, gather_rows(k_nat, kv_index), gather_rows(v_nat, kv_index), cu_q, cu_kv,
         max(n for _, n, _, _ in runs), max(p0 + n for _, n, _, p0 in runs), softmax_scale=scale, causal=True,
-    )
+    )[..., :dv]
 
 
 def _cumsum(values: list[int], device: torch.device) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention import flash
-from megatron_dhp.runtime.attention.math import block_attention, sdpa_attention, visible, widened
+from megatron_dhp.runtime.attention.math import block_attention, sdpa_attention, visible
 from megatron_dhp.runtime.attention.tokens import Tokens
 
 
@@ -32,8 +32,7 @@ def attend(
     if backend == "flash":
         if keys.whole_samples is None:
             raise DhpError("the flash backend needs whole samples as keys; use comm allgather or ulysses")
-        # flash-attn takes one head size: MLA's narrower V runs widened with zero columns, cut off after
-        return flash.attend(q, k, widened(v, q.shape[-1]), queries, keys.whole_samples, scale)[..., : v.shape[-1]]
+        return flash.attend(q, k, v, queries, keys.whole_samples, scale)
     if backend == "math" or q.shape[1] == 0:
         return block_attention(q, k, v, _mask(queries, keys, q.device), scale)[0]
     return _sdpa_by_sample(q, k, v, queries, keys, scale)
