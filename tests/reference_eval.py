@@ -93,8 +93,14 @@ def pipeline_step_time(cfg: dict, plan: dict) -> float:
     2T / (3P) backward on each stage; warm-up min(P - s - 1, K), then F/B alternately, then the rest of the
     backwards; an op starts when its stage neighbour's op, its stage's previous op on every member, and sigma
     allow. Ops are relaxed to a fixed point (no topological order needed).
+
+    Interleaved (`virtual_stages` V > 1), from megatron-core's schedule: the last phase is padded too and
+    every position to the same slot count, a multiple of P; a forward index k runs slot (group of P slots,
+    k // (P V)) and chunk (k % (P V)) // P, its backward the same slot and chunk V - 1 - that; warm-up
+    min(2 (P - s - 1) + (V - 1) P, K V); each op costs T / (3PV) or 2T / (3PV); a chunk's forward on stage 0
+    follows the previous chunk's on the last stage, a backward on the last stage the next chunk's on stage 0.
     """
-    p = plan["pipeline_stages"]
+    p, v = plan["pipeline_stages"], plan.get("virtual_stages", 1)
     samples = {s["id"]: s for s in plan["samples"]}
     gpn, n = plan["gpus_per_node"], plan["world_size"]
     groups = plan["groups"]
@@ -109,6 +115,10 @@ def pipeline_step_time(cfg: dict, plan: dict) -> float:
             target = max(len(row) for row in rows)  # rows were equal before the phase: offset + its widest
             for r in range(n):
                 rows[r] += [("idle", r, len(rows[r]) + i) for i in range(target - len(rows[r]))]
+    if v > 1:
+        target = -(-max(len(row) for row in rows) // p) * p
+        for r in range(n):
+            rows[r] += [("idle", r, len(rows[r]) + i) for i in range(target - len(rows[r]))]
 
     def unit_time(unit) -> float:
         if unit[0] == "idle":
@@ -125,28 +135,42 @@ def pipeline_step_time(cfg: dict, plan: dict) -> float:
     for r in range(n):
         k = len(rows[r])
         for s in range(p):
-            w = min(p - s - 1, k)
+            if v == 1:
+                w = min(p - s - 1, k)
+                slot_of = [(j, 0) for j in range(k)]
+            else:
+                w = min(2 * (p - s - 1) + (v - 1) * p, k * v)
+                slot_of = [((i // (p * v)) * p + i % p, (i % (p * v)) // p) for i in range(k * v)]
+            total = len(slot_of)
             order = [("F", j) for j in range(w)]
-            for i in range(k - w):
+            for i in range(total - w):
                 order += [("F", w + i), ("B", i)]
-            order += [("B", j) for j in range(k - w, k)]
-            orders.append([(kind, rows[r][j], s) for kind, j in order])
+            order += [("B", j) for j in range(total - w, total)]
+            ops = []
+            for kind, i in order:
+                j, c = slot_of[i]
+                ops.append((kind, rows[r][j], s, c if kind == "F" else v - 1 - c))
+            orders.append(ops)
     changed = True
     while changed:
         changed = False
         for order in orders:
             prev = sigma
-            for kind, unit, s in order:
-                dep = end.get(("F", unit, s - 1), sigma) if kind == "F" and s > 0 else sigma
-                if kind == "B":
-                    dep = end.get(("B", unit, s + 1), sigma) if s < p - 1 else end.get(("F", unit, s), sigma)
-                key = (kind, unit, s)
+            for kind, unit, s, c in order:
+                if kind == "F":
+                    dep = end.get(("F", unit, s - 1, c), sigma) if s > 0 else end.get(("F", unit, p - 1, c - 1), sigma) if c > 0 else sigma
+                elif s < p - 1:
+                    dep = end.get(("B", unit, s + 1, c), sigma)
+                else:
+                    dep = end.get(("B", unit, 0, c + 1), sigma) if c < v - 1 else end.get(("F", unit, s, c), sigma)
+                key = (kind, unit, s, c)
                 begin = max(prev, dep, end.get(key + ("start",), sigma))
                 share = 1 / 3 if kind == "F" else 2 / 3
-                finish = begin + unit_time(unit) * share / p
+                finish = begin + unit_time(unit) * share / (p * v)
                 if finish > end.get(key, -1.0) + 1e-15:
                     end[key] = finish
                     end[key + ("start",)] = begin
                     changed = True
                 prev = end[key]
-    return max(v for k, v in end.items() if len(k) == 3)
+    return max(val for key, val in end.items() if len(key) == 4)
+

@@ -17,7 +17,8 @@ from megatron_dhp.cost.pipeline import (
     slot_units,
 )
 from megatron_dhp.cost.simulate import PlanTimes
-from megatron_dhp.plan import Plan, PlanError, PlanGroup, SlotRef, pipeline_slots
+from megatron_dhp.plan import Plan, PlanError, PlanGroup, SlotRef, pipeline_slots, pipeline_token_cap
+from megatron_dhp.plan.pipeline import chunk_table, schedule_order, warmup_ops
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import Batch, Sample
@@ -280,3 +281,76 @@ def test_in_flight_bound_is_near_tight_for_full_microbatches_one_at_a_time(gpt7b
     step = simulate(plan, model).step_time_s
     full = sum(model.microbatch_time([s], [0]) for s in samples[:3])
     assert full <= step and lower_bound(model, plan.samples, 2) >= 0.9 * full
+
+
+# ---------------------------------------------------------------- interleaved (V > 1 chunks per stage)
+@pytest.mark.parametrize("extras", [{}, EXTRAS])
+def test_interleaved_simulator_matches_the_oracle_and_the_bound_holds(gpt7b_config, extras):
+    cfg = dataclasses.replace(gpt7b_config, world_size=6, gpus_per_node=4, **extras)
+    model = build_cost_model(cfg)
+    rng = random.Random(12)
+    checked = 0
+    for trial in range(40):
+        nprng = np.random.default_rng(2000 + trial)
+        lengths = np.where(nprng.random(12) < 0.5, nprng.integers(20000, 6 * 8192, 12), nprng.integers(10, 800, 12))
+        batch = Batch([Sample(i, int(n)) for i, n in enumerate(lengths[: rng.randint(1, 12)])])
+        stages, virtual = rng.randint(2, 4), rng.randint(2, 3)
+        plan = dataclasses.replace(random_plan(batch, cfg.domain, rng, max_phases=3), pipeline_stages=stages,
+                                   virtual_stages=virtual)
+        step = simulate(plan, model).step_time_s
+        assert step == pytest.approx(reference_eval.pipeline_step_time(cfg.to_dict(), plan.to_dict()), rel=1e-9)
+        if valid_under_pp(plan):
+            checked += 1
+            assert lower_bound(model, batch.samples, stages, virtual) <= step * (1 + 1e-9)
+    assert checked >= 8
+
+
+def test_chunk_table_and_warmup_are_megatron_cores():
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    for stages in (2, 3, 4):
+        for virtual in (2, 3):
+            for k in range(stages, 4 * stages + 1, stages):
+                assert chunk_table(k, stages, virtual) == get_schedule_table(k, virtual, stages)
+    # megatron-core's get_pp_rank_microbatches: (P - s - 1) * 2 + (V - 1) * group, and P - s - 1 without chunks
+    assert [warmup_ops(s, 4, 2) for s in range(4)] == [10, 8, 6, 4]
+    assert [warmup_ops(s, 4) for s in range(4)] == [3, 2, 1, 0]
+    assert schedule_order(4, 0, 2, 2)[:6] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]  # 4 warm-up, then 1F1B
+    assert schedule_order(2, 0, 2, 2) == [(0, k) for k in range(4)] + [(1, k) for k in range(4)]  # all in warm-up
+
+
+def test_interleaved_slots_are_equal_on_every_position_and_a_multiple_of_p():
+    samples = tuple(Sample(i, 100) for i in range(7))
+    plan = Plan("t", 3, 8, samples, (
+        PlanGroup((0,), ((0,), (1,), (2,))), PlanGroup((1, 2), ((3,),)),
+        PlanGroup((0, 1), ((4,), (5,)), 1), PlanGroup((2,), ((6,),), 2)), pipeline_stages=2, virtual_stages=2)
+    slots = pipeline_slots(plan)
+    assert [len(row) for row in slots] == [6, 6, 6]  # the longest, 6, is a multiple of 2 already
+    assert slots[0][3:] == [SlotRef(2, 0), SlotRef(2, 1), None]
+    assert len(pipeline_slots(dataclasses.replace(plan, pipeline_stages=4))[0]) == 8
+
+
+def test_interleaved_memory_rule_holds_what_stage_0_keeps_in_flight():
+    # P = 2, V = 2: stage 0 keeps 2 (P - 1) + (V - 1) P + 1 = 5 chunks of 1/2 in flight, 2.5 microbatches' worth
+    samples = tuple(Sample(i, 2000) for i in range(4))
+    groups = (PlanGroup((0,), tuple((i,) for i in range(4))),)
+    plan = Plan("t", 1, 8, samples, groups, max_tokens_per_rank=5000, pipeline_stages=2, virtual_stages=2)
+    plan.validate()
+    assert pipeline_token_cap(5000, 2, 2) == 2000 and pipeline_token_cap(5000, 2) == 2500
+    with pytest.raises(PlanError, match="position 0 holds 5000 tokens per rank over slots 0..2, which stage 0 keeps "
+                                        "in flight at 2 pipeline stages of 2 virtual chunks, above the cap of 4999"):
+        dataclasses.replace(plan, max_tokens_per_rank=4999).validate()
+    with pytest.raises(PlanError, match="virtual_stages 2 needs pipeline_stages > 1"):
+        dataclasses.replace(plan, pipeline_stages=1).validate()
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["virtual_stages"] == 2
+    assert "virtual_stages" not in dataclasses.replace(plan, virtual_stages=1).to_dict()
+
+
+def test_planners_under_interleaving_give_valid_plans_within_the_bound(gpt7b):
+    rng = np.random.default_rng(3)
+    batch = Batch([Sample(i, int(n)) for i, n in enumerate(rng.lognormal(8.5, 1.2, 128).astype(int) + 1) if n < 100000])
+    for name in ("dhp", "static", "fcp-ref"):
+        plan = run_planner(build_planner(name), batch, gpt7b, pipeline_stages=4, virtual_stages=2)
+        assert plan.virtual_stages == 2 and plan.lower_bound_s <= plan.predicted_step_time_s
+        assert "pp 4 x vpp 2" in plan.summary()
+        plan.validate()

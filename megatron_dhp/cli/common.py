@@ -55,6 +55,9 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
                         "groups per rank; 0: any groups (default: each planner's own, dhp 32, the peers 0)")
     g.add_argument("--pp", type=int, default=1, metavar="P",
                    help="pipeline-parallel stages: plan and price each position's microbatches as 1F1B slots (default 1)")
+    g.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline stage: plan and price megatron-core's interleaved 1F1B "
+                        "(needs --pp 2 or more; default 1)")
 
 
 def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
@@ -65,6 +68,9 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
         raise DhpError(f"--time-limit {args.time_limit} must be a positive number of seconds")
     if args.pp < 1:
         raise DhpError(f"--pp {args.pp} must be at least 1")
+    if args.vpp < 1 or (args.vpp > 1 and args.pp < 2):
+        raise DhpError(f"--vpp {args.vpp} must be at least 1, and interleaves chunks only with --pp 2 or more "
+                       f"(got --pp {args.pp})")
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit
@@ -115,6 +121,8 @@ class PlanningInputs:
     context: PlannerContext
     pipeline_stages: int
     """P of --pp: the stages every plan is planned and priced at."""
+    virtual_stages: int = 1
+    """V of --vpp: model chunks per stage (interleaved 1F1B)."""
 
 
 def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1) -> PlanningInputs:
@@ -126,7 +134,8 @@ def planning_inputs(args: argparse.Namespace, *, first: int = 0, count: int = 1)
     )
     source, batches = draw_batches(args, config, range(first, first + count))
     return PlanningInputs(config, source, batches,
-                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)), args.pp)
+                          planner_context(args, dataset_max_tokens(source, batches, config.domain.capacity)), args.pp,
+                          args.vpp)
 
 
 def draw_batches(args: argparse.Namespace, config: CostConfig, indices: range) -> tuple[LengthSource, list[Batch]]:

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     planner = build_planner(args.planner, inputs.context)
     policy = comm_policy(args, args.planner, inputs.config)
     plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), family=policy.planning_family,
-                       pipeline_stages=inputs.pipeline_stages)
+                       pipeline_stages=inputs.pipeline_stages, virtual_stages=inputs.virtual_stages)
     plan.save(args.out)
     print(plan.summary())
     if plan.pipeline_stages > 1:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
@@ -58,6 +58,8 @@ class SelftestOptions:
     slow_ranks: tuple[str, ...] = ()
     """`RANK:FACTOR`: those ranks hold each slot FACTOR times as long, and `dhp` plans every batch with the
     matching speeds (1 / FACTOR) instead of random plans."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B); 1: non-interleaved."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="megatron's sequence parallelism over the --tp ranks (needs --tp > 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages, run by megatron-core's non-interleaved 1F1B (default 1)")
+    p.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline stage, run by megatron-core's interleaved 1F1B (needs --pp 2 "
+                        "or more; the model gets --pp x V layers if it has fewer; default 1)")
     p.add_argument("--model", choices=("gpt", "moe", "mla", "vlm"), default="gpt",
                    help="tiny dense GPT; with megatron-core's MoE layer (4 experts, top-2); with DeepSeek's "
                         "multi-latent attention (V heads narrower than Q/K, a separate RoPE part); or an "
@@ -123,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
     if args.family < 0:
         raise DhpError(f"--family {args.family} must be >= 0 (0: any groups)")
     for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
-                        ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
+                        ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep), ("--vpp", args.vpp)):
         if value < 1:
             raise DhpError(f"{flag} {value} must be at least 1")
+    if args.vpp > 1 and (args.pp < 2 or args.model not in ("gpt", "moe") or args.mtp or args.plan):
+        raise DhpError(f"--vpp {args.vpp} interleaves model chunks of a pipeline: it needs --pp 2 or more and a text "
+                       f"model without --mtp or --plan (got --pp {args.pp}, --model {args.model}, --mtp {args.mtp})")
     if args.sp and args.tp < 2:
         raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
     placements = tuple(c.strip() for c in args.placement.split(",") if c.strip())
@@ -153,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()))
+                              plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()), args.vpp)
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
@@ -196,13 +204,15 @@ def worker(options: SelftestOptions) -> int:
         apply_cpu_compat()
     init_distributed(backend=options.backend, tensor_parallel=options.tensor_parallel,
                      pipeline_parallel=options.pipeline_parallel, expert_parallel=options.expert_parallel,
-                     seed=options.seed,
+                     virtual_pipeline=options.virtual_pipeline, seed=options.seed,
                      timeout=timedelta(seconds=options.timeout_s))
     lead = dist.get_rank() == 0
     try:
         given = Plan.load(options.plan_file) if options.plan_file is not None else None
         longest = max((s.tokens for s in given.samples), default=0) if given is not None else options.max_len
+        chunks = options.pipeline_parallel * options.virtual_pipeline if options.virtual_pipeline > 1 else 0
         config = TinyGPTConfig(max_sequence_length=max(TinyGPTConfig.max_sequence_length, longest),
+                               num_layers=max(TinyGPTConfig.num_layers, chunks),
                                sequence_parallel=options.sequence_parallel,
                                num_experts=4 if options.model == "moe" else 0,
                                moe_token_dispatcher=options.moe_dispatcher, mtp_num_layers=options.mtp_layers,
@@ -210,11 +220,12 @@ def worker(options: SelftestOptions) -> int:
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
         slowdowns = parse_slowdowns(options.slow_ranks)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
-                          slowdown=slowdowns.get(dist.get_rank(), 1.0))
+                          slowdown=slowdowns.get(dist.get_rank(), 1.0), virtual=options.virtual_pipeline)
         n = check.domain.size
         check.use_family(options.family)
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
+            pp += f" x VPP {options.virtual_pipeline} ({config.num_layers} layers)" if options.virtual_pipeline > 1 else ""
             sp = " + SP" if options.sequence_parallel else ""
             moe = (f", MoE 4 experts top-2 ({options.moe_dispatcher}), EP {options.expert_parallel}"
                    if options.model == "moe" else "")
@@ -242,6 +253,9 @@ def worker(options: SelftestOptions) -> int:
                 family = check.policy(comm).planning_family
                 plan = (speed_plan(batch, check.domain.global_ranks, slowdowns, options.max_len, family) if slowdowns
                         else random_plan(batch, domain, rng, family=family))
+                if options.virtual_pipeline > 1:  # its slot order; random plans check exactness, not memory
+                    plan = replace(plan, pipeline_stages=options.pipeline_parallel,
+                                   virtual_stages=options.virtual_pipeline, max_tokens_per_rank=None)
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             for label, planner, row_model in rows:
                 try:
                     plan = run_planner(planner, batch, row_model, family=policies[planner.name].planning_family,
-                                       pipeline_stages=inputs.pipeline_stages)
+                                       pipeline_stages=inputs.pipeline_stages, virtual_stages=inputs.virtual_stages)
                 except PlannerUnsupported as e:  # the planner's source cannot plan this batch: "n/a"
                     results[label].append({"batch": k, "unsupported": str(e)})
                 else:
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     d = config.domain
     table = Table(title=f"{source.name}: {len(batches)} batches of {len(batches[0])} samples, "
                         f"N={d.world_size} ({d.gpus_per_node}/node), M={d.max_tokens_per_rank}, cost {args.cost}"
-                        + (f", PP={inputs.pipeline_stages}" if inputs.pipeline_stages > 1 else ""))
+                        + (f", PP={inputs.pipeline_stages}" if inputs.pipeline_stages > 1 else "")
+                        + (f" x VPP={inputs.virtual_stages}" if inputs.virtual_stages > 1 else ""))
     for col in ("planner", "step s (mean)", "step/LB mean", "step/LB max", "solve ms p50", "solve ms p95", "n/a"):
         table.add_column(col, justify="right", no_wrap=col == "planner")
     mean_ratio = {}

@@ -11,6 +11,10 @@ warm-up forwards, then one forward and one backward alternately, then the remain
 starts after F(j, s - 1) and after the stage's previous op; B(j, s) after B(j, s + 1) and the previous op.
 A group's microbatch runs as one op on all its members (their slot indices are equal by the layout), which
 starts when all of them are ready. Every op starts at the step overhead sigma at the earliest.
+
+Interleaved (V > 1 chunks per stage, `interleaved_ops`): a microbatch costs T / PV per chunk and stage, split
+alike; stage s runs megatron-core's interleaved order (`plan.pipeline.schedule_order`); chunk c's forward
+leaves the last stage for stage 0's chunk c + 1, and its backward comes back the other way.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.memory import Footprint
+from megatron_dhp.plan.pipeline import chunk_table, padded_slot_count, schedule_order
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.workload.sample import Sample
 
@@ -48,8 +53,10 @@ def pipeline_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[flo
     F(j, s) the tick 2j + s and B(j, s) the tick 2j + 2P - 1 - s: every dependency, stage to stage and along
     any position's 1F1B order whatever its slot count, goes to a strictly later tick (the ops of a unit sit
     at the same slot j on all its members by the layout), so the ops are timed one tick at a time, each
-    tick's ops at once.
+    tick's ops at once. Interleaved plans are timed by `interleaved_ops`.
     """
+    if plan.virtual_stages > 1:
+        return interleaved_ops(plan, model, microbatch_s)
     p = plan.pipeline_stages
     unit, unit_slot, pair_unit, pair_row, rows, unit_of = slot_units(plan, microbatch_s, idle_slot_time(model))
     num_units, num_ops = len(unit), len(unit) * p * 2
@@ -94,6 +101,62 @@ def pipeline_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[flo
     return start, finish, unit, rows, unit_of
 
 
+def interleaved_ops(plan: Plan, model: CostModel, microbatch_s: dict[int, tuple[float, ...]]):
+    """`pipeline_ops` under interleaved 1F1B: op id ((unit * P + stage) * V + chunk) * 2 + F/B.
+
+    Every position runs the same K slots (`plan.pipeline.pipeline_slots`), so stage s's i-th op is the same
+    (slot, chunk, F/B) on every position: the ops are timed one (stage, i) cell at a time, each cell's units
+    at once (a unit starts when all its members' stage is free and its op on the neighbouring stage has
+    ended), the cells in the order in which their neighbours' ops are done."""
+    p, v = plan.pipeline_stages, plan.virtual_stages
+    unit, _, _, _, rows, unit_of = slot_units(plan, microbatch_s, idle_slot_time(model))
+    at = np.array(rows, dtype=np.int64)  # (position, slot) -> unit
+    k = at.shape[1]
+    table = chunk_table(k, p, v)
+    sigma = model.step_overhead_s
+    end = np.full((len(unit), p, v, 2), np.nan)
+    begin = np.full_like(end, np.nan)
+    free = np.full((plan.world_size, p), sigma)
+    orders = [schedule_order(k, s, p, v) for s in range(p)]
+    done = [0] * p
+    while any(done[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while done[s] < len(orders[s]):
+                kind, index = orders[s][done[s]]
+                j, c = table[index]
+                c = c if kind == 0 else v - 1 - c
+                before = _neighbour(s, c, kind, p, v)
+                units, inverse = np.unique(at[:, j], return_inverse=True)
+                if before is None:
+                    ready = np.full(len(units), sigma)
+                else:
+                    ready = end[(units,) + before]
+                    if np.isnan(ready).any():
+                        break
+                np.maximum.at(ready, inverse, free[:, s])
+                share = FORWARD_SHARE if kind == 0 else 1 - FORWARD_SHARE
+                begin[units, s, c, kind] = ready
+                end[units, s, c, kind] = ready + share * unit[units] / (p * v)
+                free[:, s] = end[units, s, c, kind][inverse]
+                done[s] += 1
+                moved = True
+        if not moved:
+            raise AssertionError("the interleaved schedule has a cycle")  # megatron-core's order has none
+    return begin.reshape(-1), end.reshape(-1), unit, rows, unit_of
+
+
+def _neighbour(stage: int, chunk: int, kind: int, stages: int, virtual: int) -> tuple[int, int, int] | None:
+    """(stage, chunk, F/B) of the op a unit's op must follow on another stage, None for its first forward."""
+    if kind == 0:
+        if stage > 0:
+            return stage - 1, chunk, 0
+        return (stages - 1, chunk - 1, 0) if chunk > 0 else None
+    if stage < stages - 1:
+        return stage + 1, chunk, 1
+    return (0, chunk + 1, 1) if chunk < virtual - 1 else (stage, chunk, 0)
+
+
 def slot_units(plan: Plan, microbatch_s: dict[int, tuple[float, ...]], idle_s: float):
     """The units of `pipeline_slots(plan)` as arrays: each unit's PP = 1 seconds and slot index, every
     (unit, position) pair, each position's slots as unit ids, and the unit id of each real slot.
@@ -125,6 +188,8 @@ def slot_units(plan: Plan, microbatch_s: dict[int, tuple[float, ...]], idle_s: f
     end = np.full(plan.world_size, int(widest[:last].sum()))  # the last phase is not padded
     in_last = phase[rank_group] == last
     end[ranks[in_last]] += counts[rank_group[in_last]]
+    if plan.virtual_stages > 1:  # interleaved: every position to the same count
+        end[:] = padded_slot_count(int(end.max(initial=0)), plan.pipeline_stages)
     at = np.full((plan.world_size, int(end.max(initial=0))), -1, dtype=np.int64)
     at[ranks[member], real_slot[pair_real]] = pair_real
     filled = np.arange(at.shape[1])[None, :] < end[:, None]
@@ -147,8 +212,9 @@ def pipeline_step_time(plan: Plan, model: CostModel, microbatch_s: dict[int, tup
     return float(pipeline_ops(plan, model, microbatch_s)[1].max(initial=model.step_overhead_s)) + phase_s
 
 
-def lower_bound(model: CostModel, samples, stages: int) -> float:
-    """A step time no plan beats at `stages` pipeline stages; the model's own bound at 1 stage.
+def lower_bound(model: CostModel, samples, stages: int, virtual: int = 1) -> float:
+    """A step time no plan beats at `stages` pipeline stages of `virtual` chunks; the model's own bound at 1
+    stage.
 
     LB_P = sigma + E + max(W / P + (P - 1) m / P, m + max_i min_d t(L_i, d)),
 
@@ -171,11 +237,17 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     The third, `in_flight_bound`, weighs the memory rule against the work: a microbatch holding X tokens
     on its group stays in flight at stage 0 for its whole PP = 1 time T or longer, and the microbatches
     that stage keeps in flight hold at most M tokens per rank together.
+
+    Interleaved (V > 1): the fill and drain pass chunk 0 only, (P - 1) m / PV; stage 0 holds every group
+    of P consecutive slots at once (its C >= PV chunks in flight cover a group's PV), so K_r >= P T_r / M;
+    and chunk c of a microbatch stays in flight at stage 0 for (V - c) / V of T, X / V tokens each: the
+    in-flight bound's memory-time by (V + 1) / 2V.
     """
     if stages == 1:
         return model.lower_bound(samples)
     if not model.domain.nominal:  # every time is at least the nominal one over the fastest rank's speed (if > 1)
-        return lower_bound(model.with_speeds(()), samples, stages) / max(1.0, float(model.domain.speeds.max()))
+        return (lower_bound(model.with_speeds(()), samples, stages, virtual)
+                / max(1.0, float(model.domain.speeds.max())))
     phase_s = model.encoder_phase(samples, bound=True).total_s  # `global`'s, outside the pipeline (0 otherwise)
     tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
     work = model.sample_work(samples)
@@ -185,11 +257,12 @@ def lower_bound(model: CostModel, samples, stages: int) -> float:
     lo = footprint.min_degree()
     t_lo = model.sample_time(tokens, work, lo, lo <= model.domain.gpus_per_node)  # d t(L, d) is least at d = lo
     held = float(footprint.shared.sum()) / footprint.cap  # memory per rank x ranks, over the cap: at least this
-    slots = max(held, stages * held - n * (stages - 1))
+    slots = max(held, stages * held - n * (stages - 1)) if virtual == 1 else stages * held
     area = (float((lo * t_lo).sum()) + m * slots) / n
     longest = m + float(model.best_time(tokens, work, lo=lo, hi=n)[0].max(initial=0.0))
-    fill_drain = (stages - 1) * m / stages
-    mixed = in_flight_bound(model, tokens, work, footprint, stages, fill_drain + m * slots / (n * stages))
+    fill_drain = (stages - 1) * m / (stages * virtual)
+    mixed = in_flight_bound(model, tokens, work, footprint, stages, fill_drain + m * slots / (n * stages),
+                            (virtual + 1) / (2 * virtual))
     return model.step_overhead_s + phase_s + max(max(groups, area) / stages + fill_drain, longest, mixed)
 
 
@@ -198,7 +271,7 @@ MIX_WEIGHTS = np.linspace(0.0, 1.0, 21)
 
 
 def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, footprint: Footprint, stages: int,
-                    area_const: float) -> float:
+                    area_const: float, held_share: float = 1.0) -> float:
     """A bound (without sigma) from the memory rule over time, mixed with the area bound per sample degree.
 
     B: at every moment the microbatches stage 0 of a position keeps in flight are within P consecutive
@@ -210,6 +283,7 @@ def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, foot
     lambda A + (1 - lambda) B, and so at least its minimum over each sample's degree d >= its memory minimum
     (`Footprint.min_degree`; X counts encoder memory as the footprint does).
     lambda = 1 is the area term alone; B alone would let every sample take its fastest degree.
+    `held_share` scales B's memory-time (interleaved: (V + 1) / 2V, see `lower_bound`).
     """
     n, cap, m = model.domain.world_size, footprint.cap, model.microbatch_overhead(1)
     ds = np.arange(1, n + 1)
@@ -222,7 +296,7 @@ def in_flight_bound(model: CostModel, tokens: np.ndarray, work: np.ndarray, foot
         t = model.time_table(tokens[chunk], work[chunk], ds)
         a = ds[None, :] * t / (n * stages)
         memory = footprint.shared[chunk, None] + ds[None, :] * footprint.held[chunk, None]  # x per rank x d
-        b = memory * (m + t) / (n * cap)
+        b = held_share * memory * (m + t) / (n * cap)
         mix = np.where(ds[None, None, :] >= lo[chunk, None][None], lam * a + (1 - lam) * b, np.inf)
         total += mix.min(axis=2).sum(axis=1)
     return float((MIX_WEIGHTS * area_const + total).max())

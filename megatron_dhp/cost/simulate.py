@@ -157,7 +157,7 @@ def simulate_pipeline(plan: Plan, model: CostModel) -> Timeline:
     times = PlanTimes(plan, model).microbatch_times()
     start, end, unit_s, rows, unit_of = pipeline_ops(plan, model, times)
     p, sigma = plan.pipeline_stages, model.step_overhead_s
-    per_unit = 2 * p  # ops of one unit are contiguous: (stage, F/B)
+    per_unit = 2 * p * plan.virtual_stages  # ops of one unit are contiguous: (stage, chunk, F/B)
     unit_start = start.reshape(-1, per_unit).min(axis=1) if len(unit_s) else start
     unit_end = end.reshape(-1, per_unit).max(axis=1) if len(unit_s) else end
     spans = []

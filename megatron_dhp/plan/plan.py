@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_dhp.config_io import load_json_file
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.memory import Footprint, MemoryRule
-from megatron_dhp.plan.pipeline import pipeline_slots, slot_tokens_per_rank
+from megatron_dhp.plan.pipeline import in_flight_peak, pipeline_slots, slot_tokens_per_rank
 from megatron_dhp.workload.sample import Sample
 
 SCHEMA = "megatron-dhp/plan/v1"
@@ -85,6 +85,8 @@ class Plan:
     parallelism the slot layout already orders the phases and no barrier runs)."""
     pipeline_stages: int = 1
     """P: pipeline-parallel stages; P > 1 runs each position's microbatches as 1F1B slots (`pipeline_slots`)."""
+    virtual_stages: int = 1
+    """V: model chunks per stage; V > 1 runs the slots under megatron-core's interleaved 1F1B."""
     encoder_placement: str = "split"
     """Where the vision encoder runs this step (split, replicate or global: `cost.encoder`), the placement
     the plan was priced with; the runtime runs it so."""
@@ -138,7 +140,7 @@ class Plan:
         sizes = Counter(g.size for g in self.groups)
         parts = [f"groups {' '.join(f'{n}x{d}' for d, n in sorted(sizes.items()))}"]
         if self.pipeline_stages > 1:
-            parts.append(f"pp {self.pipeline_stages}")
+            parts.append(f"pp {self.pipeline_stages}" + (f" x vpp {self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.num_phases > 1:
             parts.append(f"{self.num_phases} phases")
         if self.encoder_placement != "split":
@@ -169,7 +171,8 @@ class Plan:
         every rank in at least one group and at most one group per phase; no rankless group, no empty
         microbatch;
         no microbatch above the per-rank token cap (sum of tokens / group size <= cap); with P > 1 pipeline
-        stages, no P consecutive slots of a position above the cap (stage 0 keeps them all in flight).
+        stages, nothing stage 0 of a position keeps in flight above the cap (P consecutive slots; interleaved,
+        `in_flight_chunks` chunks of 1 / V: `plan.pipeline.in_flight_peak`).
         """
         cap = max_tokens_per_rank if max_tokens_per_rank is not None else self.max_tokens_per_rank
         n = self.world_size
@@ -179,6 +182,11 @@ class Plan:
             raise PlanError(f"gpus_per_node {self.gpus_per_node!r} must be a positive integer")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise PlanError(f"pipeline_stages {self.pipeline_stages!r} must be a positive integer")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise PlanError(f"virtual_stages {self.virtual_stages!r} must be a positive integer")
+        if self.virtual_stages > 1 and self.pipeline_stages == 1:
+            raise PlanError(f"virtual_stages {self.virtual_stages} needs pipeline_stages > 1 (interleaving chunks "
+                            "of one stage is no pipeline); set virtual_stages to 1")
         if len(self._by_id) != len(self.samples):
             dup = next(i for i, c in Counter(s.id for s in self.samples).items() if c > 1)
             raise PlanError(f"sample id {dup} is listed twice in the plan's samples")
@@ -234,19 +242,16 @@ class Plan:
         return MemoryRule(cap, self.enc_memory_per_token, self.encoder_placement)
 
     def _validate_in_flight(self, footprint: Footprint) -> None:
-        """The memory rule under pipeline parallelism: tokens per rank over any P consecutive slots <= cap."""
-        p, cap = self.pipeline_stages, footprint.cap
+        """The memory rule under pipeline parallelism: what stage 0 keeps in flight <= cap per rank."""
+        p, v, cap = self.pipeline_stages, self.virtual_stages, footprint.cap
         for r, slots in enumerate(pipeline_slots(self)):
-            per_slot = slot_tokens_per_rank(self, slots, footprint)
-            for first in range(max(1, len(per_slot) - p + 1)):
-                held = sum(per_slot[first : first + p])
-                if held > cap:
-                    last = min(first + p, len(per_slot)) - 1
-                    raise PlanError(
-                        f"position {r} holds {held:.0f} tokens per rank over slots {first}..{last}, which stage 0 "
-                        f"keeps in flight at {p} pipeline stages, above the cap of {cap}; use smaller "
-                        "microbatches or more ranks"
-                    )
+            held, first, last = in_flight_peak(slot_tokens_per_rank(self, slots, footprint), p, v)
+            if held > cap:
+                how = f"at {p} pipeline stages" + (f" of {v} virtual chunks" if v > 1 else "")
+                raise PlanError(
+                    f"position {r} holds {held:.0f} tokens per rank over slots {first}..{last}, which stage 0 "
+                    f"keeps in flight {how}, above the cap of {cap}; use smaller microbatches or more ranks"
+                )
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self, *, timings: bool = True) -> dict:
@@ -263,6 +268,8 @@ class Plan:
             out["phase_barrier"] = True
         if self.pipeline_stages != 1:
             out["pipeline_stages"] = self.pipeline_stages
+        if self.virtual_stages != 1:
+            out["virtual_stages"] = self.virtual_stages
         if self.encoder_placement != "split":
             out["encoder_placement"] = self.encoder_placement
         if self.enc_memory_per_token:
@@ -312,6 +319,7 @@ class Plan:
                 max_tokens_per_rank=obj.get("max_tokens_per_rank"),
                 phase_barrier=bool(obj.get("phase_barrier", False)),
                 pipeline_stages=obj.get("pipeline_stages", 1),
+                virtual_stages=obj.get("virtual_stages", 1),
                 encoder_placement=str(obj.get("encoder_placement", "split")),
                 enc_memory_per_token=float(obj.get("enc_memory_per_token", 0.0)),
                 rank_speeds=tuple(obj.get("rank_speeds", ())),

@@ -17,7 +17,7 @@ from megatron_dhp.runtime.group_pool import SHARE_RESOURCES
 
 def init_distributed(
     *, backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-    seed: int = 0, timeout: timedelta = timedelta(seconds=120)
+    virtual_pipeline: int = 1, seed: int = 0, timeout: timedelta = timedelta(seconds=120)
 ) -> None:
     """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
     megatron-core carves the expert-parallel groups from the data-parallel ranks).
@@ -36,6 +36,7 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
         expert_model_parallel_size=expert_parallel,
         distributed_timeout_minutes=timeout.total_seconds() / 60,  # timedelta(minutes=...): a fraction is exact
     )

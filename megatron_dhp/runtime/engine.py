@@ -116,8 +116,8 @@ class MicrobatchWork(Protocol):
     """What the caller runs per microbatch. The engine's walk calls `forward` then `backward` slot by slot;
     under pipeline parallelism megatron-core's 1F1B calls `forward_step` and runs the backward itself."""
 
-    model: torch.nn.Module
-    """The model (under PP this rank's stage) that 1F1B runs."""
+    model: torch.nn.Module | list[torch.nn.Module]
+    """The model (under PP this rank's stage; interleaved, its list of V model chunks) that 1F1B runs."""
     schedule_options: Mapping[str, object]
     """Further keyword arguments of megatron-core's 1F1B (`pipeline.run_1f1b`), e.g. `forward_only`."""
 
@@ -238,6 +238,7 @@ class StepEngine:
         finalizes the gradients with the model config's `finalize_model_grads_func`; returns 1F1B's loss
         reports), else the walk (`walk`; returns []). Collective."""
         if self.pipelined:
+            check_chunks(inputs.plan, work.model)
             return run_1f1b(work.forward_step, self.pipeline_slots(inputs), work.model, **work.schedule_options)
         self.walk(inputs, work, overlap=overlap)
         return []
@@ -334,6 +335,18 @@ class StepEngine:
         if self.feedback is not None:
             self.feedback.observe(gathered.reports)
         return _Pending(local, gathered)
+
+
+def check_chunks(plan: Plan, model: torch.nn.Module | list[torch.nn.Module]) -> None:
+    """Refuse a plan whose interleaving is not the model's: its slot count and order follow V and P."""
+    from megatron.core import parallel_state
+
+    chunks = len(model) if isinstance(model, list) else 1
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if plan.virtual_stages != chunks or (chunks > 1 and plan.pipeline_stages != stages):
+        raise DhpError(f"the plan interleaves {plan.virtual_stages} chunks per stage at {plan.pipeline_stages} stages, "
+                       f"the model runs {chunks} at {stages}; plan with virtual_stages={chunks}"
+                       + (f" and pipeline_stages={stages}" if chunks > 1 else ""))
 
 
 def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,

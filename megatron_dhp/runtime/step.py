@@ -164,10 +164,12 @@ def run_step(
     megatron `DistributedDataParallel` model the domain-wide reduction runs here (`reduce_gradients`)
     unless `grad_sync` is False, which leaves it to the caller (the train loop times it apart from the
     forward and backward the plan predicts). Under PP (`engine.pipelined`; `model` is this rank's megatron
-    DDP stage) 1F1B finalizes the gradients itself and only the last stage computes the loss and tokens.
+    DDP stage, interleaved the list of its chunks) 1F1B finalizes the gradients itself and only the last
+    stage computes the loss and tokens.
     """
-    config = getattr(model, "config", None)
-    if hasattr(model, "finish_grad_sync") and config is not None and not config.calculate_per_token_loss:
+    chunks = model if isinstance(model, list) else [model]
+    config = getattr(chunks[0], "config", None)
+    if hasattr(chunks[0], "finish_grad_sync") and config is not None and not config.calculate_per_token_loss:
         raise DhpError(
             "the model's DDP averages gradients over the domain (calculate_per_token_loss=False), which "
             "breaks per-token normalisation across dynamic groups; set calculate_per_token_loss=True"
@@ -176,7 +178,8 @@ def run_step(
         if inputs.vision is not None:
             raise DhpError("a step with images under pipeline parallelism is not supported; use PP 1 for a "
                            "vision-language model")
-        config.no_sync_func = model.no_sync
+        no_sync = [chunk.no_sync for chunk in chunks]
+        config.no_sync_func = no_sync if len(chunks) > 1 else no_sync[0]
         config.finalize_model_grads_func = finalize_model_grads  # with the loss tokens 1F1B's loss function reports
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)

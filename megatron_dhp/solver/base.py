@@ -38,7 +38,8 @@ class Planner(Protocol):
     phase_barrier: ClassVar[bool] = False
     """Its schedule waits for every rank between phases (megatron-hcp): its plans carry `Plan.phase_barrier`."""
     plans_pipeline: ClassVar[bool] = False
-    """It plans 1F1B itself and takes `pipeline_stages` in `solve`; else it runs as published on M // P."""
+    """It plans 1F1B itself and takes `pipeline_stages` and `virtual_stages` in `solve`; else it runs as
+    published on the per-microbatch cap (`plan.pipeline.pipeline_token_cap`)."""
     plans_on_family: ClassVar[bool] = False
     """It takes the group family in `solve` and plans on it (dhp); else `run_planner` only checks that its
     groups are family groups, and by default it is held to none (`CommPolicy.resolve`)."""
@@ -54,7 +55,7 @@ class Planner(Protocol):
 
 
 def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: GroupFamily | None = None,
-                pipeline_stages: int = 1) -> Plan:
+                pipeline_stages: int = 1, virtual_stages: int = 1) -> Plan:
     """Solve, time the solve, and return a validated plan carrying its predicted time and lower bound (both
     under the model's rank speeds, which the plan records).
 
@@ -64,17 +65,20 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
     With P = `pipeline_stages` > 1 the plan runs as 1F1B slots (`plan.pipeline_slots`) and is priced so. A
     planner with `plans_pipeline` is told P; any other planner is run as published on a domain whose
     per-rank cap is M // P, so that the P microbatches stage 0 keeps in flight hold at most M tokens per rank
-    (a sample too long for that is `PlannerUnsupported`).
+    (a sample too long for that is `PlannerUnsupported`). `virtual_stages` V > 1 interleaves V model chunks
+    per stage (`plan.pipeline`): the cap is M V // C for the C chunks stage 0 keeps in flight.
     """
     if model.encoder_placement == "auto":  # plan under each placement, keep the fastest
         return plan_best_placement(
-            lambda m: run_planner(planner, batch, m, family=family, pipeline_stages=pipeline_stages), batch, model)
+            lambda m: run_planner(planner, batch, m, family=family, pipeline_stages=pipeline_stages,
+                                  virtual_stages=virtual_stages), batch, model)
     domain, rule = model.domain, model.memory_rule()
     fit_to_domain(batch, domain.capacity)  # a sample no group can hold is a user error for every planner
     rule.check(batch.samples, domain.world_size)  # nor may its images' encoder memory overflow it
     seen = model if planner.speed_aware else model.with_speeds(())
-    planning_model = seen if planner.plans_pipeline else pipeline_planning_model(planner, batch, seen, pipeline_stages)
-    options = {"pipeline_stages": pipeline_stages} if planner.plans_pipeline else {}
+    planning_model = (seen if planner.plans_pipeline
+                      else pipeline_planning_model(planner, batch, seen, pipeline_stages, virtual_stages))
+    options = {"pipeline_stages": pipeline_stages, "virtual_stages": virtual_stages} if planner.plans_pipeline else {}
     if planner.plans_on_family:
         options["family"] = family
     start = time.perf_counter()
@@ -90,6 +94,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
         max_tokens_per_rank=domain.max_tokens_per_rank,
         phase_barrier=planner.phase_barrier,
         pipeline_stages=pipeline_stages,
+        virtual_stages=virtual_stages,
         encoder_placement=model.encoder_placement,
         enc_memory_per_token=rule.enc_memory_per_token,
         rank_speeds=domain.rank_speeds,
@@ -98,7 +103,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
     return replace(
         plan,
         predicted_step_time_s=simulate(plan, model).step_time_s,
-        lower_bound_s=pipeline_lower_bound(model, batch.samples, pipeline_stages),
+        lower_bound_s=pipeline_lower_bound(model, batch.samples, pipeline_stages, virtual_stages),
         solve_time_ms=solve_ms,
     )
 
@@ -113,18 +118,21 @@ def check_family(planner: Planner, groups: list[PlanGroup], family: GroupFamily 
             "set max_groups_per_rank to 0, or use comm mixed, to plan it with any groups")
 
 
-def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int) -> CostModel:
-    """The model a planner that does not plan for pipelining plans with at `stages` stages (see `run_planner`)."""
+def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, stages: int,
+                            virtual: int = 1) -> CostModel:
+    """The model a planner that does not plan for pipelining plans with at `stages` stages of `virtual` chunks
+    (see `run_planner`)."""
     if stages == 1:
         return model
-    cap = pipeline_token_cap(model.domain.max_tokens_per_rank, stages)
+    cap = pipeline_token_cap(model.domain.max_tokens_per_rank, stages, virtual)
     # A planner that sizes its groups by the dataset's longest sample (static) must hold that one too.
     longest = max(int(batch.lengths.max()), planner.dataset_max_tokens or 0)
     n = model.domain.world_size
+    rule = "M // P" if virtual == 1 else f"M V // C at V = {virtual}"
     if cap < 1 or longest > cap * n:
         raise PlannerUnsupported(
             f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
-            f"M // P = {cap} tokens per rank, and a {longest}-token sample needs more than the domain's "
+            f"{rule} = {cap} tokens per rank, and a {longest}-token sample needs more than the domain's "
             f"{n} ranks of that")
     capped = model.with_token_cap(cap)
     need = capped.footprint(batch.samples).min_degree()
@@ -132,7 +140,7 @@ def pipeline_planning_model(planner: Planner, batch: Batch, model: CostModel, st
         s = batch.samples[int(np.argmax(need))]
         raise PlannerUnsupported(
             f"{planner.name} packs microbatches as published; at {stages} pipeline stages a microbatch may hold "
-            f"M // P = {cap} tokens per rank, and sample {s.id}'s tokens and encoder activations need more than "
+            f"{rule} = {cap} tokens per rank, and sample {s.id}'s tokens and encoder activations need more than "
             f"the domain's {n} ranks of that")
     return capped
 

@@ -64,7 +64,7 @@ class TinyGPTConfig:
         return {**moe, **mla}
 
     def transformer_config(self, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                           expert_parallel: int = 1) -> TransformerConfig:
+                           expert_parallel: int = 1, virtual_pipeline: int = 1) -> TransformerConfig:
         """fp32, CPU-initialised, every fusion and dropout off (they would break bit-level comparisons)."""
         mla = dict(q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
                    rope_type="rope", normalization="LayerNorm") if self.multi_latent_attention else {}
@@ -80,6 +80,10 @@ class TinyGPTConfig:
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             pipeline_dtype=torch.float32 if pipeline_parallel > 1 else None,
+            virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
+            # interleaved: Megatron-LM's default p2p (overlapped, one request per direction)
+            overlap_p2p_comm=virtual_pipeline > 1,
+            batch_p2p_comm=virtual_pipeline == 1,
             use_cpu_initialization=True,
             apply_rope_fusion=False,
             bias_activation_fusion=False,
@@ -116,30 +120,38 @@ def build_tiny_gpt(
     pg_collection: ProcessGroupCollection | None = None,
     seed: int = 0,
     tied_embeddings: bool = False,
+    vp_stage: int | None = None,
+    virtual_pipeline: int = 1,
 ) -> GPTModel:
     """A tiny RoPE GPT (dynamic-CP spec unless `spec` is given) with weights set by `init_weights_`.
 
     The tensor-, pipeline- and expert-parallel sizes are those of `pg_collection.tp`, `.pp` and `.ep`
     (default: megatron's parallel state); a pipeline stage builds its share of the layers, the embedding on the first stage and
     the output layer on the last; `tied_embeddings` shares the output layer with the embedding (under
-    pipeline parallelism each end holds a copy and megatron-core all-reduces their gradients).
+    pipeline parallelism each end holds a copy and megatron-core all-reduces their gradients). With
+    `virtual_pipeline` V > 1 it is model chunk `vp_stage` of the stage (interleaved pipelining: the stage's
+    layers in V chunks, the embedding in chunk 0 of stage 0, the output layer in chunk V - 1 of the last).
     """
     config = config or TinyGPTConfig()
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     stage, stages = pgs.pp.rank(), pgs.pp.size()
+    first = stage == 0 and (vp_stage or 0) == 0
+    last = stage == stages - 1 and (vp_stage is None or vp_stage == virtual_pipeline - 1)
     spec = spec if spec is not None else dhp_layer_spec(**config.layer_spec_kwargs())
     model = GPTModel(
         config=config.transformer_config(tensor_parallel=pgs.tp.size(), pipeline_parallel=stages,
-                                         expert_parallel=pgs.ep.size() if config.num_experts else 1),
+                                         expert_parallel=pgs.ep.size() if config.num_experts else 1,
+                                         virtual_pipeline=virtual_pipeline),
         transformer_layer_spec=spec,
-        mtp_block_spec=mtp_block_spec(spec, config.mtp_num_layers, last_stage=stage == stages - 1),
+        mtp_block_spec=mtp_block_spec(spec, config.mtp_num_layers, last_stage=last),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=tied_embeddings,
-        pre_process=stage == 0,
-        post_process=stage == stages - 1,
+        pre_process=first,
+        post_process=last,
         pg_collection=pgs,
+        **({"vp_stage": vp_stage} if vp_stage is not None else {}),
     )
     init_weights_(model, seed=seed, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size())
     return model

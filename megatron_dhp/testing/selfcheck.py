@@ -5,7 +5,8 @@ domain) and the oracle (the same weights, megatron's local attention, one proces
 comm)` runs a full step under the plan and compares the loss and every parameter gradient (TP shards
 gathered; under pipeline parallelism each stage its own, by whole-model name) with the oracle; the
 differences are reduced over the world so every rank returns the same verdict. With PP > 1 the step runs
-through megatron-core's 1F1B, which the step engine drives (`StepEngine.run`).
+through megatron-core's 1F1B, which the step engine drives (`StepEngine.run`); with V > 1 virtual stages
+each rank holds V model chunks and the step runs megatron-core's interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -84,9 +85,11 @@ class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
-                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None, slowdown: float = 1.0) -> None:
+                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None, slowdown: float = 1.0,
+                 virtual: int = 1) -> None:
         """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
-        `slowdown`: this rank holds each slot that many times as long (`runtime.slot_timer`)."""
+        `slowdown`: this rank holds each slot that many times as long (`runtime.slot_timer`); `virtual`: model
+        chunks per pipeline stage (interleaved 1F1B)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -102,14 +105,19 @@ class SelfCheck:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         if self.pp_group.size() > 1:
             check_pipeline(self.domain)
-        inner = TinyVLM(vlm, seed=seed) if vlm is not None else build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings)
-        if torch.cuda.is_available():
-            inner.cuda()
-        self.model = DistributedDataParallel(
-            config=inner.config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=inner,
-        )
+        if vlm is not None:
+            inners = [TinyVLM(vlm, seed=seed)]
+        else:
+            inners = [build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings, virtual_pipeline=virtual,
+                                     vp_stage=c if virtual > 1 else None) for c in range(virtual)]
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+        self.chunks = []
+        """This rank's model under test: its stage, or its V model chunks (megatron DDP each)."""
+        for inner in inners:
+            if torch.cuda.is_available():
+                inner.cuda()
+            self.chunks.append(DistributedDataParallel(config=inner.config, ddp_config=ddp_config, module=inner))
+        self.model = self.chunks[0] if virtual == 1 else self.chunks
         if vlm is not None:
             self.reference = TinyVLM(vlm, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups(),
                                      seed=seed)
@@ -134,9 +142,10 @@ class SelfCheck:
     def check(self, plan: Plan, samples: list[TokenSample], comm: str, *, placement: str = "split") -> CheckResult:
         """Run one step under `plan` with each group talking as `comm`'s policy says, and compare it with the
         oracle on the same samples (images encoded where `placement` says). Collective."""
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         local = local_slice(samples, self.domain.position, self.domain.size)
-        config = self.model.config
+        config = self.chunks[0].config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
@@ -153,12 +162,13 @@ class SelfCheck:
 
         ref = reference_step(self.reference, samples)
         worst, worst_name = 0.0, ""
-        names = global_names(self.model)
-        for local_name, param in self.model.module.named_parameters():
-            name = names[local_name]
-            diff = float((full_grad(param, self.tp_group).cpu() - ref.grads[name]).abs().max())
-            if diff > worst:
-                worst, worst_name = diff, name
+        for chunk in self.chunks:
+            names = global_names(chunk)
+            for local_name, param in chunk.module.named_parameters():
+                name = names[local_name]
+                diff = float((full_grad(param, self.tp_group).cpu() - ref.grads[name]).abs().max())
+                if diff > worst:
+                    worst, worst_name = diff, name
         diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         return CheckResult(

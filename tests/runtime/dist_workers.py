@@ -32,11 +32,12 @@ def batch() -> Batch:
     return Batch.from_lengths(LENGTHS)
 
 
-def start_cpu_rank(*, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+def start_cpu_rank(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
     """What every spawned CPU rank of these tests does first: quiet warnings, the CPU shim, the process groups."""
     warnings.filterwarnings("ignore")
     apply_cpu_compat()
-    init_distributed(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, timeout=timedelta(seconds=60))
+    init_distributed(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                     virtual_pipeline=virtual_pipeline, timeout=timedelta(seconds=60))
 
 
 def plans_of_four() -> dict[str, Plan]:

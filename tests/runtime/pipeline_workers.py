@@ -96,6 +96,28 @@ def pipeline_three_checks() -> dict:
     return out
 
 
+def interleaved_checks() -> dict:
+    """PP 2 x VPP 2 x domain 2 on 4 ranks (4 layers, one per chunk): the plans of two under megatron-core's
+    interleaved 1F1B, tied embeddings too, and a plan of the wrong interleaving refused on every rank."""
+    start_cpu_rank(pipeline_parallel=2, virtual_pipeline=2)
+    config = TinyGPTConfig(num_layers=4)
+    plans = {name: replace(plan, pipeline_stages=2, virtual_stages=2) for name, plan in plans_of_two().items()}
+    out: dict = {"exact": {}, "tied": {}}
+    for tied in (False, True):
+        check = SelfCheck(config=config, seed=11, tied_embeddings=tied, virtual=2)
+        samples = random_samples(batch(), vocab_size=config.vocab_size, seed=SAMPLE_SEED)
+        for name, plan in plans.items():
+            for comm in comms_of(name)[:1 if tied else None]:
+                out["tied" if tied else "exact"][(name, comm)] = check.check(plan, samples, comm)
+    try:
+        check.check(plans_of_two()["one group of 2, three microbatches, barrier"], samples, "allgather")
+        out["wrong"] = "no error"
+    except DhpError as e:
+        out["wrong"] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
 def tensor_and_pipeline_checks() -> dict:
     """TP 2 x PP 2 on 4 ranks (a domain of 1 per coordinate): two microbatches, tied and untied embeddings."""
     start_cpu_rank(tensor_parallel=2, pipeline_parallel=2)

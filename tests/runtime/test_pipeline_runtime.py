@@ -67,17 +67,22 @@ def test_pp2_with_a_domain_of_three_matches_single_process(pp2_domain3):
             assert result.ok and result.tokens_computed == sum(dist_workers.LENGTHS), (key, result)
 
 
-def test_interleaved_pipelining_is_refused_with_one_clear_line(monkeypatch):
-    from megatron.core import parallel_state
+@pytest.fixture(scope="module")
+def vpp2() -> list[dict]:
+    return launch(pipeline_workers.interleaved_checks, 4, timeout_s=400)
 
-    from megatron_dhp.errors import DhpError
-    from megatron_dhp.runtime.domain import DynamicDomain
-    from megatron_dhp.runtime.pipeline import check_pipeline
 
-    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
-    domain = DynamicDomain(global_ranks=(0, 1), rank=0, all_domains=((0, 1), (2, 3)))
-    with pytest.raises(DhpError, match=r"interleaved \(virtual\) pipelining \(virtual size 2\) is not supported"):
-        check_pipeline(domain)
+@pytest.mark.parametrize("kind", ["exact", "tied"])
+def test_pp2_vpp2_loss_and_every_gradient_match_single_process(vpp2, kind):
+    for rank in vpp2:  # each rank compares both of its chunks' parameters
+        assert rank[kind], rank
+        for key, result in rank[kind].items():
+            assert result.ok and result.tokens_computed == sum(dist_workers.LENGTHS), (key, result)
+
+
+def test_a_plan_of_another_interleaving_is_refused_on_every_rank(vpp2):
+    for rank in vpp2:
+        assert rank["wrong"].startswith("the plan interleaves 1 chunks per stage at 1 stages, the model runs 2 at 2")
 
 
 def test_tp2_pp2_matches_single_process():

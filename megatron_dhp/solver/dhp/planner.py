@@ -257,25 +257,27 @@ class DhpPlanner(Planner):
     plans_on_family: ClassVar[bool] = True
 
     def solve(self, batch: Batch, model: CostModel, family: GroupFamily | None = None,
-              pipeline_stages: int = 1) -> list[PlanGroup]:
+              pipeline_stages: int = 1, virtual_stages: int = 1) -> list[PlanGroup]:
         """Build candidates in order of their area bound and return the one with the shortest step: every
         group one of `family`'s, or any contiguous window without one."""
-        found = self.search(batch, model, family, pipeline_stages)
+        found = self.search(batch, model, family, pipeline_stages, virtual=virtual_stages)
         assert found is not None  # nothing to beat: some draft always stands
         return found[0]
 
     def search(self, batch: Batch, model: CostModel, family: GroupFamily | None, pipeline_stages: int,
-               beat_s: float = math.inf) -> tuple[list[PlanGroup], float | None] | None:
+               beat_s: float = math.inf, virtual: int = 1) -> tuple[list[PlanGroup], float | None] | None:
         """`solve`'s groups, with their draft's makespan where they are a draft as built (None where a
         simulation chose them among other layouts); or None where no draft ends before `beat_s` (a step
-        another search already reached: its drafts stop as soon as they cannot beat it)."""
+        another search already reached: its drafts stop as soon as they cannot beat it). Interleaved
+        (`virtual` chunks per stage), microbatches hold at most M V // C tokens per rank."""
         p = pipeline_stages
         domain = model.domain
-        inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p), family)
+        inst = Instance.from_batch(batch, model, pipeline_token_cap(domain.max_tokens_per_rank, p, virtual), family)
         too_long = inst.min_degree > inst.num_ranks
         if too_long.any():
             raise PlannerUnsupported(
-                f"dhp packs microbatches of at most M // P = {inst.cap} tokens per rank at {p} pipeline stages, "
+                f"dhp packs microbatches of at most {inst.cap} tokens per rank at {p} pipeline stages"
+                f"{f' of {virtual} virtual chunks' if virtual > 1 else ' (M // P)'}, "
                 f"and a {int(inst.tokens[too_long].max())}-token sample needs more than the domain's "
                 f"{inst.num_ranks} ranks of that")
         # The bound is at the model's cap M: the instance's own footprint at P = 1, at M // P under PP.
@@ -316,10 +318,11 @@ class DhpPlanner(Planner):
             peers = [*([spaced] if spaced else []), static]
             if family is not None:  # the spaced rounds and static's replicas moved onto the family where they fit
                 peers = [fit_to_family(family, groups, inst) for groups in peers]
-                peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups)]
+            if family is not None or virtual > 1:  # the spaced rounds keep 1F1B's rule, not the interleaved one's
+                peers = [groups for groups in peers if groups is not None and valid(inst, batch, p, groups, virtual)]
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
-            return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p), None
+            return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p, virtual=virtual), None
         groups = [
             PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
                       phase=g.phase)
@@ -392,31 +395,32 @@ def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
                                     key=lambda mb: (-float(times[mb].sum()), min(int(inst.ids[i]) for i in mb))))
 
 
-def draft_plan(inst: Instance, batch: Batch, groups: list[PlanGroup], stages: int) -> Plan:
+def draft_plan(inst: Instance, batch: Batch, groups: list[PlanGroup], stages: int, virtual: int = 1) -> Plan:
     """A candidate layout as a plan under the instance's model (its cap and memory rule)."""
     domain, rule = inst.model.domain, inst.model.memory_rule()
     return Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
-                max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages,
+                max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages, virtual_stages=virtual,
                 encoder_placement=rule.placement, enc_memory_per_token=rule.enc_memory_per_token)
 
 
-def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup]) -> bool:
-    """Whether the layout is a valid plan (the memory rule over P slots included)."""
+def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup], virtual: int = 1) -> bool:
+    """Whether the layout is a valid plan (the memory rule over what stage 0 keeps in flight included)."""
     try:
-        draft_plan(inst, batch, groups, stages).validate()
+        draft_plan(inst, batch, groups, stages, virtual).validate()
     except PlanError:
         return False
     return True
 
 
-def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], stages: int = 1) -> list[PlanGroup]:
+def fastest(inst: Instance, batch: Batch, candidates: list[list[PlanGroup]], stages: int = 1,
+            virtual: int = 1) -> list[PlanGroup]:
     """The candidate layout whose step is the shortest (the first of equals): simulated, or at P = `stages` > 1
     run by the 1F1B simulator with its microbatches priced from the instance's tables.
 
     Without PP the candidates are dhp's plan and static CP's layouts: a batch with little work and one sample
     that dominates it (a video of a CPU-sized multimodal batch) can make dhp give that sample a wide group
     whose collectives cost more than they save, where static CP's layout is faster."""
-    plans = [draft_plan(inst, batch, groups, stages) for groups in candidates]
+    plans = [draft_plan(inst, batch, groups, stages, virtual) for groups in candidates]
     times = [pipeline_step_time(plan, inst.model, dict(enumerate(inst.layout_times(plan.groups)))) if stages > 1
              else simulate(plan, inst.model).step_time_s for plan in plans]
     return candidates[times.index(min(times))]
