@@ -52,12 +52,14 @@ class JobPlanner:
     batch into its plan; `prefetch` starts the next one in the background."""
 
     def __init__(self, config: DhpConfig, cost: CostConfig, policy: CommPolicy, *,
-                 dataset_max_tokens: int | None = None, pipeline_stages: int = 1) -> None:
+                 dataset_max_tokens: int | None = None, pipeline_stages: int = 1, virtual_stages: int = 1) -> None:
         self.config = config
         self.policy = policy
         """Which family the planner keeps to (`planning_family`), the same policy the runtime runs under."""
         self.pipeline_stages = pipeline_stages
         """Every plan runs as 1F1B slots over this many stages (`run_planner`)."""
+        self.virtual_stages = virtual_stages
+        """Model chunks per stage: interleaved 1F1B when > 1."""
         self.loop = ClosedLoop(cost, adaptive=config.adaptive, window=config.adaptive_window,
                                hysteresis=config.adaptive_hysteresis)
         """The speeds and model correction each plan uses (`closed_loop`), the engine's `Feedback` when adaptive."""
@@ -92,7 +94,7 @@ class JobPlanner:
     def _solve(self, batch: Batch, model: CostModel, predictor: CostModel) -> Plan:
         """The plan made with `model`, its step predicted with `predictor` (the ranks at their measured speeds)."""
         plan = run_planner(self.planner, batch, model, family=self.policy.planning_family,
-                           pipeline_stages=self.pipeline_stages)
+                           pipeline_stages=self.pipeline_stages, virtual_stages=self.virtual_stages)
         if predictor is model:
             return plan
         return replace(plan, predicted_step_time_s=simulate(plan, predictor).step_time_s)

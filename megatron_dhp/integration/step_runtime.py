@@ -66,10 +66,11 @@ def job_cost(config: DhpConfig, domain: DynamicDomain) -> tuple[CommPolicy, Cost
 
 
 def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPolicy, cost: CostConfig, *,
-                       dataset_max_tokens: int | None, pipeline_stages: int = 1) -> StepRuntime:
+                       dataset_max_tokens: int | None, pipeline_stages: int = 1, virtual_stages: int = 1) -> StepRuntime:
     """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order).
     Rank 0 logs the policy's one line."""
-    planner = JobPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages)
+    planner = JobPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages,
+                         virtual_stages=virtual_stages)
     pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())

@@ -152,9 +152,11 @@ def wrap_data_iterator(iterator: object, runtime: DhpRuntime, *, lookahead: bool
 
     Ranks that do not read the loader get a step iterator even where Megatron gave them None (TP ranks other
     than 0, middle pipeline stages): they take part in every step's collectives and are sent their data.
+    Under virtual pipelining Megatron builds a loader per model chunk; a planned step serves every chunk, so
+    the list holds one step iterator over the first chunk's loader (the first stage reads it) V times.
     """
     if isinstance(iterator, list):
-        return [wrap_data_iterator(it, runtime, lookahead=lookahead) for it in iterator]
+        return [wrap_data_iterator(iterator[0], runtime, lookahead=lookahead)] * len(iterator) if iterator else []
     reads_loader = dist.get_rank() == runtime.share_source
     if iterator is None and reads_loader:
         return None

@@ -21,7 +21,7 @@ from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.plan.pipeline import pipeline_token_cap
+from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
@@ -68,16 +68,17 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
     domain = DynamicDomain.from_parallel_state(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     stages = parallel_state.get_pipeline_model_parallel_world_size()
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if stages > 1:
         check_pipeline(domain)
     policy, cost = job_cost(config, domain)
-    cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages)
+    cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages, virtual)
     share_group, share_source = _loader_sharing()
     aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                          getattr(args, "moe_token_dispatcher_type", None))
     runtime = DhpRuntime(
         steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
-                                 pipeline_stages=stages),
+                                 pipeline_stages=stages, virtual_stages=virtual),
         share_group=share_group,
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),
@@ -119,22 +120,34 @@ def _loader_sharing() -> tuple[dist.ProcessGroup | None, int]:
     return group, dist.get_process_group_ranks(group)[coordinates.index((0, 0))]
 
 
-def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token_cap: int, stages: int) -> int | None:
+def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token_cap: int, stages: int,
+                virtual: int = 1) -> int | None:
     """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
 
     `token_cap` is the M the planner holds (`DhpConfig.token_cap`: max_tokens_per_rank, less the communicators'
     memory when it is counted). Under pipeline parallelism a stage keeps up to P microbatches in flight, so one
-    holds M // P per rank."""
-    per_rank = pipeline_token_cap(token_cap, stages)
+    holds M // P per rank (interleaved, M V // C: `plan.pipeline.pipeline_token_cap`)."""
+    per_rank = pipeline_token_cap(token_cap, stages, virtual)
     capacity = domain.size * per_rank
     if seq_length <= capacity:
         return None
     if config.truncate:
         return capacity
-    at = f" // {stages} pipeline stages" if stages > 1 else ""
+    at = "" if stages == 1 else f" // {stages} pipeline stages" if virtual == 1 else \
+        f" at {stages} pipeline stages of {virtual} chunks"
     raise DhpError(
         f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
         f"{token_cap}{at} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
-        f"{-(-seq_length // domain.size) * stages + config.max_tokens_per_rank - token_cap} or set truncate: true"
+        f"{_raised_cap(seq_length, domain.size, stages, virtual) + config.max_tokens_per_rank - token_cap} or set "
+        "truncate: true"
     )
 
+
+
+def _raised_cap(seq_length: int, ranks: int, stages: int, virtual: int) -> int:
+    """The least M whose per-microbatch cap lets `ranks` ranks hold `seq_length` tokens."""
+    need = -(-seq_length // ranks)
+    cap = need * stages if virtual == 1 else -(-need * in_flight_chunks(stages, virtual) // virtual)
+    while pipeline_token_cap(cap, stages, virtual) < need:
+        cap += 1
+    return cap

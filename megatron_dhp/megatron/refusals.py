@@ -41,11 +41,6 @@ class Refusal:
         return f"{problem}: {self.why}; {self.fix}".replace("`", "")
 
 
-def _virtual_pipeline_size(args: argparse.Namespace, config: DhpConfig) -> int | None:
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    return vpp if vpp is not None and vpp > 1 else None
-
-
 def _non_thd_comm_types(args: argparse.Namespace, config: DhpConfig) -> str:
     if config.layer_spec != "te":
         return ""
@@ -65,12 +60,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "with groups that change every step only a loss summed per token and divided by the global token "
             "count keeps gradients exact",
             "add `--calculate-per-token-loss`"),
-    Refusal("interleaved pipelining (`--num-layers-per-virtual-pipeline-stage`)",
-            _virtual_pipeline_size,
-            "interleaved pipelining (virtual pipeline size {value}) with --dhp",
-            "its schedule needs per-chunk slot alignment that megatron-dhp does not implement",
-            "drop `--num-layers-per-virtual-pipeline-stage` / `--num-virtual-stages-per-pipeline-rank` "
-            "(`--pipeline-model-parallel-size` alone works)"),
     Refusal("`--hybrid-context-parallel`",
             lambda a, c: getattr(a, "hybrid_context_parallel", False),
             "--hybrid-context-parallel with --dhp",

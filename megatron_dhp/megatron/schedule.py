@@ -7,8 +7,10 @@ The step engine's walk (`runtime/engine.py`) does that; this function hands it M
 per-microbatch `forward_step` / `backward_step`, so loss functions, gradient scaling, timers and
 `finalize_model_grads` behave as upstream.
 
-Under pipeline parallelism the engine runs the step's slots through megatron-core's own non-interleaved 1F1B
-with the script's `forward_step` (`StepEngine.run`), which finalizes the gradients itself.
+Under pipeline parallelism the engine runs the step's slots through megatron-core's own 1F1B with the
+script's `forward_step` (`StepEngine.run`), which finalizes the gradients itself; with virtual pipelining
+Megatron hands over its model chunks and one data iterator per chunk, all the same planned-step iterator
+(`data.wrap_data_iterator`), and the interleaved schedule runs the chunks.
 """
 
 from __future__ import annotations
@@ -49,17 +51,22 @@ def dhp_forward_backward(
     `num_microbatches` is what Megatron would run per rank: the loader microbatches that make the step's
     global batch. How many microbatches this rank runs is the plan's business.
     """
-    model, data_iterator = _only(model, "model"), _only(data_iterator, "data iterator")
+    chunks = model if isinstance(model, list) else [model]
+    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator  # one per chunk, all one
+    model = chunks[0] if len(chunks) == 1 else chunks
     if adjust_tensor_shapes_fn is not None:
         raise DhpError("adjust_tensor_shapes_fn (ModelOpt distillation) is not supported with --dhp")
     steps = step_iterator(data_iterator)
     steps.expect(num_microbatches)
     inputs = next(data_iterator)  # a replayed step reuses its groups: the engine prepared them when it dispatched
-    config = get_model_config(model)
+    config = get_model_config(chunks[0])
     work = _MegatronWork(forward_step_func, model, config, collect_non_loss_data, first_val_step, forward_only,
                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     if steps.engine.pipelined:  # megatron-core's 1F1B, which times and finalizes the step itself
         return steps.engine.run(inputs, work)
+    if len(chunks) > 1:
+        raise DhpError(f"{len(chunks)} model chunks without pipeline parallelism: virtual pipelining needs "
+                       "--pipeline-model-parallel-size 2 or more")
 
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -125,15 +132,6 @@ class _MegatronWork:
             schedules.backward_step(None, output, None, get_model_type(self.model), self.config)
         else:
             schedules.backward_step(None, output, None, self.config)
-
-
-def _only(value, what: str):
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise DhpError(f"the megatron-dhp schedule runs one model chunk, got {len(value)} {what}s; "
-                           "virtual pipelining is not supported")
-        return value[0]
-    return value
 
 
 def _device() -> torch.device:

@@ -157,9 +157,28 @@ def apply_cpu_compat() -> bool:
 
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
+    # Interleaved 1F1B with overlapped p2p frees an output (`deallocate_output_tensor`, Megatron-LM's default)
+    # right after posting its send: on a GPU the caching allocator holds the block until the NCCL stream has
+    # read it, but gloo's send reads host memory on its own thread, which may then read freed memory (wrong
+    # activations, measured). On the CPU the freed output keeps its old memory alive until its backward.
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.deallocate_output_tensor = _keeping_sent_memory(schedules.deallocate_output_tensor)
+
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
     return True
+
+
+def _keeping_sent_memory(deallocate: Any) -> Any:
+    """megatron's pseudo-deallocation of a sent output, holding the old memory on the tensor for gloo's send."""
+
+    def deallocate_after_send(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
+        if out is not None and deallocate_pipeline_outputs:
+            out.sent_memory = out.data
+        deallocate(out, deallocate_pipeline_outputs)
+
+    return deallocate_after_send
 
 
 def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:

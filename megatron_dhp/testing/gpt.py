@@ -83,6 +83,7 @@ class TinyGPTConfig:
             virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
             # interleaved: Megatron-LM's default p2p (overlapped, one request per direction)
             overlap_p2p_comm=virtual_pipeline > 1,
+            deallocate_pipeline_outputs=True,
             batch_p2p_comm=virtual_pipeline == 1,
             use_cpu_initialization=True,
             apply_rope_fusion=False,

@@ -83,8 +83,6 @@ def test_flags_override_the_yaml(tmp_path):
     [
         ([], dict(context_parallel_size=4), "--context-parallel-size 4 with --dhp.*set --context-parallel-size 1"),
         ([], dict(calculate_per_token_loss=False), "--dhp needs --calculate-per-token-loss"),
-        ([], dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-         "interleaved pipelining \\(virtual pipeline size 2\\) with --dhp.*drop --num-layers-per-virtual-pipeline-stage"),
         ([], dict(hybrid_context_parallel=True), "drop --hybrid-context-parallel"),
         ([], dict(num_experts=8, expert_model_parallel_size=2, pipeline_model_parallel_size=2),
          "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 and --pipeline-model-parallel-size 2"

@@ -86,6 +86,11 @@ def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(
     assert printed == ([] if rank == "1" else [
         "megatron-dhp: --seq-length 64 exceeds what the domain of 2 ranks holds at max_tokens_per_rank 32 // 2 "
         "pipeline stages (32 tokens); raise --dhp-max-tokens-per-rank to at least 64 or set truncate: true"])
+    monkeypatch.setattr(hooks.parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    printed = refused(capsys, lambda: hooks.setup(args, None, None, None))
+    assert printed == ([] if rank == "1" else [  # 5 chunks of 1/2 in flight: M x 2 // 5 = 12 tokens a microbatch
+        "megatron-dhp: --seq-length 64 exceeds what the domain of 2 ranks holds at max_tokens_per_rank 32 at 2 "
+        "pipeline stages of 2 chunks (24 tokens); raise --dhp-max-tokens-per-rank to at least 80 or set truncate: true"])
 
 
 def test_layer_spec_provider_resolves_megatron_019_choices():

@@ -240,6 +240,12 @@ RUNS = {
     # megatron-core's 1F1B runs each position's slots; the last stage is sent the first stage's data;
     # a rank holds M // 2 per microbatch, so 2 ranks x 64 // 2 hold a 64-token row
     "pp2-documents": (["--pipeline-model-parallel-size", "2", *DOCUMENTS], ["--dhp-max-tokens-per-rank", "64"]),
+    # interleaved 1F1B: 2 chunks of one layer per stage; stage 0 keeps 5 chunks of 1/2 in flight, so a
+    # microbatch holds 80 x 2 // 5 = 32 tokens per rank. Rows, not documents: upstream's get_batch gives the
+    # chunks that are neither the first nor the last virtual stage no batch, so no attention mask, and those
+    # attend across the documents of a row; megatron-dhp keeps each document apart in every chunk.
+    "pp2-vpp2-rows": (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                       "--num-layers-per-virtual-pipeline-stage", "1"], ["--dhp-max-tokens-per-rank", "80"]),
     "distributed-optimizer": (["--use-distributed-optimizer", *DOCUMENTS], []),
     # megatron-core's MoE layer, experts split over EP groups of 2 carved from the domain: every rank runs the
     # same slots (idle ones pad), so the dispatcher's all-to-alls pair up while CP groups change

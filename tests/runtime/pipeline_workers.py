@@ -118,6 +118,18 @@ def interleaved_checks() -> dict:
     return out
 
 
+def interleaved_with_a_wrong_receive_order() -> dict:
+    """`interleaved_checks`' first plan with `PlannedShapes` reading the rows in non-interleaved slot order."""
+    from megatron_dhp.runtime import pipeline
+
+    pipeline.chunk_table = lambda num_slots, stages, virtual: [(j, c) for j in range(num_slots) for c in range(virtual)]
+    start_cpu_rank(pipeline_parallel=2, virtual_pipeline=2)
+    config = TinyGPTConfig(num_layers=4)
+    check = SelfCheck(config=config, seed=11, virtual=2)
+    plan = replace(next(iter(plans_of_two().values())), pipeline_stages=2, virtual_stages=2)
+    return {"ok": check.check(plan, random_samples(batch(), vocab_size=config.vocab_size, seed=SAMPLE_SEED), "ring").ok}
+
+
 def tensor_and_pipeline_checks() -> dict:
     """TP 2 x PP 2 on 4 ranks (a domain of 1 per coordinate): two microbatches, tied and untied embeddings."""
     start_cpu_rank(tensor_parallel=2, pipeline_parallel=2)

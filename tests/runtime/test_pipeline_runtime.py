@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_dhp.plan.pipeline import pipeline_slots
-from megatron_dhp.testing.launch import launch
+from megatron_dhp.testing.launch import LaunchError, launch
 from megatron_dhp.testing.selfcheck import TOLERANCE
 from tests.runtime import dist_workers, pipeline_workers
 
@@ -78,6 +78,13 @@ def test_pp2_vpp2_loss_and_every_gradient_match_single_process(vpp2, kind):
         assert rank[kind], rank
         for key, result in rank[kind].items():
             assert result.ok and result.tokens_computed == sum(dist_workers.LENGTHS), (key, result)
+
+
+def test_receives_in_the_wrong_order_stop_the_job_instead_of_training_on_wrong_rows():
+    # The check can fail: rows received in another order than the interleaved schedule sends them do not fit
+    # the sent activations, and gloo stops the ranks (no silent training on misplaced rows, no hang).
+    with pytest.raises(LaunchError, match="Received data size doesn't match expected size"):
+        launch(pipeline_workers.interleaved_with_a_wrong_receive_order, 4, timeout_s=120)
 
 
 def test_a_plan_of_another_interleaving_is_refused_on_every_rank(vpp2):

@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--mtp", "1", "--tp", "2", "--nproc", "2"], "--mtp 1 must be >= 0, with --tp 1, --ep 1 and a text model"),
         (["--mtp", "-1"], "--mtp -1 must be >= 0"),
         (["--model", "mla", "--tp", "2"], "--model mla runs with --tp 1 (got --tp 2)"),
+        (["--vpp", "2"], "--vpp 2 interleaves model chunks of a pipeline: it needs --pp 2 or more"),
+        (["--vpp", "0"], "--vpp 0 must be at least 1"),
+        (["--vpp", "2", "--pp", "2", "--model", "vlm"], "(got --pp 2, --model vlm, --mtp 0)"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
