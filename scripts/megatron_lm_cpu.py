@@ -33,7 +33,11 @@ TRAINING_MODULES = (
 
 def answer_cuda_on_cpu() -> None:
     """Make Megatron-LM's CUDA assumptions hold on a CPU-only machine (megatron-core's shim first)."""
-    from megatron_dhp.testing.cpu_compat import apply_cpu_compat, redirect_cuda_literals
+    from megatron_dhp.testing.cpu_compat import (
+        apply_cpu_compat,
+        backport_fsdp2_finish_grad_sync,
+        redirect_cuda_literals,
+    )
 
     apply_cpu_compat()
     torch.cuda.device_count = lambda: 1  # Megatron initialises model parallelism only "with devices"
@@ -58,6 +62,20 @@ def answer_cuda_on_cpu() -> None:
         fused_kernels.load = lambda *_: None
     arguments.get_device_arch_version = lambda: 9  # reads the GPU's compute capability
     redirect_cuda_literals(TRAINING_MODULES)
+    backport_fsdp2_finish_grad_sync()  # upstream's own FSDP2 step, on any hardware
+    accept_is_loading()
+
+
+def accept_is_loading() -> None:
+    """megatron-core 0.16.1 cannot resume torch FSDP2 from a torch_dcp checkpoint: `load_checkpoint` asks
+    `optimizer.state_dict(is_loading=True)` of a `ChainedOptimizer` whose `state_dict` takes no arguments."""
+    import inspect
+
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    state_dict = ChainedOptimizer.state_dict
+    if "is_loading" not in inspect.signature(state_dict).parameters:
+        ChainedOptimizer.state_dict = lambda self, is_loading=False: state_dict(self)
 
 
 if __name__ == "__main__":

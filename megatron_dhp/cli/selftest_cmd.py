@@ -60,6 +60,8 @@ class SelftestOptions:
     matching speeds (1 / FACTOR) instead of random plans."""
     virtual_pipeline: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B); 1: non-interleaved."""
+    fsdp: bool = False
+    """Shard the model over the domain with megatron-core's torch FSDP2 wrapper instead of its DDP."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -92,6 +94,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="K multi-token prediction layers (megatron-core's MTP block, its loss and its token roll "
                         "checked too; --tp 1, not with --model vlm; default 0)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights and gradients over the domain with megatron-core's torch FSDP2 wrapper "
+                        "(--tp 1, --pp 1, a dense text model) instead of its DDP")
     p.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"), default="alltoall",
                    help="megatron-core's MoE token dispatcher (default alltoall)")
     p.add_argument("--plans", type=int, default=6, metavar="K", help="random plans to check (default 6)")
@@ -134,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if args.vpp > 1 and (args.pp < 2 or args.model not in ("gpt", "moe") or args.mtp or args.plan):
         raise DhpError(f"--vpp {args.vpp} interleaves model chunks of a pipeline: it needs --pp 2 or more and a text "
                        f"model without --mtp or --plan (got --pp {args.pp}, --model {args.model}, --mtp {args.mtp})")
+    if args.fsdp and (args.tp > 1 or args.pp > 1 or args.model not in ("gpt", "mla") or args.mtp):
+        raise DhpError(f"--fsdp shards a dense text model over the domain: it needs --tp 1, --pp 1, --model gpt or "
+                       f"mla and no --mtp (got --tp {args.tp}, --pp {args.pp}, --model {args.model}, --mtp {args.mtp})")
     if args.sp and args.tp < 2:
         raise DhpError(f"--sp splits sequences over the tensor-parallel ranks; it needs --tp 2 or more (got --tp {args.tp})")
     placements = tuple(c.strip() for c in args.placement.split(",") if c.strip())
@@ -161,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         plan_file = os.path.abspath(args.plan)
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
-                              plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()), args.vpp)
+                              plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()), args.vpp,
+                              args.fsdp)
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
@@ -220,12 +229,14 @@ def worker(options: SelftestOptions) -> int:
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
         slowdowns = parse_slowdowns(options.slow_ranks)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
-                          slowdown=slowdowns.get(dist.get_rank(), 1.0), virtual=options.virtual_pipeline)
+                          slowdown=slowdowns.get(dist.get_rank(), 1.0), virtual=options.virtual_pipeline,
+                          fsdp=options.fsdp)
         n = check.domain.size
         check.use_family(options.family)
         if lead:
             pp = f", PP {options.pipeline_parallel}" if options.pipeline_parallel > 1 else ""
             pp += f" x VPP {options.virtual_pipeline} ({config.num_layers} layers)" if options.virtual_pipeline > 1 else ""
+            pp += ", torch FSDP2 over the domain" if options.fsdp else ""
             sp = " + SP" if options.sequence_parallel else ""
             moe = (f", MoE 4 experts top-2 ({options.moe_dispatcher}), EP {options.expert_parallel}"
                    if options.model == "moe" else "")

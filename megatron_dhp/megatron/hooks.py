@@ -76,6 +76,9 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     share_group, share_source = _loader_sharing()
     aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                          getattr(args, "moe_token_dispatcher_type", None))
+    # torch FSDP2 gathers every layer's weights in each microbatch's forward and scatters its gradients in each
+    # backward, over the whole domain: every rank must run the same slots (idle ones pad), as under EP
+    aligned = aligned or bool(getattr(args, "use_torch_fsdp2", False))
     runtime = DhpRuntime(
         steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
                                  pipeline_stages=stages, virtual_stages=virtual),

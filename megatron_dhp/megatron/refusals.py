@@ -89,14 +89,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "local MLA does not sum its shared RoPE key's gradient over the TP ranks, even without context "
             "parallelism; TE's is unverified here)",
             "use `--tensor-model-parallel-size 1` and `layer_spec: local`"),
-    Refusal("fully sharded data parallelism (`--use-megatron-fsdp`, `--use-torch-fsdp2`)",
-            lambda a, c: " and ".join(flag for flag, on in (("--use-megatron-fsdp", getattr(a, "use_megatron_fsdp", False)),
-                                                          ("--use-torch-fsdp2", getattr(a, "use_torch_fsdp2", False))) if on),
-            "{value} with --dhp",
-            "sharded parameters under groups that change every step are not verified yet (their gathers and "
-            "scatters run on the static data-parallel group, which is the whole domain, but no run has checked "
-            "the losses)",
-            "use `--use-distributed-optimizer`, which shards the optimizer's states over the same domain"),
+    Refusal("Megatron-FSDP (`--use-megatron-fsdp`)",
+            lambda a, c: getattr(a, "use_megatron_fsdp", False),
+            "--use-megatron-fsdp with --dhp",
+            "Megatron-FSDP is not verified under dynamic groups yet (its CUDA-only buffers keep it from running on "
+            "the CPU, where the runs are checked)",
+            "use `--use-torch-fsdp2` (verified: the same sharding over the whole domain) or "
+            "`--use-distributed-optimizer`"),
     Refusal("legacy models (`--use-legacy-models`)",
             lambda a, c: getattr(a, "use_legacy_models", False),
             "--use-legacy-models with --dhp",

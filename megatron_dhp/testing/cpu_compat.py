@@ -165,9 +165,35 @@ def apply_cpu_compat() -> bool:
 
     schedules.deallocate_output_tensor = _keeping_sent_memory(schedules.deallocate_output_tensor)
 
+    # Fully sharded data parallelism asks for a high-priority NCCL stream on the data-parallel group (a
+    # CPU build of torch has no ProcessGroupNCCL) and builds torch FSDP2's device mesh on "cuda".
+    from megatron.core import parallel_state
+
+    if not hasattr(torch.distributed, "ProcessGroupNCCL"):
+        parallel_state.get_nccl_options = lambda *_, **__: None
+    with contextlib.suppress(ImportError):
+        from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
+
+        torch_fsdp.DeviceMesh = types.SimpleNamespace(
+            from_group=lambda group, device_type, *a, **k: torch_fsdp.DeviceMesh_.from_group(group, "cpu", *a, **k))
+        torch_fsdp.DeviceMesh_ = torch.distributed.DeviceMesh
+
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
     return True
+
+
+def backport_fsdp2_finish_grad_sync() -> None:
+    """Not a CPU matter: megatron-core 0.16.1's torch FSDP2 wrapper cannot finish a step on any hardware, since
+    `finalize_model_grads` passes `force_all_reduce` to a `finish_grad_sync` that takes no arguments (a
+    TypeError). 0.19 added the argument (and ignores it); this gives 0.16.1's the same signature. Idempotent."""
+    import inspect
+
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    finish = _BaseDataParallel.finish_grad_sync
+    if "force_all_reduce" not in inspect.signature(finish).parameters:
+        _BaseDataParallel.finish_grad_sync = lambda self, force_all_reduce=False: finish(self)
 
 
 def _keeping_sent_memory(deallocate: Any) -> Any:

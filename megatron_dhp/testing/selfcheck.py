@@ -29,6 +29,7 @@ from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.slots import moe_slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
+from megatron_dhp.testing.cpu_compat import backport_fsdp2_finish_grad_sync
 from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.testing.vlm import TinyVLM, TinyVLMConfig
@@ -86,10 +87,11 @@ class SelfCheck:
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
                  tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None, slowdown: float = 1.0,
-                 virtual: int = 1) -> None:
+                 virtual: int = 1, fsdp: bool = False) -> None:
         """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
         `slowdown`: this rank holds each slot that many times as long (`runtime.slot_timer`); `virtual`: model
-        chunks per pipeline stage (interleaved 1F1B)."""
+        chunks per pipeline stage (interleaved 1F1B); `fsdp`: megatron-core's torch FSDP2 wrapper over the
+        domain instead of its DDP (gradients summed, not averaged, as the per-token rule needs)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -111,12 +113,14 @@ class SelfCheck:
             inners = [build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings, virtual_pipeline=virtual,
                                      vp_stage=c if virtual > 1 else None) for c in range(virtual)]
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+        self.fsdp = fsdp
         self.chunks = []
-        """This rank's model under test: its stage, or its V model chunks (megatron DDP each)."""
+        """This rank's model under test: its stage, or its V model chunks (megatron DDP or FSDP2 each)."""
         for inner in inners:
             if torch.cuda.is_available():
                 inner.cuda()
-            self.chunks.append(DistributedDataParallel(config=inner.config, ddp_config=ddp_config, module=inner))
+            wrap = sharded if fsdp else DistributedDataParallel
+            self.chunks.append(wrap(config=inner.config, ddp_config=ddp_config, module=inner))
         self.model = self.chunks[0] if virtual == 1 else self.chunks
         if vlm is not None:
             self.reference = TinyVLM(vlm, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups(),
@@ -144,9 +148,11 @@ class SelfCheck:
         oracle on the same samples (images encoded where `placement` says). Collective."""
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
+            chunk.module.zero_grad(set_to_none=True)  # FSDP2 keeps its gradients on the parameters
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.chunks[0].config
         aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
+        aligned = aligned or self.fsdp  # FSDP2 gathers and scatters over the domain in every slot
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
                             equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
@@ -187,8 +193,29 @@ class SelfCheck:
         )
 
 
+def sharded(*, config: object, ddp_config: object, module: torch.nn.Module) -> torch.nn.Module:
+    """megatron-core's torch FSDP2 wrapper of `module` over the domain, its gradient reductions summing."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed.fsdp import FSDPModule
+
+    # megatron's own set for the local spec (it drops ColumnParallelLinear when transformer_impl is "local")
+    backport_fsdp2_finish_grad_sync()
+    model = TorchFullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                          sub_modules_to_wrap={TransformerLayer, LanguageModelEmbedding})
+    for sub in model.module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return model
+
+
 def full_grad(param: torch.nn.Parameter, tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The reduced gradient of `param` with its tensor-parallel shards concatenated (collective over TP)."""
+    """The reduced gradient of `param` with its tensor-parallel shards concatenated (collective over TP); an
+    FSDP2 parameter's gradient gathered whole (collective over its shard group)."""
+    if hasattr(param.grad, "full_tensor"):
+        return param.grad.full_tensor()
     grad = param.main_grad
     if not getattr(param, "tensor_model_parallel", False) or tp_group.size() == 1:
         return grad

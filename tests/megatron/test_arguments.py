@@ -91,8 +91,8 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(multi_latent_attention=True, tensor_model_parallel_size=2), "--multi-latent-attention with "
          "--tensor-model-parallel-size 2"),
         ([], dict(use_legacy_models=True), "--use-legacy-models"),
-        ([], dict(use_megatron_fsdp=True), "--use-megatron-fsdp with --dhp.*use --use-distributed-optimizer"),
-        ([], dict(use_torch_fsdp2=True, use_megatron_fsdp=True), "--use-megatron-fsdp and --use-torch-fsdp2 with --dhp"),
+        ([], dict(use_megatron_fsdp=True), "--use-megatron-fsdp with --dhp.*use --use-torch-fsdp2 .* or "
+                                           "--use-distributed-optimizer"),
         ([], dict(reset_attention_mask=True), "--reset-attention-mask with --dhp needs --reset-position-ids"),
         ([], dict(iterations_to_skip=[5]), "--iterations-to-skip"),
         ([], dict(rampup_batch_size=[16, 16, 1000]), "--rampup-batch-size with overlap_planning"),
@@ -124,10 +124,14 @@ def test_sequence_parallelism_is_accepted():
     assert validate_dhp_args(parse(["--dhp"], sequence_parallel=True)).planner == "dhp"
 
 
-@pytest.mark.parametrize("pp", [2, 3, 4])
-def test_pipeline_parallelism_is_accepted(pp):
+@pytest.mark.parametrize("pp,vpp", [(2, None), (3, None), (4, None), (2, 2), (4, 3)])
+def test_pipeline_parallelism_interleaved_or_not_is_accepted(pp, vpp):
     assert validate_dhp_args(parse(["--dhp"], pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=None)).planner == "dhp"
+                                   virtual_pipeline_model_parallel_size=vpp)).planner == "dhp"
+
+
+def test_torch_fsdp2_is_accepted():
+    assert validate_dhp_args(parse(["--dhp"], use_torch_fsdp2=True)).planner == "dhp"
 
 
 def test_every_problem_is_reported_at_once():

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--model", "mla", "--tp", "2"], "--model mla runs with --tp 1 (got --tp 2)"),
         (["--vpp", "2"], "--vpp 2 interleaves model chunks of a pipeline: it needs --pp 2 or more"),
         (["--vpp", "0"], "--vpp 0 must be at least 1"),
+        (["--fsdp", "--pp", "2"], "--fsdp shards a dense text model over the domain: it needs --tp 1, --pp 1"),
+        (["--fsdp", "--model", "moe"], "(got --tp 1, --pp 1, --model moe, --mtp 0)"),
         (["--vpp", "2", "--pp", "2", "--model", "vlm"], "(got --pp 2, --model vlm, --mtp 0)"),
     ],
 )
@@ -130,3 +132,12 @@ def test_selftest_multi_latent_attention_is_exact(extra):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert lines and all(line.endswith("| ok") for line in lines), proc.stdout
     assert ", MLA " in proc.stdout and "all plans exact" in proc.stdout
+
+
+def test_selftest_fsdp_shards_over_the_domain_and_is_exact():
+    # megatron-core's torch FSDP2 wrapper over a domain of 4: its per-layer gathers and scatters run on the whole
+    # domain in every slot, so every rank runs the same slots while the CP groups change (sizes 1 to 4)
+    proc = selftest("--nproc", "4", "--fsdp", "--plans", "3", "--seed", "3", "--samples", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch FSDP2 over the domain, domain of 4" in proc.stdout
+    assert "all plans exact" in proc.stdout
