@@ -86,6 +86,8 @@ def install() -> None:
 
     for name in _MODULES:
         module = importlib.import_module(name)
+        if not hasattr(module, "roll_tensor"):  # 0.19's GPT model leaves every roll to the MTP module
+            continue
         if module.roll_tensor is not roll_tensor:
             _ORIGINAL.setdefault(name, module.roll_tensor)
             module.roll_tensor = roll_tensor

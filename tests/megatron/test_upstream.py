@@ -275,7 +275,20 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
     dhp, plans = train_on_cpu(patched, [*TINY, *extra, *DHP, *dhp_extra])
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
-    assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+    assert_same_training(dhp, upstream, extra)
+
+
+def assert_same_training(got: list[float], want: list[float], flags: list[str]) -> None:
+    """Losses equal at relative 2e-6. With MTP on megatron-core 0.19 only the first (before any update): 0.19
+    weights each microbatch's MTP loss by its loss tokens before the roll over those after it, a factor of how
+    the batch is cut into microbatches, which no other layout (dynamic groups, or upstream's own at another
+    --micro-batch-size) reproduces; the later losses then drift by ~1e-5 relative (measured)."""
+    from megatron.core import package_info
+
+    if "--mtp-num-layers" in flags and package_info.__version__.startswith("0.19"):
+        assert got[0] == pytest.approx(want[0], rel=2e-6) and got == pytest.approx(want, rel=3e-5), (got, want)
+    else:
+        assert got == pytest.approx(want, rel=2e-6), (got, want)
 
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "32", "--qk-head-dim", "16",
@@ -294,7 +307,7 @@ def test_multi_latent_attention_on_dynamic_groups_trains_like_one_rank_per_row(p
     single, plans_single = train_on_cpu(patched, [*flags, "--dhp-planner", "static", "--dhp-max-tokens-per-rank", "64"])
     grouped, plans = train_on_cpu(patched, flags)
     assert len(single) == 6 and plans_single == plans == 6
-    assert grouped == pytest.approx(single, rel=2e-6), (grouped, single)
+    assert_same_training(grouped, single, flags)
 
 
 def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched):
