@@ -34,6 +34,20 @@ def valid_under_pp(plan: Plan) -> bool:
     return True
 
 
+def mixed_plans(cfg, *, seed: int, trials: int, max_phases: int, virtual: tuple[int, int] = (1, 1)):
+    """(batch, random plan at 2-4 stages of `virtual` chunks) pairs: up to 12 samples, near-full ones (up to
+    6 x 8192 tokens) and light ones mixed, so that some plans keep the memory rule and some do not."""
+    rng = random.Random(seed)
+    for trial in range(trials):
+        nprng = np.random.default_rng(seed * 1000 + trial)
+        lengths = np.where(nprng.random(12) < 0.5, nprng.integers(20000, 6 * 8192, 12), nprng.integers(10, 800, 12))
+        batch = Batch([Sample(i, int(n)) for i, n in enumerate(lengths[: rng.randint(1, 12)])])
+        stages = rng.randint(2, 4)
+        chunks = rng.randint(*virtual) if virtual != (1, 1) else 1
+        plan = random_plan(batch, cfg.domain, rng, max_phases=max_phases)
+        yield batch, dataclasses.replace(plan, pipeline_stages=stages, virtual_stages=chunks)
+
+
 def one_position(k: int, stages: int, tokens: int = 4000) -> Plan:
     samples = tuple(Sample(i, tokens) for i in range(k))
     return Plan("t", 1, 8, samples, (PlanGroup((0,), tuple((i,) for i in range(k))),),
@@ -249,18 +263,12 @@ def test_in_flight_bound_holds_on_valid_random_plans(gpt7b_config, extras):
     # Random plans that keep the memory rule (full microbatches and light ones mixed), and the planners' plans.
     cfg = dataclasses.replace(gpt7b_config, world_size=6, gpus_per_node=4, **extras)
     model = build_cost_model(cfg)
-    rng = random.Random(11)
     checked = 0
-    for trial in range(300):
-        nprng = np.random.default_rng(1000 + trial)
-        lengths = np.where(nprng.random(12) < 0.5, nprng.integers(20000, 6 * 8192, 12), nprng.integers(10, 800, 12))
-        batch = Batch([Sample(i, int(n)) for i, n in enumerate(lengths[: rng.randint(1, 12)])])
-        stages = rng.randint(2, 4)
-        plan = dataclasses.replace(random_plan(batch, cfg.domain, rng, max_phases=4), pipeline_stages=stages)
+    for batch, plan in mixed_plans(cfg, seed=11, trials=300, max_phases=4):
         if not valid_under_pp(plan):
             continue
         checked += 1
-        assert lower_bound(model, batch.samples, stages) <= simulate(plan, model).step_time_s * (1 + 1e-9)
+        assert lower_bound(model, batch.samples, plan.pipeline_stages) <= simulate(plan, model).step_time_s * (1 + 1e-9)
     assert checked >= 30
     for name in ("dhp", "fcp-ref", "static"):
         for seed in range(3):
@@ -288,15 +296,9 @@ def test_in_flight_bound_is_near_tight_for_full_microbatches_one_at_a_time(gpt7b
 def test_interleaved_simulator_matches_the_oracle_and_the_bound_holds(gpt7b_config, extras):
     cfg = dataclasses.replace(gpt7b_config, world_size=6, gpus_per_node=4, **extras)
     model = build_cost_model(cfg)
-    rng = random.Random(12)
     checked = 0
-    for trial in range(40):
-        nprng = np.random.default_rng(2000 + trial)
-        lengths = np.where(nprng.random(12) < 0.5, nprng.integers(20000, 6 * 8192, 12), nprng.integers(10, 800, 12))
-        batch = Batch([Sample(i, int(n)) for i, n in enumerate(lengths[: rng.randint(1, 12)])])
-        stages, virtual = rng.randint(2, 4), rng.randint(2, 3)
-        plan = dataclasses.replace(random_plan(batch, cfg.domain, rng, max_phases=3), pipeline_stages=stages,
-                                   virtual_stages=virtual)
+    for batch, plan in mixed_plans(cfg, seed=12, trials=40, max_phases=3, virtual=(2, 3)):
+        stages, virtual = plan.pipeline_stages, plan.virtual_stages
         step = simulate(plan, model).step_time_s
         assert step == pytest.approx(reference_eval.pipeline_step_time(cfg.to_dict(), plan.to_dict()), rel=1e-9)
         if valid_under_pp(plan):
