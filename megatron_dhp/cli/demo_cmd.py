@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in planners if p not in PLANNERS]
     if len(planners) < 2 or unknown:
         raise DhpError(f"--planners {args.planners!r}: give at least two of {', '.join(PLANNERS)}")
-    config = load_config(args, train={"pp": args.pp}, dhp=straggler_overrides(args))
+    config = load_config(args, train={"pp": args.pp, "vpp": args.vpp}, dhp=straggler_overrides(args))
     console = make_console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pp_arg(p: argparse.ArgumentParser) -> None:
-    """--pp, which `train` and `demo` take (`profile` times groups without a pipeline)."""
+    """--pp and --vpp, which `train` and `demo` take (`profile` times groups without a pipeline)."""
     p.add_argument("--pp", type=int, metavar="P", help="pipeline stages, run by megatron-core's 1F1B; nproc must "
                                                        "be a multiple of tp x P (overrides train.pp)")
+    p.add_argument("--vpp", type=int, metavar="V", help="model chunks per pipeline stage, run by megatron-core's "
+                                                        "interleaved 1F1B; model.num_layers must be a multiple of "
+                                                        "P x V (overrides train.vpp)")
 
 
 def add_straggler_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.training.train import train
 
     config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load,
-                                      "pp": args.pp}, dhp={"planner": args.planner, **straggler_overrides(args)})
+                                      "pp": args.pp, "vpp": args.vpp},
+                         dhp={"planner": args.planner, **straggler_overrides(args)})
     result = train(config, show=True, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":
         return 0

@@ -40,6 +40,7 @@ def run_fingerprint(config: TrainConfig, *, world_size: int) -> dict:
     data = to_mapping(config.data)
     data["truncate"] = config.dhp.truncate
     stages = {"pp": config.train.pp} if config.train.pp > 1 else {}  # PP 1 fingerprints as before: old checkpoints resume
+    stages.update({"vpp": config.train.vpp} if config.train.vpp > 1 else {})
     return {"model": to_mapping(config.model), "tp": config.train.tp, **stages, "world_size": world_size, "data": data}
 
 
@@ -73,7 +74,8 @@ class Checkpointer:
         folder = Path(directory) / f"step_{step:06d}"
         rank = dist.get_rank()
         folder.mkdir(parents=True, exist_ok=True)
-        state = {"step": step, "rank": rank, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        weights = [chunk.state_dict() for chunk in model] if isinstance(model, list) else model.state_dict()
+        state = {"step": step, "rank": rank, "model": weights, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "rng": _rng_state()}
         path = folder / f"rank{rank}.pt"
         _atomic_write(path, lambda f: torch.save(state, f))
@@ -101,7 +103,8 @@ class Checkpointer:
         bad = [r for r, p in enumerate(verdicts) if p is not None]
         if bad:
             raise DhpError(f"rank {bad[0]} cannot load the checkpoint: {verdicts[bad[0]]}")
-        model.load_state_dict(state["model"], strict=True)
+        for chunk, weights in zip(model, state["model"]) if isinstance(model, list) else [(model, state["model"])]:
+            chunk.load_state_dict(weights, strict=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])

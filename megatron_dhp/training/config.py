@@ -117,6 +117,9 @@ class RunConfig:
     """Static tensor-parallel size; the dynamic domain is the other nproc / (tp x pp) ranks."""
     pp: int = 1
     """Pipeline stages (megatron-core's non-interleaved 1F1B); every stage's domain applies the same plan."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (megatron-core's interleaved 1F1B; needs pp > 1 and model.num_layers a
+    multiple of pp x vpp)."""
     save: str | None = None
     """Checkpoint directory (written every `save_interval` steps and after the last step)."""
     save_interval: int = 0
@@ -132,7 +135,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("steps", "tp", "pp"):
+        for name in ("steps", "tp", "pp", "vpp"):
             if getattr(self, name) < 1:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 1")
         for name in ("warmup_steps", "save_interval", "nproc"):
@@ -142,6 +145,8 @@ class RunConfig:
             raise DhpError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} between 0 and lr")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.timeout_s <= 0:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
+        if self.vpp > 1 and self.pp == 1:
+            raise DhpError(f"train.vpp = {self.vpp} interleaves model chunks of a pipeline; it needs train.pp > 1")
         if self.load == AUTO_LOAD and not self.save:
             raise DhpError("train.load = auto resumes from train.save's latest checkpoint; set train.save (--save DIR)")
         if self.warmup_steps >= self.steps:
@@ -177,6 +182,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        chunks = self.train.pp * self.train.vpp
+        if self.train.vpp > 1 and self.model.num_layers % chunks:
+            raise DhpError(f"model.num_layers = {self.model.num_layers} must be a multiple of train.pp x train.vpp = "
+                           f"{self.train.pp} x {self.train.vpp}: each chunk holds the same number of layers")
 
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "train config") -> TrainConfig:

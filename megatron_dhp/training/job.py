@@ -77,7 +77,8 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
         if world % run.model_parallel:
             raise DhpError(f"the job has {world} ranks, not a multiple of train.tp x train.pp = {run.tp} x {run.pp}"
                            if run.pp > 1 else f"the job has {world} ranks, not a multiple of train.tp = {run.tp}")
-        init_distributed(backend=backend, tensor_parallel=run.tp, pipeline_parallel=run.pp, seed=run.seed,
+        init_distributed(backend=backend, tensor_parallel=run.tp, pipeline_parallel=run.pp, virtual_pipeline=run.vpp,
+                         seed=run.seed,
                          timeout=timedelta(seconds=run.timeout_s))
         return fn(config, *args)
     except DhpError as e:

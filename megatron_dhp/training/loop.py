@@ -105,7 +105,7 @@ class Trainer:
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
         policy, self.cost = job_cost(config.dhp, self.domain)
         # under PP a microbatch holds M // P per rank (P in flight), so that is what a sample may fill
-        capacity = self.domain.size * pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp)
+        capacity = self.domain.size * pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp, config.train.vpp)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=capacity, truncate=config.dhp.truncate,
                                       vision=config.vision if config.vision.layers else None)
@@ -117,13 +117,15 @@ class Trainer:
         """The run's longest sample: what Megatron's static CP is sized for (the static planner's CP)."""
         self.static_cp = static_cp_size(longest, self.cost.domain)
         self.runtime = build_step_runtime(config.dhp, self.domain, policy, self.cost, dataset_max_tokens=longest,
-                                          pipeline_stages=config.train.pp)
+                                          pipeline_stages=config.train.pp, virtual_stages=config.train.vpp)
         if config.train.pp > 1:
             check_pipeline(self.domain)
         self.loss_ranks = _last_stage_domain()
         """The global ranks whose losses and token counts make the batch's: this TP coordinate's last stage."""
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
-                                 vision=config.vision)
+                                 vision=config.vision, virtual=config.train.vpp)
+        self.chunks = self.model if isinstance(self.model, list) else [self.model]
+        """This rank's stage, or its model chunks under interleaved pipelining."""
         self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
         self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
         self.completed = 0
@@ -134,8 +136,9 @@ class Trainer:
 
     def describe(self) -> str:
         """One line on what runs: model, ranks, planner, memory cap, cost model, data."""
-        c, n = self.config, sum(p.numel() for p in self.model.parameters())
+        c, n = self.config, sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
         pp = f", PP {c.train.pp}" if c.train.pp > 1 else ""
+        pp += f" x VPP {c.train.vpp}" if c.train.vpp > 1 else ""
         tower = f"ViT {c.vision.layers}x{c.vision.hidden_size} + " if c.vision.layers else ""
         return (f"{tower}GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
                 f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
@@ -164,7 +167,7 @@ class Trainer:
         position, size = self.domain.position, self.domain.size
         batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
         engine = self.runtime.engine(source=lambda: next(batches, None), lookahead=True,
-                                     seq_multiple=seq_multiple(self.model.config))
+                                     seq_multiple=seq_multiple(self.chunks[0].config))
         try:
             while True:
                 start = time.perf_counter()
@@ -185,7 +188,8 @@ class Trainer:
         """Train the step the engine dispatched since `start` (the data position's, `completed`); its record."""
         plan = inputs.plan
         self.last_plan = plan
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the learning rate of step k is the schedule's value at k
         lr = self.optimizer.param_groups[0]["lr"]

@@ -20,23 +20,34 @@ from megatron_dhp.testing.vlm import TinyVLM
 from megatron_dhp.training.config import ModelConfig, RunConfig, VisionConfig
 
 
-def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local",
-                vision: VisionConfig | None = None) -> DistributedDataParallel:
+def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local", vision: VisionConfig | None = None,
+                virtual: int = 1) -> DistributedDataParallel | list[DistributedDataParallel]:
     """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`testing.vlm`);
-    weights a function of `seed` only (any rank or TP count)."""
+    weights a function of `seed` only (any rank, TP or PP count). With `virtual` V > 1 the stage's V model
+    chunks (interleaved pipelining), each in its own DDP."""
     spec = dhp_layer_spec(backend=layer_spec)
     vlm = vision.model(config) if vision is not None else None
-    inner = TinyVLM(vlm, language_spec=spec, seed=seed) if vlm is not None else build_tiny_gpt(config, spec=spec, seed=seed)
-    if torch.cuda.is_available():
-        inner.cuda()
-    return DistributedDataParallel(
-        config=inner.config,
-        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-        module=inner,
-    )
+    if vlm is not None and virtual > 1:
+        raise DhpError(f"train.vpp = {virtual} with a vision tower: interleaved pipelining runs text models; use 1")
+    if vlm is not None:
+        inners = [TinyVLM(vlm, language_spec=spec, seed=seed)]
+    else:
+        inners = [build_tiny_gpt(config, spec=spec, seed=seed, virtual_pipeline=virtual,
+                                 vp_stage=c if virtual > 1 else None) for c in range(virtual)]
+    chunks = []
+    for inner in inners:
+        if torch.cuda.is_available():
+            inner.cuda()
+        chunks.append(DistributedDataParallel(
+            config=inner.config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            module=inner,
+        ))
+    return chunks if virtual > 1 else chunks[0]
 
 
-def build_optimizer(model: DistributedDataParallel, run: RunConfig) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+def build_optimizer(model: DistributedDataParallel | list[DistributedDataParallel],
+                    run: RunConfig) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """megatron-core Adam (decoupled weight decay) and a warm-up + cosine learning-rate schedule."""
     if run.clip_grad and not torch.cuda.is_available():
         raise DhpError(f"train.clip_grad = {run.clip_grad}: megatron-core's gradient clipping needs CUDA "
@@ -44,7 +55,7 @@ def build_optimizer(model: DistributedDataParallel, run: RunConfig) -> tuple[Meg
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=run.lr, min_lr=run.min_lr, weight_decay=run.weight_decay,
                         clip_grad=run.clip_grad, use_distributed_optimizer=False, bf16=False, fp16=False),
-        [model],
+        model if isinstance(model, list) else [model],
     )
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=run.lr, min_lr=run.min_lr, lr_warmup_steps=run.warmup_steps,

@@ -48,3 +48,28 @@ def test_pp2_checkpoint_resumes_exactly_and_refuses_another_pp(runs):
         assert [r.loss for r in resumed] == [r.loss for r in uninterrupted]
         assert [r.grad_norm for r in resumed] == [r.grad_norm for r in uninterrupted]
         assert "pp" in rank["other_pp"] and "--load" in rank["other_pp"], rank["other_pp"]
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory) -> dict:
+    # 4 layers, one per chunk. Stage 0 keeps 5 chunks of 1/2 in flight, so a microbatch holds 2 x 90 // 5 = 36
+    # tokens per rank and the domain of 2 holds every sample (at most 71 tokens) whole, as the plain run does.
+    short = {"train": {"steps": workers.PP_STEPS}, "data": {"length_scale": 1 / 1024}, "model": {"num_layers": 4}}
+    interleave = {**short, "train": {**short["train"], "vpp": 2}}
+    config = workers.tiny_config(nproc=4, max_tokens_per_rank=90, pp=2).with_overrides(**interleave)
+    folder = tmp_path_factory.mktemp("vpp_ckpt")
+    plain = workers.tiny_config(nproc=2, max_tokens_per_rank=90, planner="static").with_overrides(**short)
+    return {"vpp": launch(rank_main, 4, workers.interleaved_runs, config, str(folder), timeout_s=400),
+            "plain": launch(rank_main, 2, workers.plain_run, plain, timeout_s=300)[0]}
+
+
+def test_pp2_vpp2_training_equals_the_run_without_a_pipeline_and_resumes_exactly(interleaved):
+    plain = workers.losses(interleaved["plain"])
+    for rank in interleaved["vpp"]:
+        assert rank["chunks"] == 2 and "PP 2 x VPP 2" in rank["describe"] and rank["capacity"] == 2 * (2 * 90 // 5)
+        dhp = workers.losses(rank["dhp"])
+        assert len(dhp) == len(plain) == workers.PP_STEPS
+        assert all(math.isclose(a, b, rel_tol=RELATIVE) for a, b in zip(dhp, plain)), (dhp, plain)
+        resumed, uninterrupted = rank["resumed"], rank["dhp"][workers.PP_SAVE_AT:]
+        assert [r.loss for r in resumed] == [r.loss for r in uninterrupted]
+        assert [r.grad_norm for r in resumed] == [r.grad_norm for r in uninterrupted]

@@ -203,6 +203,18 @@ def pipeline_runs(config: TrainConfig, folder: str) -> dict:
     return out
 
 
+def interleaved_runs(config: TrainConfig, folder: str) -> dict:
+    """PP 2 x VPP 2: dhp saving at step 3, then resumed from step 3 (each rank's chunks in its stage file)."""
+    fixed = {"planner": "dhp", "adaptive": False}  # bitwise resumption: plans must not follow the timings
+    trainer = Trainer(config.with_overrides(dhp=fixed, train={"save": folder, "save_interval": PP_SAVE_AT}))
+    out: dict = {"chunks": len(trainer.chunks), "describe": trainer.describe(), "dhp": trainer.train()}
+    resumed = Trainer(config.with_overrides(dhp=fixed))
+    resumed.resume(str(Path(folder) / f"step_{PP_SAVE_AT:06d}"))
+    out["resumed"] = resumed.train()
+    out["capacity"] = resumed.pipeline.capacity
+    return out
+
+
 def plain_run(config: TrainConfig) -> list:
     """One trainer of `config` from scratch."""
     return Trainer(config).train()
