@@ -149,8 +149,5 @@ def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token
 
 def _raised_cap(seq_length: int, ranks: int, stages: int, virtual: int) -> int:
     """The least M whose per-microbatch cap lets `ranks` ranks hold `seq_length` tokens."""
-    need = -(-seq_length // ranks)
-    cap = need * stages if virtual == 1 else -(-need * in_flight_chunks(stages, virtual) // virtual)
-    while pipeline_token_cap(cap, stages, virtual) < need:
-        cap += 1
-    return cap
+    per_rank = -(-seq_length // ranks)
+    return -(-per_rank * in_flight_chunks(stages, virtual) // virtual)  # M V // C >= per_rank

@@ -12,7 +12,7 @@ flight, so the per-rank token cap must hold over any P consecutive slots of a po
 Interleaved pipelining (V > 1 virtual stages, each stage holding V model chunks of L / (P V) layers) runs
 megatron-core's interleaved 1F1B instead, whose order depends on the slot count K itself: every position
 runs the same K (the last phase padded too), rounded up to a multiple of P (megatron-core 0.16's rule for
-its default microbatch group of P). Its ops follow `interleaved_order`; a chunk in flight holds 1 / V of a
+its default microbatch group of P). Its ops follow `schedule_order`; a chunk in flight holds 1 / V of a
 microbatch's activations on its stage, and stage 0 keeps `in_flight_chunks(P, V)` chunks in flight.
 """
 

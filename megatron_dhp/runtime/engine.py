@@ -41,6 +41,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import DOMAIN_COMMS, CommPolicy
@@ -339,8 +340,6 @@ class StepEngine:
 
 def check_chunks(plan: Plan, model: torch.nn.Module | list[torch.nn.Module]) -> None:
     """Refuse a plan whose interleaving is not the model's: its slot count and order follow V and P."""
-    from megatron.core import parallel_state
-
     chunks = len(model) if isinstance(model, list) else 1
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if plan.virtual_stages != chunks or (chunks > 1 and plan.pipeline_stages != stages):

@@ -68,10 +68,10 @@ class PlannedShapes(P2PCommunicator):
         split = seq_multiple(config)
         stage, stages = pp_group.rank(), pp_group.size()
         table = [(j, 0) for j in range(len(rows))] if virtual == 1 else chunk_table(len(rows), stages, virtual)
-        wraps = [c != virtual - 1 for _, c in table]
-        self._forward: Iterator[int] = iter(rows[j] // split for (j, _), w in zip(table, wraps) if stage > 0 or w)
-        self._backward: Iterator[int] = iter(rows[j] // split for (j, _), w in zip(table, wraps)
-                                             if stage < stages - 1 or w)
+        sent = [c != virtual - 1 for _, c in table]  # what crosses the wrap: every chunk but the last
+        self._forward: Iterator[int] = iter(rows[j] // split for (j, _), s in zip(table, sent) if stage > 0 or s)
+        self._backward: Iterator[int] = iter(rows[j] // split for (j, _), s in zip(table, sent)
+                                             if stage < stages - 1 or s)
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_next: bool):
         return ([next(self._forward), 1, self._hidden] if recv_prev else [0, 0, 0],
@@ -99,7 +99,7 @@ def run_1f1b(forward_step_func: Callable, slots: list[Slot], model: torch.nn.Mod
     config = get_model_config(chunks[0])
     virtual = len(chunks)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    if virtual > 1 and config.microbatch_group_size_per_vp_stage != parallel_state.get_pipeline_model_parallel_world_size():
+    if virtual > 1 and config.microbatch_group_size_per_vp_stage != pp_group.size():
         raise DhpError(f"microbatch_group_size_per_vp_stage {config.microbatch_group_size_per_vp_stage} is not "
                        "the pipeline size: dynamic groups plan megatron-core's default group of P microbatches; unset it")
     if virtual > 1 and pp_group.size() == 2 and config.batch_p2p_comm:

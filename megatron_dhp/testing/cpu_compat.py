@@ -174,9 +174,9 @@ def apply_cpu_compat() -> bool:
     with contextlib.suppress(ImportError):
         from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
 
+        mesh = torch.distributed.DeviceMesh
         torch_fsdp.DeviceMesh = types.SimpleNamespace(
-            from_group=lambda group, device_type, *a, **k: torch_fsdp.DeviceMesh_.from_group(group, "cpu", *a, **k))
-        torch_fsdp.DeviceMesh_ = torch.distributed.DeviceMesh
+            from_group=lambda group, device_type, *a, **k: mesh.from_group(group, "cpu", *a, **k))
 
     redirect_cuda_literals(_MODULES_WITH_CUDA_LITERALS)
     _APPLIED = True
