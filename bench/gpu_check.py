@@ -15,6 +15,8 @@ Sections, each timed, each check ok / fail (with its error and tolerance) / skip
 4. closed loop: the slot timer's CUDA events against synchronised wall time, and a one-rank train run
    planned with a cost model far off this GPU, whose closed loop must bring the predicted step time
    within 10 % of the measured one on 90 % of the steps after a warm-up.
+5. sharding: megatron-core's torch FSDP2 wrapper (`selftest --fsdp`) on a one-rank NCCL job, loss and every
+   gradient against one process.
 
 Exit status: 0 when every check that ran passed, 1 when one failed, 3 when none ran (no CUDA device: every
 section is skipped, so a user or CI sees that nothing was checked). Budget: under 8 minutes on an H200.
@@ -530,6 +532,28 @@ def closed_loop_checks(quick: bool) -> list[Check]:
                      steps=steps_data)]
 
 
+# ---------------------------------------------------------------------------------------------- sharding
+
+
+def sharding_checks(quick: bool) -> list[Check]:
+    """megatron-core's torch FSDP2 wrapper on a one-rank NCCL job (`selftest --fsdp`'s check): loss and every
+    gradient of a two-microbatch step against one process, the CUDA path of the sharded model and its
+    summed gradient reduction (a multi-rank domain needs more GPUs)."""
+    from megatron_dhp.plan.plan import Plan, PlanGroup
+    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
+    from megatron_dhp.workload.sample import Batch
+
+    batch = Batch.from_lengths([24, 7, 40, 13])
+    ids = [s.id for s in batch.samples]
+    plan = Plan("gpu-check", 1, 1, batch.samples, (PlanGroup((0,), (tuple(ids[:2]), tuple(ids[2:]))),))
+    with one_rank_job():
+        check = SelfCheck(seed=0, fsdp=True)
+        result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=0), "allgather")
+    return [compared("torch FSDP2 on one NCCL rank: loss and every gradient against one process",
+                     max(result.max_loss_diff, result.max_grad_diff), TOLERANCE, "max abs difference",
+                     loss=result.loss, tokens=result.tokens_computed, batch_tokens=result.batch_tokens)]
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 SECTIONS: dict[str, Callable[[bool], list[Check]]] = {
@@ -537,6 +561,7 @@ SECTIONS: dict[str, Callable[[bool], list[Check]]] = {
     "attention": attention_checks,
     "calibration": calibration_section,
     "closed_loop": closed_loop_checks,
+    "sharding": sharding_checks,
 }
 
 

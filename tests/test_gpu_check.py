@@ -45,7 +45,7 @@ def test_cpu_run_skips_every_section_and_exits_3(tmp_path):
     report = json.loads(out.read_text())
     assert set(report) == REPORT_KEYS
     assert report["device"] is None and report["status"] == "nothing checked" and report["exit_code"] == 3
-    assert [s["name"] for s in report["sections"]] == ["kernels", "attention", "calibration", "closed_loop"]
+    assert [s["name"] for s in report["sections"]] == ["kernels", "attention", "calibration", "closed_loop", "sharding"]
     for section in report["sections"]:
         assert set(section) == SECTION_KEYS
         assert section["status"] == "skipped" and section["reason"] == "no CUDA device" and section["checks"] == []
