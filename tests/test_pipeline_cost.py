@@ -12,7 +12,6 @@ from megatron_dhp.cost import build_cost_model, simulate
 from megatron_dhp.cost.pipeline import (
     idle_slot_time,
     lower_bound,
-    one_f_one_b,
     pipeline_step_time,
     slot_units,
 )
@@ -63,9 +62,9 @@ def test_equal_microbatches_take_k_plus_p_minus_1_slots(gpt7b, stages, k):
 
 
 def test_one_f_one_b_order():
-    assert one_f_one_b(4, 0, 3) == [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (1, 2), (1, 3)]
-    assert one_f_one_b(4, 2, 3) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
-    assert one_f_one_b(1, 0, 4) == [(0, 0), (1, 0)]
+    assert schedule_order(4, 0, 3) == [(0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (1, 2), (1, 3)]
+    assert schedule_order(4, 2, 3) == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    assert schedule_order(1, 0, 4) == [(0, 0), (1, 0)]
 
 
 def test_group_collective_waits_for_its_slower_member(gpt7b):

@@ -31,15 +31,6 @@ FORWARD_SHARE = 1.0 / 3.0
 """The forward's share of a microbatch's time on a stage (the backward does the other two thirds)."""
 
 
-def one_f_one_b(num_slots: int, stage: int, stages: int) -> list[tuple[int, int]]:
-    """megatron-core's non-interleaved 1F1B order at one stage: (0 forward / 1 backward, slot index)."""
-    warmup = min(stages - stage - 1, num_slots)
-    order = [(0, j) for j in range(warmup)]
-    for i in range(num_slots - warmup):
-        order += [(0, warmup + i), (1, i)]
-    return order + [(1, j) for j in range(num_slots - warmup, num_slots)]
-
-
 def idle_slot_time(model: CostModel) -> float:
     """PP = 1 seconds of an idle slot: a one-token microbatch on a group of one."""
     return model.microbatch_time([Sample(0, 1)], [0])

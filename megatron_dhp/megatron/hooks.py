@@ -25,7 +25,7 @@ from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
-from megatron_dhp.runtime.slots import moe_slot_rules
+from megatron_dhp.runtime.slots import slot_rules
 
 
 @exits_on_dhp_error()
@@ -74,11 +74,9 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     policy, cost = job_cost(config, domain)
     cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages, virtual)
     share_group, share_source = _loader_sharing()
-    aligned, equal_rows = moe_slot_rules(parallel_state.get_expert_model_parallel_world_size(),
-                                         getattr(args, "moe_token_dispatcher_type", None))
-    # torch FSDP2 gathers every layer's weights in each microbatch's forward and scatters its gradients in each
-    # backward, over the whole domain: every rank must run the same slots (idle ones pad), as under EP
-    aligned = aligned or bool(getattr(args, "use_torch_fsdp2", False))
+    aligned, equal_rows = slot_rules(parallel_state.get_expert_model_parallel_world_size(),
+                                     getattr(args, "moe_token_dispatcher_type", None),
+                                     fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)))
     runtime = DhpRuntime(
         steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
                                  pipeline_stages=stages, virtual_stages=virtual),

@@ -12,7 +12,9 @@ attention runs collectives over its CP group. Both stay matched only if every ra
 phase at the same time as every rank it shares a group with; since EP groups and CP groups between them may
 link any two positions, every phase is padded with idle slots to the most microbatches any position of the
 domain runs in it. Then the k-th slot of a phase is the k-th slot everywhere, each idle slot still routes its
-one token through the experts (with zero gradient), and no collective waits on one that comes later. Every walk over a step, the plain one of
+one token through the experts (with zero gradient), and no collective waits on one that comes later. Fully
+sharded data parallelism (torch FSDP2) needs the same: it gathers every layer's weights in each microbatch's
+forward and scatters its gradients in each backward, over the whole domain. Every walk over a step, the plain one of
 `engine.StepEngine.run` and the pipeline schedule (`pipeline_work`, the rule of `plan.pipeline`), takes its
 order from here.
 
@@ -66,12 +68,13 @@ def work_items(inputs: StepInputs, position: int, *, aligned: bool = False) -> l
     return work
 
 
-def moe_slot_rules(expert_parallel: int, dispatcher: str | None) -> tuple[bool, bool]:
-    """(aligned slots, equal rows) of a step under expert parallelism `expert_parallel`: the dispatcher's
-    expert-parallel collectives pair up only if every position runs the same slots, and megatron-core's
-    `allgather` dispatcher also gathers equally long blocks, so its k-th slots must hold equal rows."""
-    aligned = expert_parallel > 1
-    return aligned, aligned and dispatcher == "allgather"
+def slot_rules(expert_parallel: int, dispatcher: str | None, *, fully_sharded: bool = False) -> tuple[bool, bool]:
+    """(aligned slots, equal rows) of a step under expert parallelism `expert_parallel` and, with
+    `fully_sharded`, FSDP over the domain: the dispatcher's expert-parallel collectives and FSDP's per-layer
+    domain collectives pair up only if every position runs the same slots, and megatron-core's `allgather`
+    dispatcher also gathers equally long blocks, so its k-th slots must hold equal rows."""
+    experts = expert_parallel > 1
+    return experts or fully_sharded, experts and dispatcher == "allgather"
 
 
 def aligned_slot_counts(plan: Plan) -> list[int]:

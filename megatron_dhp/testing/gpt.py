@@ -158,6 +158,12 @@ def build_tiny_gpt(
     return model
 
 
+def build_tiny_gpt_chunks(config: TinyGPTConfig | None = None, *, virtual: int = 1, **kwargs: object) -> list[GPTModel]:
+    """This stage's model as its `virtual` chunks (`build_tiny_gpt` of each `vp_stage`; one model at 1)."""
+    return [build_tiny_gpt(config, virtual_pipeline=virtual, vp_stage=c if virtual > 1 else None, **kwargs)
+            for c in range(virtual)]
+
+
 def init_weights_(model: torch.nn.Module, *, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Give every parameter a value that depends only on its name and `seed`, sliced for this TP rank.
 

@@ -26,11 +26,11 @@ from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slot_timer import SlotTimer
-from megatron_dhp.runtime.slots import moe_slot_rules
+from megatron_dhp.runtime.slots import slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
 from megatron_dhp.testing.cpu_compat import backport_fsdp2_finish_grad_sync
-from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, global_names
+from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt_chunks, global_names
 from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.testing.vlm import TinyVLM, TinyVLMConfig
 from megatron_dhp.workload.sample import Batch
@@ -110,8 +110,7 @@ class SelfCheck:
         if vlm is not None:
             inners = [TinyVLM(vlm, seed=seed)]
         else:
-            inners = [build_tiny_gpt(config, seed=seed, tied_embeddings=tied_embeddings, virtual_pipeline=virtual,
-                                     vp_stage=c if virtual > 1 else None) for c in range(virtual)]
+            inners = build_tiny_gpt_chunks(config, virtual=virtual, seed=seed, tied_embeddings=tied_embeddings)
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.fsdp = fsdp
         self.chunks = []
@@ -151,8 +150,8 @@ class SelfCheck:
             chunk.module.zero_grad(set_to_none=True)  # FSDP2 keeps its gradients on the parameters
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.chunks[0].config
-        aligned, equal_rows = moe_slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type)
-        aligned = aligned or self.fsdp  # FSDP2 gathers and scatters over the domain in every slot
+        aligned, equal_rows = slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type,
+                                         fully_sharded=self.fsdp)
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
                             equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
@@ -200,8 +199,8 @@ def sharded(*, config: object, ddp_config: object, module: torch.nn.Module) -> t
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.fsdp import FSDPModule
 
-    # megatron's own set for the local spec (it drops ColumnParallelLinear when transformer_impl is "local")
     backport_fsdp2_finish_grad_sync()
+    # megatron's own set for the local spec (it drops ColumnParallelLinear when transformer_impl is "local")
     model = TorchFullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                           sub_modules_to_wrap={TransformerLayer, LanguageModelEmbedding})
     for sub in model.module.modules():

@@ -15,7 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.layer_spec import dhp_layer_spec
-from megatron_dhp.testing.gpt import build_tiny_gpt
+from megatron_dhp.testing.gpt import build_tiny_gpt_chunks
 from megatron_dhp.testing.vlm import TinyVLM
 from megatron_dhp.training.config import ModelConfig, RunConfig, VisionConfig
 
@@ -32,8 +32,7 @@ def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local", vi
     if vlm is not None:
         inners = [TinyVLM(vlm, language_spec=spec, seed=seed)]
     else:
-        inners = [build_tiny_gpt(config, spec=spec, seed=seed, virtual_pipeline=virtual,
-                                 vp_stage=c if virtual > 1 else None) for c in range(virtual)]
+        inners = build_tiny_gpt_chunks(config, virtual=virtual, spec=spec, seed=seed)
     chunks = []
     for inner in inners:
         if torch.cuda.is_available():
