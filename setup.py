@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent
 
@@ -21,6 +21,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dhp", "megatron_dhp.*"]),
     package_data={"megatron_dhp": ["workload/data/*"]},
+    # dhp's draft loops in C (megatron_dhp/solver/dhp/native.py); optional: without a compiler the same
+    # Python runs. No FMA contraction, so every sum rounds as the Python's does.
+    ext_modules=[Extension("megatron_dhp.solver.dhp._draft", ["csrc/solver/draft.c"],
+                           extra_compile_args=["-O2", "-ffp-contract=off"], optional=True)],
     data_files=[
         ("share/megatron-dhp/configs", [str(p) for p in sorted(Path("configs").glob("*.yaml"))]),
         ("share/megatron-dhp/patches", [str(p) for p in sorted(Path("patches").glob("*.patch"))]),

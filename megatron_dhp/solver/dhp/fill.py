@@ -18,25 +18,31 @@ import math
 
 import numpy as np
 
+from megatron_dhp.solver.dhp import native
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.layout import DraftGroup, add_to_group
+from megatron_dhp.solver.dhp.layout import DraftGroup, add_to_group, fill_arrays
 
 SCAN = 32
+
+
+def bin_classes(inst: Instance, bins: list[DraftGroup]) -> tuple[list[tuple[int, bool, float]], list[int]]:
+    """The bins' (size, placement, speed) classes, sorted, and each bin's class."""
+    gpn = inst.model.domain.gpus_per_node
+    keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn, b.speed) for b in bins]
+    classes = sorted(set(keys))
+    return classes, [classes.index(k) for k in keys]
 
 
 class BinSet:
     """Bins grouped by (size, placement, speed) class, each class sorted by finish time."""
 
     def __init__(self, inst: Instance, bins: list[DraftGroup]) -> None:
-        gpn = inst.model.domain.gpus_per_node
         self.inst = inst
         self.bins = bins
         self.shared, self.held = inst.loads
         self.min_degree = inst.min_degree.tolist()
-        keys = [(b.size, b.first // gpn == (b.first + b.size - 1) // gpn, b.speed) for b in bins]
-        self.classes = sorted(set(keys))
+        self.classes, self.class_of = bin_classes(inst, bins)
         self.sizes = [size for size, _, _ in self.classes]
-        self.class_of = [self.classes.index(k) for k in keys]
         self.times = [inst.times(*key).tolist() for key in self.classes]
         self.class_overhead = [inst.overhead(s, speed) for s, _, speed in self.classes]
         self.room = [max(b.rooms, default=0) for b in bins]
@@ -121,19 +127,39 @@ class BinSet:
         self.room[b] = max(self.bins[b].rooms, default=0)
 
 
-def fill(inst: Instance, bins: list[DraftGroup], items: np.ndarray, *, floor_s: float = 0.0, max_moves: int = 200) -> BinSet:
-    """Assign `items` to `bins` (LPT), then move samples off the latest bin while the makespan drops.
+def fill(inst: Instance, bins: list[DraftGroup], items: np.ndarray, *, floor_s: float = 0.0,
+         max_moves: int = 200) -> None:
+    """Assign `items` to the empty `bins` (LPT), then move samples off the latest bin while the makespan drops.
 
     `floor_s` is a finish time the bins need not beat (e.g. a wide group that ends later anyway).
     """
-    binset = BinSet(inst, bins)
     order = items[np.lexsort((inst.ids[items], -inst.tokens[items], -inst.work[items]))]
+    fill_in_order(inst, bins, order, floor_s=floor_s, max_moves=max_moves)
+
+
+def fill_in_order(inst: Instance, bins: list[DraftGroup], order: np.ndarray, *, floor_s: float, max_moves: int) -> None:
+    """`fill` with the items placed in `order`: each where it finishes earliest, then the local moves. In C where
+    the install built it (`native`), the same bins to the last bit."""
+    assert not any(b.microbatches for b in bins), "fill starts from empty bins"
+    if native.draft is not None:
+        native_fill(inst, bins, order, floor_s=floor_s, max_moves=max_moves)
+        return
+    binset = BinSet(inst, bins)
     for i in order.tolist():
         finish, b = binset.best_bin(i)
         assert b >= 0, f"no bin can hold sample index {i}"  # build() makes such samples wide
         binset.add(i, b)
     improve(binset, floor_s=floor_s, max_moves=max_moves)
-    return binset
+
+
+def native_fill(inst: Instance, bins: list[DraftGroup], order: np.ndarray, *, floor_s: float, max_moves: int) -> None:
+    """`fill_in_order` in C (`csrc/solver/draft.c`: `BinSet`, `fill` and `improve` there)."""
+    classes, class_of = bin_classes(inst, bins)
+    overhead = [inst.overhead(size, speed) for size, _, speed in classes]
+    filled = native.draft.lpt_fill(*fill_arrays(inst, order, classes, class_of, bins, overhead), float(floor_s),
+                                   max_moves, SCAN)
+    for b, (microbatches, rooms, finish_s) in zip(bins, filled):
+        b.microbatches, b.rooms, b.finish_s = microbatches, rooms, finish_s
 
 
 def improve(binset: BinSet, *, floor_s: float, max_moves: int) -> None:

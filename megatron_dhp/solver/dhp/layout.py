@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron_dhp.solver.dhp import native
 from megatron_dhp.solver.dhp.instance import Instance
 
 
@@ -147,8 +148,9 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
     sizes = inst.sizes
     order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
-    prefix = np.zeros(inst.num_ranks + 1)  # ranks' free times summed: prefix[b] - prefix[a] over ranks [a, b)
     by = limit_s if limit_s is not None else None if inst.nominal else bound_s
+    speeds = inst.speeds if by is not None and limit_s is None else None  # with speeds: a weighted cost
+    choose = choose_window if native.draft is None else native_choose_window
     for k in order:
         i, degree = int(items[k]), int(degrees[k])
         key = ("windows", degree, grow, cell, straddle)
@@ -156,9 +158,6 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
             inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist(), cell, straddle)
         w = inst.memo[key]
         assert len(w.sizes), f"no window of {degree}+ ranks"  # every degree is an allowed size
-        np.cumsum(skyline.ready, out=prefix[1:])
-        begin = skyline.ready[w.ranks].max(axis=1)
-        waste = w.size * begin - (prefix[w.end] - prefix[w.start])
         seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
         if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
             todo = [int(j) for j in items[degrees == degree] if int(j) not in seconds]
@@ -168,26 +167,46 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
                                            w.intra[None, :], speed)
             seconds.update(zip(todo, table))
         time = seconds[i]
-        finish = begin + time + w.overhead
-        # per size: the least-wasting window that ends by the limit, the earliest end where none does
-        order_by, cost = finish, waste
-        if by is not None:
-            late = finish > by
-            order_by = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
-            if limit_s is None:  # with speeds: the speed-weighted rank-seconds the window gives up
-                weighted = np.concatenate([[0.0], np.cumsum(inst.speeds * skyline.ready)])
-                cost = finish * w.capacity - (weighted[w.end] - weighted[w.start])
-        # sorted by segment first: each segment's best where it began (one size: no segment key)
-        ranked = np.lexsort((w.start, cost, order_by) if len(w.sizes) == 1 else (w.start, cost, order_by, w.segment))
-        firsts = ranked[w.firsts]
-        j = int(firsts[0])
-        for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier
-            if finish[f] < finish[j] * (1 - 1e-3):
-                j = f
-        put(inst, skyline, i, int(w.start[j]), int(w.size[j]), float(begin[j]), float(time[j]))
+        j, begin = choose(w, skyline.ready, time, by, speeds)
+        put(inst, skyline, i, int(w.start[j]), int(w.size[j]), begin, float(time[j]))
         if skyline.wide[-1].finish_s >= stop_s:
             return False
     return True
+
+
+def choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | None,
+                  speeds: np.ndarray | None) -> tuple[int, float]:
+    """`place_wide`'s window for one sample (its index in `w`, and when its last rank is free): ranks free at
+    `ready`, the sample's seconds on each window `time`; with `by`, windows that end by then first; with
+    `speeds`, the speed-weighted rank time given up instead of the waste (`native.draft.choose_window` is
+    this, compiled)."""
+    begin = ready[w.ranks].max(axis=1)
+    prefix = np.concatenate([[0.0], np.cumsum(ready)])  # ranks' free times summed over ranks [a, b)
+    waste = w.size * begin - (prefix[w.end] - prefix[w.start])
+    finish = begin + time + w.overhead
+    # per size: the least-wasting window that ends by the limit, the earliest end where none does
+    order_by, cost = finish, waste
+    if by is not None:
+        late = finish > by
+        order_by = np.where(np.logical_and.reduceat(late, w.firsts)[w.segment], finish, late)
+        if speeds is not None:  # the speed-weighted rank-seconds the window gives up
+            weighted = np.concatenate([[0.0], np.cumsum(speeds * ready)])
+            cost = finish * w.capacity - (weighted[w.end] - weighted[w.start])
+    # sorted by segment first: each segment's best where it began (one size: no segment key)
+    ranked = np.lexsort((w.start, cost, order_by) if len(w.sizes) == 1 else (w.start, cost, order_by, w.segment))
+    firsts = ranked[w.firsts]
+    j = int(firsts[0])
+    for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier
+        if finish[f] < finish[j] * (1 - 1e-3):
+            j = f
+    return j, float(begin[j])
+
+
+def native_choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | None,
+                         speeds: np.ndarray | None) -> tuple[int, float]:
+    """`choose_window` in C."""
+    return native.draft.choose_window(ready, w.start, w.size, w.firsts, time, w.overhead, by, speeds,
+                                      None if speeds is None else w.capacity)
 
 
 def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int, int]]) -> None:
@@ -241,9 +260,12 @@ def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[lis
         return [], items
     times, m = inst.times(1, True), inst.overhead(1)
     groups = [DraftGroup(rank, 1, 0, start, inst.footprint.cap, m) for _, rank, start in holes]
+    order = items[np.lexsort((inst.ids[items], -times[items]))]
+    if native.draft is not None:
+        return native_fill_holes(inst, groups, order, [length for length, _, _ in holes])
     left = sorted((length, k) for k, (length, _, _) in enumerate(holes))
     rest = []
-    for i in items[np.lexsort((inst.ids[items], -times[items]))].tolist():
+    for i in order.tolist():
         t = float(times[i]) + m
         k = bisect.bisect_left(left, (t, -1))
         if inst.min_degree[i] > 1 or k == len(left):
@@ -255,6 +277,28 @@ def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[lis
         add_to_group(group, i, inst.load(i, 1), float(times[i]))
         bisect.insort(left, (room - (group.finish_s - before), h))
     return [g for g in groups if g.microbatches], np.array(sorted(rest), dtype=np.int64)
+
+
+def native_fill_holes(inst: Instance, groups: list[DraftGroup], order: np.ndarray,
+                      lengths: list[float]) -> tuple[list[DraftGroup], np.ndarray]:
+    """`fill_holes` in C, its one-rank `groups` (empty, one per hole of `lengths` seconds) filled from `order`."""
+    m = groups[0].overhead_s
+    filled, rest = native.draft.hole_fill(*fill_arrays(inst, order, [(1, True, 1.0)], [0] * len(groups), groups, [m]),
+                                          np.array(lengths))
+    for h, microbatches, rooms, finish_s in filled:
+        groups[h].microbatches, groups[h].rooms, groups[h].finish_s = microbatches, rooms, finish_s
+    return [groups[h] for h, *_ in filled], np.array(sorted(rest), dtype=np.int64)
+
+
+def fill_arrays(inst: Instance, order: np.ndarray, classes: list[tuple[int, bool, float]], class_of: list[int],
+                bins: list[DraftGroup], class_overhead: list[float]) -> tuple[np.ndarray, ...]:
+    """What the C fills (`native.draft.lpt_fill`, `hole_fill`) take: the items in `order`, every sample's memory
+    and times on each (size, placement, speed) class, and each empty bin's class, size, cap, start, overhead."""
+    as_int = functools.partial(np.asarray, dtype=np.int64)
+    return (as_int(order), as_int(inst.min_degree), as_int(inst.footprint.shared), as_int(inst.footprint.held),
+            np.stack([inst.times(*key) for key in classes]), as_int([size for size, _, _ in classes]),
+            np.array(class_overhead, dtype=np.float64), as_int(class_of), as_int([b.size for b in bins]),
+            as_int([b.cap for b in bins]), np.array([b.finish_s for b in bins]), np.array([b.overhead_s for b in bins]))
 
 
 def renumber_phases(groups: list[DraftGroup]) -> None:

@@ -181,8 +181,8 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     if key not in inst.memo:
         wide_end = float(skyline.ready.max())
         holes, rest = fill_holes(inst, skyline, rest) if backfill and inst.nominal else ([], rest)
-        binset = fill(inst, bins, rest, floor_s=wide_end, max_moves=max_moves)
-        groups = skyline.wide + [b for b in binset.bins if b.microbatches or b.phase == 0]
+        fill(inst, bins, rest, floor_s=wide_end, max_moves=max_moves)
+        groups = skyline.wide + [b for b in bins if b.microbatches or b.phase == 0]
         if holes:
             groups += holes
             renumber_phases(groups)

@@ -1,0 +1,624 @@
+/* The two inner loops of dhp's draft builder, compiled: the choice of a wide sample's window
+ * (megatron_dhp/solver/dhp/layout.py, `place_wide`) and the LPT fill of the bins with local moves
+ * (megatron_dhp/solver/dhp/fill.py, `BinSet`, `fill`, `improve`).
+ *
+ * Each is the Python of those files, operation for operation in IEEE double: the same sums in the same
+ * order, the same tie-breaks, so a plan is the same to the last bit with or without this module
+ * (tests/solver/test_draft_native.py checks both on random instances). The Python stays the reference
+ * and the fallback where no C compiler built this file. Arrays come in through the buffer protocol
+ * (C-contiguous float64 / int64), so no numpy headers are needed to build it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- buffers ------------------------------------------------------------------------------------- */
+
+typedef struct {
+  Py_buffer view;
+  Py_ssize_t len;
+  int held;
+} Array;
+
+static int array_of(PyObject *obj, Array *a, char kind, const char *name) {
+  a->held = 0;
+  if (PyObject_GetBuffer(obj, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+  a->held = 1;
+  const char *f = a->view.format ? a->view.format : "B";
+  if (*f == '@' || *f == '=' || *f == '<') f++;
+  int ok = a->view.itemsize == 8 && (kind == 'd' ? (*f == 'd') : (*f == 'l' || *f == 'q')) && f[1] == '\0';
+  if (!ok) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous %s array, got format '%s' of %zd-byte items", name,
+                 kind == 'd' ? "float64" : "int64", a->view.format ? a->view.format : "?", a->view.itemsize);
+    return -1;
+  }
+  a->len = a->view.len / 8;
+  return 0;
+}
+
+static void release(Array *arrays, int count) {
+  for (int k = 0; k < count; k++)
+    if (arrays[k].held) PyBuffer_Release(&arrays[k].view);
+}
+
+#define F64(a) ((const double *)(a).view.buf)
+#define I64(a) ((const int64_t *)(a).view.buf)
+
+/* ---- place_wide's window choice ------------------------------------------------------------------ */
+
+/* choose_window(ready, start, size, firsts, time, overhead, by, speeds, capacity) -> (j, begin)
+ *
+ * Windows are flat, in segments of one size each starting at `firsts`. A window's begin is its latest-free
+ * rank's time, its waste the rank time its ranks wait for it, its finish begin + time + overhead. With `by`
+ * (a float), a window that ends by then ranks before one that does not, in segments where any does; with
+ * `speeds` and `capacity` its cost is the speed-weighted rank time it gives up, else its waste. Per segment
+ * the least (order, cost, start), the first of equals; a later segment's only where it ends 0.1 % earlier. */
+static PyObject *choose_window(PyObject *self, PyObject *args) {
+  PyObject *o[9];
+  if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
+    return NULL;
+  Array a[7], capacity;
+  memset(a, 0, sizeof a);
+  memset(&capacity, 0, sizeof capacity);
+  (void)self;
+  int weighted = o[7] != Py_None;
+  if (array_of(o[0], &a[0], 'd', "ready") < 0 || array_of(o[1], &a[1], 'q', "start") < 0 ||
+      array_of(o[2], &a[2], 'q', "size") < 0 || array_of(o[3], &a[3], 'q', "firsts") < 0 ||
+      array_of(o[4], &a[4], 'd', "time") < 0 || array_of(o[5], &a[5], 'd', "overhead") < 0 ||
+      (weighted && (array_of(o[7], &a[6], 'd', "speeds") < 0))) {
+    release(a, 7);
+    return NULL;
+  }
+  if (weighted && array_of(o[8], &capacity, 'd', "capacity") < 0) {
+    release(a, 7);
+    release(&capacity, 1);
+    return NULL;
+  }
+  int has_by = o[6] != Py_None;
+  double by = has_by ? PyFloat_AsDouble(o[6]) : 0.0;
+  const double *ready = F64(a[0]), *time = F64(a[4]), *over = F64(a[5]);
+  const int64_t *start = I64(a[1]), *size = I64(a[2]), *firsts = I64(a[3]);
+  Py_ssize_t n = a[0].len, w = a[1].len, segments = a[3].len;
+  PyObject *result = NULL;
+  double *buf = malloc(sizeof(double) * (size_t)(2 * (n + 1) + 3 * w + 1));
+  if (buf == NULL || (has_by && by == -1.0 && PyErr_Occurred())) {
+    if (buf == NULL) PyErr_NoMemory();
+    goto done;
+  }
+  if (a[2].len != w || a[4].len != w || a[5].len != w || segments < 1 || (weighted && (a[6].len != n || capacity.len != w))) {
+    PyErr_SetString(PyExc_ValueError, "choose_window: arrays of mismatched lengths");
+    goto done;
+  }
+  double *prefix = buf, *weight = buf + n + 1, *begin = buf + 2 * (n + 1), *finish = begin + w, *cost = finish + w;
+  prefix[0] = 0.0;
+  weight[0] = 0.0;
+  for (Py_ssize_t r = 0; r < n; r++) {  /* numpy's cumsum: sequential */
+    prefix[r + 1] = r ? prefix[r] + ready[r] : ready[r];
+    if (weighted) weight[r + 1] = r ? weight[r] + F64(a[6])[r] * ready[r] : F64(a[6])[r] * ready[r];
+  }
+  for (Py_ssize_t k = 0; k < w; k++) {
+    int64_t s = start[k], e = start[k] + size[k];
+    if (s < 0 || size[k] < 1 || e > n) {
+      PyErr_SetString(PyExc_ValueError, "choose_window: a window outside the ranks");
+      goto done;
+    }
+    double b = ready[s];
+    for (int64_t r = s + 1; r < e; r++) b = ready[r] > b ? ready[r] : b;
+    begin[k] = b;
+    finish[k] = b + time[k] + over[k];
+    cost[k] = weighted ? finish[k] * F64(capacity)[k] - (weight[e] - weight[s]) : (double)size[k] * b - (prefix[e] - prefix[s]);
+  }
+  Py_ssize_t j = -1;
+  for (Py_ssize_t g = 0; g < segments; g++) {
+    Py_ssize_t lo = (Py_ssize_t)firsts[g], hi = g + 1 < segments ? (Py_ssize_t)firsts[g + 1] : w;
+    int all_late = 1;
+    if (has_by)
+      for (Py_ssize_t k = lo; k < hi; k++) all_late &= finish[k] > by;
+    Py_ssize_t best = -1;
+    double best_order = 0.0;
+    for (Py_ssize_t k = lo; k < hi; k++) {
+      double order = !has_by || all_late ? finish[k] : (finish[k] > by ? 1.0 : 0.0);
+      if (best < 0 || order < best_order ||
+          (order == best_order && (cost[k] < cost[best] || (cost[k] == cost[best] && start[k] < start[best])))) {
+        best = k;
+        best_order = order;
+      }
+    }
+    if (best < 0) continue;
+    if (j < 0 || finish[best] < finish[j] * (1 - 1e-3)) j = best;
+  }
+  if (j < 0) {
+    PyErr_SetString(PyExc_ValueError, "choose_window: no window");
+    goto done;
+  }
+  result = Py_BuildValue("nd", j, begin[j]);
+done:
+  free(buf);
+  release(a, 7);
+  release(&capacity, 1);
+  return result;
+}
+
+/* ---- the LPT fill ------------------------------------------------------------------------------- */
+
+typedef struct {
+  /* inputs */
+  Py_ssize_t n, num_bins, num_classes;
+  const int64_t *min_degree, *shared, *held, *class_size, *bin_class, *bin_size, *bin_cap;
+  const double *times, *class_overhead, *bin_overhead;
+  int scan;
+  /* bins */
+  double *finish;
+  int64_t *room;  /* the largest room of a bin's microbatches (0 without one) */
+  int *first_mb, *last_mb;
+  /* classes: each a run of `sorted` (by finish, then bin) from class_start */
+  int *class_start, *class_count, *sorted;
+  /* microbatches: a pool, linked in order per bin; items linked in order per microbatch */
+  int64_t *mb_room;
+  int *mb_next, *mb_prev, *mb_head, *mb_tail, *mb_count, *free_mb;
+  int free_top;
+  /* items */
+  int *item_next, *item_prev, *item_mb, *item_bin;
+} Fill;
+
+static inline int64_t load(const Fill *f, int item, int64_t size) { return f->shared[item] + size * f->held[item]; }
+static inline double time_of(const Fill *f, int c, int item) { return f->times[(Py_ssize_t)c * f->n + item]; }
+static inline int before(const Fill *f, int b, int other) {
+  return f->finish[b] < f->finish[other] || (f->finish[b] == f->finish[other] && b < other);
+}
+
+static void refresh(Fill *f, int b) {  /* `BinSet._refresh`: the bin's room and its place in its class */
+  int64_t room = 0;
+  int any = 0;
+  for (int k = f->first_mb[b]; k >= 0; k = f->mb_next[k]) {
+    room = !any || f->mb_room[k] > room ? f->mb_room[k] : room;
+    any = 1;
+  }
+  f->room[b] = room;
+  int c = (int)f->bin_class[b], *list = f->sorted + f->class_start[c], count = f->class_count[c], at = 0;
+  while (list[at] != b) at++;
+  memmove(list + at, list + at + 1, sizeof(int) * (size_t)(count - at - 1));
+  int pos = 0;
+  while (pos < count - 1 && before(f, list[pos], b)) pos++;
+  memmove(list + pos + 1, list + pos, sizeof(int) * (size_t)(count - 1 - pos));
+  list[pos] = b;
+}
+
+/* `BinSet.best_bin`: the bin where the item finishes earliest, and that finish; -1 where none holds it. */
+static int best_bin(const Fill *f, int item, int exclude, double *out) {
+  double best = INFINITY;
+  int best_b = -1;
+  for (int c = 0; c < f->num_classes; c++) {
+    int64_t size = f->class_size[c];
+    if (size < f->min_degree[item]) continue;
+    int64_t length = load(f, item, size);
+    double m = f->class_overhead[c], t = time_of(f, c, item), first = 0.0, cand = 0.0;
+    int have_first = 0, cand_b = -1;
+    const int *list = f->sorted + f->class_start[c];
+    int count = f->class_count[c] < f->scan ? f->class_count[c] : f->scan;
+    for (int k = 0; k < count; k++) {
+      int b = list[k];
+      double fin = f->finish[b];
+      if (b == exclude) continue;
+      if (!have_first) {
+        have_first = 1;
+        first = fin;
+        cand = fin + t + (f->room[b] >= length ? 0.0 : m);
+        cand_b = b;
+        if (f->room[b] >= length) break;
+      } else if (fin >= first + m) {
+        break;
+      } else if (f->room[b] >= length) {
+        double v = fin + t;
+        if (v < cand || (v == cand && b < cand_b)) {
+          cand = v;
+          cand_b = b;
+        }
+        break;
+      }
+    }
+    if (have_first && (cand < best || (cand == best && cand_b < best_b))) {
+      best = cand;
+      best_b = cand_b;
+    }
+  }
+  *out = best;
+  return best_b;
+}
+
+static int new_mb(Fill *f, int b, int64_t room) {
+  int k = f->free_mb[--f->free_top];
+  f->mb_room[k] = room;
+  f->mb_head[k] = f->mb_tail[k] = -1;
+  f->mb_count[k] = 0;
+  f->mb_next[k] = -1;
+  f->mb_prev[k] = f->last_mb[b];
+  if (f->last_mb[b] >= 0)
+    f->mb_next[f->last_mb[b]] = k;
+  else
+    f->first_mb[b] = k;
+  f->last_mb[b] = k;
+  return k;
+}
+
+static void append_item(Fill *f, int k, int item) {
+  f->item_mb[item] = k;
+  f->item_next[item] = -1;
+  f->item_prev[item] = f->mb_tail[k];
+  if (f->mb_tail[k] >= 0)
+    f->item_next[f->mb_tail[k]] = item;
+  else
+    f->mb_head[k] = item;
+  f->mb_tail[k] = item;
+  f->mb_count[k]++;
+}
+
+/* `BinSet.add` (`layout.add_to_group`): the fullest microbatch it fits, the first of equals, else a new one. */
+static void add(Fill *f, int item, int b) {
+  int c = (int)f->bin_class[b];
+  int64_t tokens = load(f, item, f->bin_size[b]), best_room = INT64_MAX;
+  int target = -1;
+  for (int k = f->first_mb[b]; k >= 0; k = f->mb_next[k])
+    if (tokens <= f->mb_room[k] && f->mb_room[k] < best_room) {
+      target = k;
+      best_room = f->mb_room[k];
+    }
+  double t = time_of(f, c, item);
+  if (target >= 0) {
+    f->mb_room[target] -= tokens;
+  } else {
+    target = new_mb(f, b, f->bin_size[b] * f->bin_cap[b] - tokens);
+    t += f->bin_overhead[b];
+  }
+  append_item(f, target, item);
+  f->finish[b] += t;
+  f->item_bin[item] = b;
+  refresh(f, b);
+}
+
+/* `BinSet.remove`: an emptied microbatch goes, with its overhead. */
+static void remove_item(Fill *f, int item) {
+  int b = f->item_bin[item], k = f->item_mb[item];
+  if (f->item_prev[item] >= 0) f->item_next[f->item_prev[item]] = f->item_next[item]; else f->mb_head[k] = f->item_next[item];
+  if (f->item_next[item] >= 0) f->item_prev[f->item_next[item]] = f->item_prev[item]; else f->mb_tail[k] = f->item_prev[item];
+  f->mb_count[k]--;
+  f->mb_room[k] += load(f, item, f->bin_size[b]);
+  f->finish[b] -= time_of(f, (int)f->bin_class[b], item);
+  if (f->mb_count[k] == 0) {
+    if (f->mb_prev[k] >= 0) f->mb_next[f->mb_prev[k]] = f->mb_next[k]; else f->first_mb[b] = f->mb_next[k];
+    if (f->mb_next[k] >= 0) f->mb_prev[f->mb_next[k]] = f->mb_prev[k]; else f->last_mb[b] = f->mb_prev[k];
+    f->free_mb[f->free_top++] = k;
+    f->finish[b] -= f->bin_overhead[b];
+  }
+  f->item_bin[item] = -1;
+  refresh(f, b);
+}
+
+static int makespan(const Fill *f, double *out) {  /* the latest (finish, bin) over the classes' last bins */
+  int worst = -1;
+  for (int c = 0; c < f->num_classes; c++) {
+    if (!f->class_count[c]) continue;
+    int b = f->sorted[f->class_start[c] + f->class_count[c] - 1];
+    if (worst < 0 || before(f, worst, b)) worst = b;
+  }
+  *out = worst >= 0 ? f->finish[worst] : 0.0;
+  return worst;
+}
+
+/* `improve`: one sample at a time off the latest bin to where the pair's later finish is earliest. */
+static void improve(Fill *f, const int *ascending, Py_ssize_t count, double floor_s, long max_moves) {
+  for (long move = 0; move < max_moves; move++) {
+    double span;
+    int worst = makespan(f, &span);
+    if (worst < 0 || span <= floor_s) return;
+    int found = 0, best_item = -1, best_target = -1;
+    double best_after = 0.0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+      int item = ascending[k];
+      if (f->item_bin[item] != worst) continue;
+      double cost;
+      int target = best_bin(f, item, worst, &cost);
+      int alone = f->mb_count[f->item_mb[item]] == 1;
+      double saving = time_of(f, (int)f->bin_class[worst], item) + (alone ? f->bin_overhead[worst] : 0.0);
+      double out = span - saving, after = out >= cost ? out : cost;
+      if (target >= 0 && after < span - 1e-12 && (!found || after < best_after)) {
+        found = 1;
+        best_after = after;
+        best_item = item;
+        best_target = target;
+      }
+    }
+    if (!found) return;
+    remove_item(f, best_item);
+    add(f, best_item, best_target);
+  }
+}
+
+static int cmp_int(const void *x, const void *y) { return (*(const int *)x > *(const int *)y) - (*(const int *)x < *(const int *)y); }
+
+#define FILL_ARRAYS 12
+
+/* The arguments both fills share: (order, min_degree, shared, held, times, class_size, class_overhead,
+ * bin_class, bin_size, bin_cap, bin_start, bin_overhead). `order`: the items in the order they are placed;
+ * `times`: classes x items seconds, row-major; the bins start empty at `bin_start`, each of a class (sorted
+ * by size). Sets up `f` (its memory in `*memory`, for the caller to free); -1 with an exception set. */
+static int fill_setup(Fill *f, Array *a, PyObject **o, void **memory) {
+  static const char *names[FILL_ARRAYS] = {"order", "min_degree", "shared", "held", "times", "class_size",
+                                           "class_overhead", "bin_class", "bin_size", "bin_cap", "bin_start",
+                                           "bin_overhead"};
+  const char *kind_of = "qqqqdqdqqqdd";
+  for (int k = 0; k < FILL_ARRAYS; k++)
+    if (array_of(o[k], &a[k], kind_of[k], names[k]) < 0) return -1;
+  memset(f, 0, sizeof *f);
+  Py_ssize_t count = a[0].len, n = a[1].len, nb = a[7].len, nc = a[5].len;
+  if (a[2].len != n || a[3].len != n || a[4].len != nc * n || a[6].len != nc || a[8].len != nb || a[9].len != nb ||
+      a[10].len != nb || a[11].len != nb) {
+    PyErr_SetString(PyExc_ValueError, "fill: arrays of mismatched lengths");
+    return -1;
+  }
+  f->n = n;
+  f->num_bins = nb;
+  f->num_classes = nc;
+  f->min_degree = I64(a[1]);
+  f->shared = I64(a[2]);
+  f->held = I64(a[3]);
+  f->times = F64(a[4]);
+  f->class_size = I64(a[5]);
+  f->class_overhead = F64(a[6]);
+  f->bin_class = I64(a[7]);
+  f->bin_size = I64(a[8]);
+  f->bin_cap = I64(a[9]);
+  f->bin_overhead = F64(a[11]);
+  Py_ssize_t mbs = count + 1;
+  size_t bytes = sizeof(double) * nb + sizeof(int64_t) * (nb + mbs) + sizeof(int) * (3 * nb + 3 * nc + 6 * mbs + 4 * n + 1);
+  char *p = *memory = calloc(1, bytes);
+  if (p == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  f->finish = (double *)p; p += sizeof(double) * nb;
+  f->room = (int64_t *)p; p += sizeof(int64_t) * nb;
+  f->mb_room = (int64_t *)p; p += sizeof(int64_t) * mbs;
+  int *ip = (int *)p;
+  f->first_mb = ip; ip += nb;
+  f->last_mb = ip; ip += nb;
+  f->sorted = ip; ip += nb;
+  f->class_start = ip; ip += nc;
+  f->class_count = ip; ip += nc;
+  f->mb_next = ip; ip += mbs;
+  f->mb_prev = ip; ip += mbs;
+  f->mb_head = ip; ip += mbs;
+  f->mb_tail = ip; ip += mbs;
+  f->mb_count = ip; ip += mbs;
+  f->free_mb = ip; ip += mbs;
+  f->item_next = ip; ip += n;
+  f->item_prev = ip; ip += n;
+  f->item_mb = ip; ip += n;
+  f->item_bin = ip; ip += n;
+  int *filled = ip;  /* bins placed so far per class */
+  for (Py_ssize_t k = 0; k < mbs; k++) f->free_mb[k] = (int)(mbs - 1 - k);  /* pops 0, 1, 2, ... */
+  f->free_top = (int)mbs;
+  for (Py_ssize_t i = 0; i < n; i++) f->item_bin[i] = f->item_mb[i] = -1;
+  const int64_t *order = I64(a[0]);
+  for (Py_ssize_t k = 0; k < count; k++)
+    if (order[k] < 0 || order[k] >= n) {
+      PyErr_SetString(PyExc_ValueError, "fill: an item out of range");
+      return -1;
+    }
+  for (Py_ssize_t b = 0; b < nb; b++) {
+    if (f->bin_class[b] < 0 || f->bin_class[b] >= nc) {
+      PyErr_SetString(PyExc_ValueError, "fill: a bin of no class");
+      return -1;
+    }
+    f->finish[b] = F64(a[10])[b];
+    f->first_mb[b] = f->last_mb[b] = -1;
+    f->class_count[f->bin_class[b]]++;
+  }
+  for (Py_ssize_t c = 1; c < nc; c++) f->class_start[c] = f->class_start[c - 1] + f->class_count[c - 1];
+  for (Py_ssize_t b = 0; b < nb; b++) {  /* each class sorted by (start, bin), by insertion */
+    int c = (int)f->bin_class[b], *list = f->sorted + f->class_start[c], pos = filled[c]++;
+    while (pos > 0 && before(f, (int)b, list[pos - 1])) {
+      list[pos] = list[pos - 1];
+      pos--;
+    }
+    list[pos] = (int)b;
+  }
+  return 0;
+}
+
+/* Each selected bin's (microbatches, rooms, finish), or for all bins where `selected` is NULL. */
+static PyObject *bins_out(const Fill *f, const char *selected, int with_index) {
+  PyObject *result = PyList_New(0);
+  for (Py_ssize_t b = 0; result != NULL && b < f->num_bins; b++) {
+    if (selected != NULL && !selected[b]) continue;
+    PyObject *mbl = PyList_New(0), *rooms = PyList_New(0), *entry = NULL;
+    int ok = mbl != NULL && rooms != NULL;
+    for (int k = f->first_mb[b]; ok && k >= 0; k = f->mb_next[k]) {
+      PyObject *items = PyList_New(0), *room = PyLong_FromLongLong(f->mb_room[k]);
+      ok = items != NULL && room != NULL && PyList_Append(rooms, room) == 0;
+      for (int i = f->mb_head[k]; ok && i >= 0; i = f->item_next[i]) {
+        PyObject *v = PyLong_FromLong(i);
+        ok = v != NULL && PyList_Append(items, v) == 0;
+        Py_XDECREF(v);
+      }
+      ok = ok && PyList_Append(mbl, items) == 0;
+      Py_XDECREF(items);
+      Py_XDECREF(room);
+    }
+    if (ok)
+      entry = with_index ? Py_BuildValue("(nOOd)", b, mbl, rooms, f->finish[b]) : Py_BuildValue("(OOd)", mbl, rooms, f->finish[b]);
+    Py_XDECREF(mbl);
+    Py_XDECREF(rooms);
+    if (entry == NULL || PyList_Append(result, entry) < 0) Py_CLEAR(result);
+    Py_XDECREF(entry);
+  }
+  return result;
+}
+
+/* lpt_fill(<the fill arrays>, floor_s, max_moves, scan) -> [(microbatches, rooms, finish) per bin]:
+ * `fill.fill`, the items in `order` (longest first) each where it finishes earliest, then `improve`. */
+static PyObject *lpt_fill(PyObject *self, PyObject *args) {
+  PyObject *o[FILL_ARRAYS];
+  double floor_s;
+  long max_moves;
+  int scan;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOdli", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                        &o[9], &o[10], &o[11], &floor_s, &max_moves, &scan))
+    return NULL;
+  Array a[FILL_ARRAYS];
+  memset(a, 0, sizeof a);
+  Fill f;
+  void *memory = NULL;
+  int *ascending = NULL;
+  PyObject *result = NULL;
+  if (fill_setup(&f, a, o, &memory) < 0) goto done;
+  if (scan < 1) {
+    PyErr_SetString(PyExc_ValueError, "lpt_fill: scan must be >= 1");
+    goto done;
+  }
+  f.scan = scan;
+  Py_ssize_t count = a[0].len;
+  if ((ascending = malloc(sizeof(int) * (size_t)(count + 1))) == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  const int64_t *order = I64(a[0]);
+  for (Py_ssize_t k = 0; k < count; k++) {
+    int item = (int)order[k];
+    if (f.item_bin[item] >= 0) {
+      PyErr_SetString(PyExc_ValueError, "lpt_fill: an item twice");
+      goto done;
+    }
+    double at;
+    int b = best_bin(&f, item, -1, &at);
+    if (b < 0) {
+      PyErr_Format(PyExc_AssertionError, "no bin can hold sample index %d", item);
+      goto done;
+    }
+    add(&f, item, b);
+    ascending[k] = item;
+  }
+  qsort(ascending, (size_t)count, sizeof(int), cmp_int);
+  improve(&f, ascending, count, floor_s, max_moves);
+  result = bins_out(&f, NULL, 0);
+done:
+  free(memory);
+  free(ascending);
+  release(a, FILL_ARRAYS);
+  return result;
+}
+
+/* hole_fill(<the fill arrays>, lengths) -> ([(bin, microbatches, rooms, finish) per used bin], rest):
+ * `layout.fill_holes`, the bins one-rank holes of `lengths` seconds (one class); each item in `order` into
+ * the hole with the least time left that still ends it in time, best-fit; the rest in order. */
+static PyObject *hole_fill(PyObject *self, PyObject *args) {
+  PyObject *o[FILL_ARRAYS + 1];
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                        &o[9], &o[10], &o[11], &o[12]))
+    return NULL;
+  Array a[FILL_ARRAYS + 1];
+  memset(a, 0, sizeof a);
+  Fill f;
+  void *memory = NULL;
+  double *left = NULL;
+  int *hole = NULL;
+  char *used = NULL;
+  PyObject *result = NULL, *rest = NULL, *groups = NULL;
+  if (fill_setup(&f, a, o, &memory) < 0 || array_of(o[12], &a[12], 'd', "lengths") < 0) goto done;
+  Py_ssize_t nb = f.num_bins, count = a[0].len;
+  if (a[12].len != nb || f.num_classes != 1) {
+    PyErr_SetString(PyExc_ValueError, "hole_fill: one class, and a length per hole");
+    goto done;
+  }
+  left = malloc(sizeof(double) * (size_t)(nb + 1));
+  hole = malloc(sizeof(int) * (size_t)(nb + 1));
+  used = calloc((size_t)nb + 1, 1);
+  rest = PyList_New(0);
+  if (left == NULL || hole == NULL || used == NULL || rest == NULL) {
+    if (rest != NULL) PyErr_NoMemory();
+    goto done;
+  }
+  /* (length, hole) sorted: Python's sorted() of the pairs */
+  for (Py_ssize_t k = 0; k < nb; k++) {
+    double v = F64(a[12])[k];
+    Py_ssize_t pos = k;
+    while (pos > 0 && (left[pos - 1] > v || (left[pos - 1] == v && hole[pos - 1] > k))) {
+      left[pos] = left[pos - 1];
+      hole[pos] = hole[pos - 1];
+      pos--;
+    }
+    left[pos] = v;
+    hole[pos] = (int)k;
+  }
+  Py_ssize_t size = nb;
+  const int64_t *order = I64(a[0]);
+  double m = f.class_overhead[0];
+  for (Py_ssize_t k = 0; k < count; k++) {
+    int item = (int)order[k];
+    double t = time_of(&f, 0, item) + m;
+    Py_ssize_t lo = 0, hi = size;  /* bisect_left for (t, -1): the first length >= t */
+    while (lo < hi) {
+      Py_ssize_t mid = (lo + hi) / 2;
+      if (left[mid] < t) lo = mid + 1; else hi = mid;
+    }
+    if (f.min_degree[item] > 1 || lo == size) {
+      PyObject *v = PyLong_FromLong(item);
+      int ok = v != NULL && PyList_Append(rest, v) == 0;
+      Py_XDECREF(v);
+      if (!ok) goto done;
+      continue;
+    }
+    double room = left[lo];
+    int h = hole[lo];
+    memmove(left + lo, left + lo + 1, sizeof(double) * (size_t)(size - lo - 1));
+    memmove(hole + lo, hole + lo + 1, sizeof(int) * (size_t)(size - lo - 1));
+    size--;
+    double before_s = f.finish[h];
+    add(&f, item, h);
+    used[h] = 1;
+    double v = room - (f.finish[h] - before_s);
+    Py_ssize_t pos = 0, top = size;  /* insort_right of (v, h) */
+    while (pos < top) {
+      Py_ssize_t mid = (pos + top) / 2;
+      if (v < left[mid] || (v == left[mid] && h < hole[mid])) top = mid; else pos = mid + 1;
+    }
+    memmove(left + pos + 1, left + pos, sizeof(double) * (size_t)(size - pos));
+    memmove(hole + pos + 1, hole + pos, sizeof(int) * (size_t)(size - pos));
+    left[pos] = v;
+    hole[pos] = h;
+    size++;
+  }
+  if ((groups = bins_out(&f, used, 1)) != NULL) result = Py_BuildValue("(OO)", groups, rest);
+done:
+  Py_XDECREF(groups);
+  Py_XDECREF(rest);
+  free(memory);
+  free(left);
+  free(hole);
+  free(used);
+  release(a, FILL_ARRAYS + 1);
+  return result;
+}
+
+static PyMethodDef methods[] = {
+    {"choose_window", choose_window, METH_VARARGS, "place_wide's window for one wide sample: (index, begin)."},
+    {"lpt_fill", lpt_fill, METH_VARARGS, "fill's LPT and local moves: (microbatches, rooms, finish) per bin."},
+    {"hole_fill", hole_fill, METH_VARARGS, "fill_holes: the used holes' (hole, microbatches, rooms, finish), the rest."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_draft",
+    .m_doc = "dhp's draft loops, compiled (csrc/solver/draft.c).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__draft(void) { return PyModule_Create(&module); }
