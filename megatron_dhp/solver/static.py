@@ -7,6 +7,7 @@ CP x M tokens; samples go longest-first to the least-loaded replica that has roo
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -61,28 +62,30 @@ class StaticPlanner(Planner):
         num_mb = max(1, math.ceil(int(loads.sum()) / (dp * bin_cap)))
         room = [[bin_cap] * num_mb for _ in range(dp)]
         bins: list[list[list[int]]] = [[[] for _ in range(num_mb)] for _ in range(dp)]
-        load = np.zeros(dp)
+        load = [0.0] * dp
+        by_load = [(0.0, r) for r in range(dp)]  # (load, replica), sorted
         for i in order:
             length, sid = int(loads[i]), batch.samples[i].id
-            by_load = sorted(range(dp), key=lambda q: (load[q], q))
             placed = self._place(by_load, room, length)
             if placed is None:  # no replica has room: every replica gets one more microbatch
                 for r in range(dp):
                     room[r].append(bin_cap)
                     bins[r].append([])
-                placed = (min(range(dp), key=lambda r: (load[r], r)), num_mb)
+                placed = (by_load[0][1], num_mb)
                 num_mb += 1
             r, b = placed
-            load[r] += times[i] + (overhead if not bins[r][b] else 0.0)
+            del by_load[bisect.bisect_left(by_load, (load[r], r))]
+            load[r] += float(times[i]) + (overhead if not bins[r][b] else 0.0)
+            bisect.insort(by_load, (load[r], r))
             room[r][b] -= length
             bins[r][b].append(sid)
         # A replica left without samples (a batch smaller than DP) still joins the step, with no work.
         return [PlanGroup(ranks=replicas[r], microbatches=tuple(tuple(mb) for mb in bins[r] if mb)) for r in range(dp)]
 
     @staticmethod
-    def _place(by_load: list[int], room: list[list[int]], length: int) -> tuple[int, int] | None:
+    def _place(by_load: list[tuple[float, int]], room: list[list[int]], length: int) -> tuple[int, int] | None:
         """Least-loaded replica with a microbatch that has room; best fit among its microbatches."""
-        for r in by_load:
+        for _, r in by_load:
             fits = [(left - length, b) for b, left in enumerate(room[r]) if left >= length]
             if fits:
                 return r, min(fits)[1]

@@ -121,9 +121,12 @@ class Windows:
             speed = inst.speeds[ranks].min(axis=1)
             total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
             capacity = total[end] - total[start]
-        pairs = list(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))
-        over = {pair: inst.overhead(*pair) for pair in set(pairs)}
-        overhead = np.array([over[pair] for pair in pairs])
+        if inst.nominal:  # one overhead per size
+            overhead = np.repeat([inst.overhead(sizes[k]) for k in kept], [len(starts[k]) for k in kept]).astype(np.float64)
+        else:
+            pairs = list(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))
+            over = {pair: inst.overhead(*pair) for pair in set(pairs)}
+            overhead = np.array([over[pair] for pair in pairs])
         firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
         return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, end, ranks)
 
@@ -147,7 +150,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     leaves the fast ranks to the work that needs them. Every window of every allowed size is priced at once
     (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
     sizes = inst.sizes
-    order = sorted(range(len(items)), key=lambda k: (-degrees[k], -inst.work[items[k]], int(inst.ids[items[k]])))
+    order = np.lexsort((inst.ids[items], -inst.work[items], -degrees)).tolist()  # widest, then longest first
     by = limit_s if limit_s is not None else None if inst.nominal else bound_s
     speeds = inst.speeds if by is not None and limit_s is None else None  # with speeds: a weighted cost
     choose = choose_window if native.draft is None else native_choose_window
@@ -226,7 +229,9 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
         add_to_group(last, item, inst.load(item, d), time_s)
     else:
         phase = int(skyline.phase[s : s + d].max())
-        skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
+        ready = skyline.ready[s : s + d]
+        waiting = np.flatnonzero(ready < begin_s)
+        skyline.holes += [(s + r, free, begin_s) for r, free in zip(waiting.tolist(), ready[waiting].tolist())]
         speed = inst.speed(s, d)
         group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, speed), speed=speed)
         add_to_group(group, item, inst.load(item, d), time_s)
