@@ -229,9 +229,7 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
         add_to_group(last, item, inst.load(item, d), time_s)
     else:
         phase = int(skyline.phase[s : s + d].max())
-        ready = skyline.ready[s : s + d]
-        waiting = np.flatnonzero(ready < begin_s)
-        skyline.holes += [(s + r, free, begin_s) for r, free in zip(waiting.tolist(), ready[waiting].tolist())]
+        skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
         speed = inst.speed(s, d)
         group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, speed), speed=speed)
         add_to_group(group, item, inst.load(item, d), time_s)
