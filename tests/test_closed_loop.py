@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.scale_fit import STATS, ScaleFit, TimeScales
@@ -15,8 +17,10 @@ from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.testing.launch import launch
 from megatron_dhp.workload import LengthSource
 
 BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)
@@ -173,6 +177,33 @@ def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once(
     tag, slots, span = timer.take()
     assert tag == "plan" and slots[0][0] == (4, 7) and slots[0][1] >= 3.0 * inner[0] and span == slots[0][1]
     assert timer.take() is None
+
+
+WORK_S = 0.05
+
+
+def injected_slot_seconds(hold: bool, ring: bool) -> float:
+    """One slot of a two-rank group, rank 1 injected 3x; this rank's timed seconds (a `launch` worker)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.new_group([0, 1])
+    timer = SlotTimer(torch.device("cpu"), slowdown=3.0 if dist.get_rank() == 1 else 1.0, hold=hold)
+    with timer.slot((0,), PeerRing.of_group(group) if ring else group):
+        time.sleep(WORK_S)
+    timer.end_step(None)
+    _, slots, _ = timer.take()
+    dist.barrier()
+    dist.destroy_process_group()
+    return slots[0][1]
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["group", "peer-ring"])
+def test_an_injected_rank_holds_its_group_until_its_wait_ends(ring):
+    # Without the hold, rank 0 leaves the group's slot while rank 1 still waits out its injection (a
+    # throttled GPU would hold it inside the collectives); with it, rank 0 runs to rank 1's end too.
+    fast, slow = launch(injected_slot_seconds, 2, True, ring, timeout_s=120)
+    assert slow >= 3 * WORK_S and fast >= 2.5 * WORK_S
+    fast, slow = launch(injected_slot_seconds, 2, False, ring, timeout_s=120)
+    assert slow >= 3 * WORK_S and fast < 2 * WORK_S
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -229,7 +229,7 @@ def worker(options: SelftestOptions) -> int:
         vlm = TinyVLMConfig(language=config) if options.model == "vlm" else None
         slowdowns = parse_slowdowns(options.slow_ranks)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
-                          slowdown=slowdowns.get(dist.get_rank(), 1.0), virtual=options.virtual_pipeline,
+                          slowdowns=slowdowns, virtual=options.virtual_pipeline,
                           fsdp=options.fsdp)
         n = check.domain.size
         check.use_family(options.family)

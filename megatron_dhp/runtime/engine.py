@@ -260,15 +260,16 @@ class StepEngine:
         count = sum(item is not PHASE_BARRIER for item in items)
         index = 0
 
-        timed = self.timer.slot if self.timer is not None else lambda key: contextlib.nullcontext()
+        timed = self.timer.slot if self.timer is not None else lambda key, group: contextlib.nullcontext()
 
         def visit(item: MicrobatchInputs | None) -> None:
             nonlocal index
             if item is PHASE_BARRIER:
                 dist.barrier(group=self.domain.group)
                 return
-            with timed(item.layout.sample_ids):
-                work.backward(work.forward(self.slot(item, index, count)))
+            slot = self.slot(item, index, count)
+            with timed(item.layout.sample_ids, slot.context.group):
+                work.backward(work.forward(slot))
             index += 1
 
         # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):

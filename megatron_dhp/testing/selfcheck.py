@@ -11,6 +11,7 @@ each rank holds V model chunks and the step runs megatron-core's interleaved 1F1
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -86,10 +87,11 @@ class SelfCheck:
     """This rank's model under test, its oracle, its domain and its group pool."""
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
-                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None, slowdown: float = 1.0,
-                 virtual: int = 1, fsdp: bool = False) -> None:
+                 tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None,
+                 slowdowns: Mapping[int, float] | None = None, virtual: int = 1, fsdp: bool = False) -> None:
         """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
-        `slowdown`: this rank holds each slot that many times as long (`runtime.slot_timer`); `virtual`: model
+        `slowdowns`: global rank -> factor, each of those ranks holds its slots that many times as long, and
+        every rank its groups for them (`runtime.slot_timer`); `virtual`: model
         chunks per pipeline stage (interleaved 1F1B); `fsdp`: megatron-core's torch FSDP2 wrapper over the
         domain instead of its DDP (gradients summed, not averaged, as the per-token rule needs)."""
         from megatron.core import parallel_state
@@ -98,7 +100,7 @@ class SelfCheck:
         config = vlm.language if vlm is not None else config or TinyGPTConfig()
         self.config = config
         self.backend = backend
-        self.slowdown = slowdown
+        self.slowdowns = dict(slowdowns or {})
         self.domain = DynamicDomain.from_parallel_state()
         self.pool = GroupPool(self.domain)
         self.max_groups_per_rank = 0
@@ -155,7 +157,8 @@ class SelfCheck:
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
                             equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
-                            timer=SlotTimer(self.domain.device, slowdown=self.slowdown))
+                            timer=SlotTimer(self.domain.device, slowdown=self.slowdowns.get(dist.get_rank(), 1.0),
+                                            hold=bool(self.slowdowns)))
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         step = run_step(engine, self.model, inputs)
         device = self.domain.device
