@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+draft: ModuleType | None
 try:
-    from megatron_dhp.solver.dhp import _draft as draft_module
+    from megatron_dhp.solver.dhp import _draft as draft
 except ImportError:  # built without a C compiler
-    draft_module = None
-
-draft: ModuleType | None = draft_module
+    draft = None
