@@ -231,3 +231,14 @@ def test_scale_fit_leaves_out_ranks_not_counted_and_falls_back_when_none_timed()
     assert ScaleFit().update([row(2.0), row(3.0)]) == TimeScales(2.5, 2.5)
     assert ScaleFit().update([row(2.0), row(3.0)], counted=[True, False]) == TimeScales(2.0, 2.0)
     assert ScaleFit().update([[0.0] * 5, row(3.0)], counted=[True, False]) == TimeScales(3.0, 3.0)
+
+
+def test_scale_fit_takes_one_factor_where_two_would_split_tenfold():
+    # Attention a sliver of each slot (short rows) and 2 % noise on one: two factors would put attention at 27x.
+    a, r = np.array([1e-3, 2e-3, 1e-3]), np.array([1.0, 1.0, 2.0])
+    y = 2.0 * (a + r) * np.array([1.0, 1.02, 1.0])
+    stats = [a @ a, a @ r, r @ r, a @ y, r @ y]
+    det = stats[0] * stats[2] - stats[1] ** 2
+    assert (stats[3] * stats[2] - stats[4] * stats[1]) / det > 20  # what the two-factor solve gives
+    fit = ScaleFit().update(stats)
+    assert fit.attention == fit.rest == pytest.approx(2.0, rel=0.01)

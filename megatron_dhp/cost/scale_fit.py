@@ -29,6 +29,10 @@ STATS = 5
 """The statistics one rank sends per step: sum A^2, A R, R^2, A y, R y."""
 COLLINEAR = 1e-3
 """Below this 1 - (sum A R)^2 / (sum A^2 sum R^2) the two terms are fitted as one."""
+MAX_SPLIT = 10.0
+"""Two factors further apart than this are fitted as one: no preset is off by ten times more in one term than
+in the other, while slots whose attention is a sliver of their time (short rows) let noise push its factor
+to thousands."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class ScaleFit:
         if aa > 0 and rr > 0 and 1 - ar * ar / (aa * rr) > COLLINEAR:
             det = aa * rr - ar * ar
             k_a, k_r = (ay * rr - ry * ar) / det, (ry * aa - ay * ar) / det
-            fit = TimeScales(k_a, k_r) if k_a > 0 and k_r > 0 else None
+            fit = TimeScales(k_a, k_r) if k_a > 0 and k_r > 0 and max(k_a / k_r, k_r / k_a) <= MAX_SPLIT else None
         if fit is None:  # one factor: sum (A + R) y / sum (A + R)^2
             k = (ay + ry) / (aa + 2 * ar + rr)
             fit = TimeScales(k, k)

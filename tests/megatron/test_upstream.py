@@ -312,10 +312,15 @@ def test_multi_latent_attention_on_dynamic_groups_trains_like_one_rank_per_row(p
 
 def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched):
     """--dhp-slow-rank 1:4.0 over 10 steps: the closed loop names rank 1 as the slowest in the plan lines once
-    it has measured it, and every loss is upstream's."""
+    it has measured it, and every loss is upstream's.
+
+    A slow rank shows only in groups apart from the others: with every row on a group of all four ranks
+    (M = 32, as in the other tests) they all wait for it alike, as for a throttled GPU. The CPU's own cost
+    model at M = 64 runs each row on one rank."""
     longer = [*TINY[: TINY.index("--train-iters") + 1], "10", *TINY[TINY.index("--train-iters") + 2:], *DOCUMENTS]
     upstream, _ = train_on_cpu(patched, longer)
-    dhp, log = train_on_cpu(patched, [*longer, *DHP, "--dhp-slow-rank", "1:4.0"], full_log=True)
+    apart = ["--dhp-max-tokens-per-rank", "64", "--dhp-cost", "tiny-gpt-cpu"]
+    dhp, log = train_on_cpu(patched, [*longer, *DHP, *apart, "--dhp-slow-rank", "1:4.0"], full_log=True)
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
     # the plan summary lists slow ranks slowest first; 4 ranks share 2 cores, so others dip now and then
     slowest = re.findall(r"dhp plan: .*?slow (r\d+)@([0-9.]+)", log)
