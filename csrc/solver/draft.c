@@ -230,30 +230,40 @@ static int best_bin(const Fill *f, int item, int exclude, double *out) {
   return best_b;
 }
 
+/* Doubly linked lists over index arrays: a bin's microbatches, a microbatch's items, each in order. */
+static void link_append(int *next, int *prev, int *head, int *tail, int node) {
+  next[node] = -1;
+  prev[node] = *tail;
+  if (*tail >= 0)
+    next[*tail] = node;
+  else
+    *head = node;
+  *tail = node;
+}
+
+static void link_remove(int *next, int *prev, int *head, int *tail, int node) {
+  if (prev[node] >= 0)
+    next[prev[node]] = next[node];
+  else
+    *head = next[node];
+  if (next[node] >= 0)
+    prev[next[node]] = prev[node];
+  else
+    *tail = prev[node];
+}
+
 static int new_mb(Fill *f, int b, int64_t room) {
   int k = f->free_mb[--f->free_top];
   f->mb_room[k] = room;
   f->mb_head[k] = f->mb_tail[k] = -1;
   f->mb_count[k] = 0;
-  f->mb_next[k] = -1;
-  f->mb_prev[k] = f->last_mb[b];
-  if (f->last_mb[b] >= 0)
-    f->mb_next[f->last_mb[b]] = k;
-  else
-    f->first_mb[b] = k;
-  f->last_mb[b] = k;
+  link_append(f->mb_next, f->mb_prev, &f->first_mb[b], &f->last_mb[b], k);
   return k;
 }
 
 static void append_item(Fill *f, int k, int item) {
   f->item_mb[item] = k;
-  f->item_next[item] = -1;
-  f->item_prev[item] = f->mb_tail[k];
-  if (f->mb_tail[k] >= 0)
-    f->item_next[f->mb_tail[k]] = item;
-  else
-    f->mb_head[k] = item;
-  f->mb_tail[k] = item;
+  link_append(f->item_next, f->item_prev, &f->mb_head[k], &f->mb_tail[k], item);
   f->mb_count[k]++;
 }
 
@@ -283,14 +293,12 @@ static void add(Fill *f, int item, int b) {
 /* `BinSet.remove`: an emptied microbatch goes, with its overhead. */
 static void remove_item(Fill *f, int item) {
   int b = f->item_bin[item], k = f->item_mb[item];
-  if (f->item_prev[item] >= 0) f->item_next[f->item_prev[item]] = f->item_next[item]; else f->mb_head[k] = f->item_next[item];
-  if (f->item_next[item] >= 0) f->item_prev[f->item_next[item]] = f->item_prev[item]; else f->mb_tail[k] = f->item_prev[item];
+  link_remove(f->item_next, f->item_prev, &f->mb_head[k], &f->mb_tail[k], item);
   f->mb_count[k]--;
   f->mb_room[k] += load(f, item, f->bin_size[b]);
   f->finish[b] -= time_of(f, (int)f->bin_class[b], item);
   if (f->mb_count[k] == 0) {
-    if (f->mb_prev[k] >= 0) f->mb_next[f->mb_prev[k]] = f->mb_next[k]; else f->first_mb[b] = f->mb_next[k];
-    if (f->mb_next[k] >= 0) f->mb_prev[f->mb_next[k]] = f->mb_prev[k]; else f->last_mb[b] = f->mb_prev[k];
+    link_remove(f->mb_next, f->mb_prev, &f->first_mb[b], &f->last_mb[b], k);
     f->free_mb[f->free_top++] = k;
     f->finish[b] -= f->bin_overhead[b];
   }
