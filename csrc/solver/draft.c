@@ -1,10 +1,11 @@
-/* The two inner loops of dhp's draft builder, compiled: the choice of a wide sample's window
- * (megatron_dhp/solver/dhp/layout.py, `place_wide`) and the LPT fill of the bins with local moves
- * (megatron_dhp/solver/dhp/fill.py, `BinSet`, `fill`, `improve`).
+/* The three inner loops of dhp's draft builder, compiled: the choice of a wide sample's window
+ * (megatron_dhp/solver/dhp/layout.py, `choose_window`), the LPT fill of the bins with local moves
+ * (megatron_dhp/solver/dhp/fill.py, `BinSet`, `fill_in_order`, `improve`) and the fill of the wide groups'
+ * waits with one-rank samples (layout.py, `fill_holes`).
  *
  * Each is the Python of those files, operation for operation in IEEE double: the same sums in the same
  * order, the same tie-breaks, so a plan is the same to the last bit with or without this module
- * (tests/solver/test_draft_native.py checks both on random instances). The Python stays the reference
+ * (tests/solver/test_draft_native.py plans and fills both ways and compares). The Python stays the reference
  * and the fallback where no C compiler built this file. Arrays come in through the buffer protocol
  * (C-contiguous float64 / int64), so no numpy headers are needed to build it.
  */
