@@ -117,6 +117,10 @@ class Candidate:
     wide: np.ndarray
     degrees: np.ndarray
     bound_s: float
+    target_s: float = math.inf
+    """The batch's lower bound: with rank speeds, wide samples prefer windows that end them by the tighter of it
+    and `bound_s` (the area bound prices all work as slowing with its rank, so it can sit above the end of a
+    slow window that a fast one would beat by half)."""
 
     @classmethod
     def make(cls, inst: Instance, cell: int, target_s: float, degrees_of: np.ndarray) -> Candidate:
@@ -137,7 +141,7 @@ class Candidate:
         capacity = n if inst.nominal else float(inst.speeds.sum())
         area_bound = (area + m * float(inst.footprint.shared.sum()) / inst.footprint.cap) / capacity
         longest = m + max(float(t_wide.max(initial=0.0)), float(t_cell[~is_wide].max(initial=0.0)))
-        return cls(cell, wide, degrees, max(area_bound, longest))
+        return cls(cell, wide, degrees, max(area_bound, longest), target_s)
 
 
 def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves: int, grow: int = 1,
@@ -164,7 +168,7 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
                 return None
             place_columns(inst, skyline, placed)
         else:
-            if not place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=cand.bound_s,
+            if not place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=min(cand.bound_s, cand.target_s),
                               stop_s=stop_s):
                 return None
         bins = open_bins(inst, skyline, cell)
