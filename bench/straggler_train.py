@@ -8,10 +8,11 @@ Two ways to slow one rank, each run twice on the same batches and weights (`dhp.
 
 Both runs start from a cost model `--wrong` times too fast (the preset's coefficients divided), so the loop
 must also find the machine's time scale. Prints per case: median step time of each run and their ratio,
-the median of per-step ratios, both also over the steps after `--warmup` (the loop's steady state), the largest relative loss difference between the runs, the slow rank and
-speed the loop settled on, and the share of steps after `--warmup` whose predicted forward+backward time
-is within 10 % of the measured one (adaptive run), with the same share for the first steps and the share
-that the one correction factor best in hindsight would reach (the noise floor of this machine).
+the median of per-step ratios, both also over the steps after `--warmup` (the loop's steady state), the
+largest relative loss difference between the runs, the slow rank and speed the loop settled on, and the
+share of steps after `--warmup` whose predicted forward+backward time is within 10 % of the measured one
+(adaptive run), with the same share for the first steps and the share that the one correction factor best
+in hindsight would reach (the noise floor of this machine).
 
     python bench/straggler_train.py [--steps 30] [--factor 2.0] [--wrong 3.0] [--cases injection,contention] [--json out.json]
 """

@@ -43,14 +43,12 @@ class StepRuntime:
         """A step engine over this runtime (`StepEngine` documents the options); it runs 1F1B under PP and, when
         adaptive or slowed by `slow_ranks`, times every slot (slowed as injected), reporting to the planner's
         closed loop when adaptive."""
-        slowdown = self.config.slowdowns.get(dist.get_rank(), 1.0)
-        injected = bool(self.config.slowdowns)  # every rank then holds its groups for their slowed members
-        timed = self.config.adaptive or injected  # nobody reads the timings otherwise
+        timed = self.config.adaptive or bool(self.config.slowdowns)  # nobody reads the timings otherwise
         return StepEngine(self.domain, self.pool, self.planner, source=source, lookahead=lookahead,
                           seq_multiple=seq_multiple, aligned_slots=aligned_slots, equal_rows=equal_rows,
                           policy=self.policy, backend=self.config.attention_backend,
                           pipelined=self.pipeline_stages > 1,
-                          timer=SlotTimer(self.domain.device, slowdown=slowdown, hold=injected) if timed else None,
+                          timer=SlotTimer.for_job(self.domain.device, self.config.slowdowns) if timed else None,
                           feedback=self.planner.loop if self.config.adaptive else None)
 
 

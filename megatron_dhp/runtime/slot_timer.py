@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,13 @@ class SlotTimer:
         self._cuda = device.type == "cuda"
         self._current: list = []
         self._finished: tuple[object, list] | None = None
+
+    @classmethod
+    def for_job(cls, device: torch.device, slowdowns: Mapping[int, float]) -> SlotTimer:
+        """This rank's timer in a job whose `slowdowns` (global rank -> factor) are injected: slowed by its own
+        factor, and holding its groups on every rank as soon as any rank is slowed (a rank that did not would
+        leave its group's token pass unanswered)."""
+        return cls(device, slowdown=slowdowns.get(dist.get_rank(), 1.0), hold=bool(slowdowns))
 
     @contextlib.contextmanager
     def slot(self, key: tuple[int, ...], group: dist.ProcessGroup | PeerRing | None = None) -> Iterator[None]:

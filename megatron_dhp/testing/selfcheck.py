@@ -157,8 +157,7 @@ class SelfCheck:
         pipelined = self.pp_group.size() > 1
         engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
                             equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
-                            timer=SlotTimer(self.domain.device, slowdown=self.slowdowns.get(dist.get_rank(), 1.0),
-                                            hold=bool(self.slowdowns)))
+                            timer=SlotTimer.for_job(self.domain.device, self.slowdowns))
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         step = run_step(engine, self.model, inputs)
         device = self.domain.device

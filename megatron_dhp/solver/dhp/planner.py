@@ -117,7 +117,7 @@ class Candidate:
     wide: np.ndarray
     degrees: np.ndarray
     bound_s: float
-    target_s: float = math.inf
+    target_s: float
     """The batch's lower bound: with rank speeds, wide samples prefer windows that end them by the tighter of it
     and `bound_s` (the area bound prices all work as slowing with its rank, so it can sit above the end of a
     slow window that a fast one would beat by half)."""
@@ -168,8 +168,8 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
                 return None
             place_columns(inst, skyline, placed)
         else:
-            if not place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle, bound_s=min(cand.bound_s, cand.target_s),
-                              stop_s=stop_s):
+            if not place_wide(inst, skyline, wide, degrees_of[wide], cell, grow, limit_s, straddle,
+                              bound_s=min(cand.bound_s, cand.target_s), stop_s=stop_s):
                 return None
         bins = open_bins(inst, skyline, cell)
         rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
