@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Every CUDA path against its reference in one JSON report (see bench/gpu_check.py; exit 3: no CUDA device).
-#   scripts/gpu_check.sh [--out gpu_check.json] [--quick]
+# Every CUDA path against its reference, and the attention's speed, in one JSON report (see bench/gpu_check.py;
+# exit 3: no CUDA device). Sections: attention, train_step, kernels, calibration, closed_loop, sharding.
+#   scripts/gpu_check.sh [--out gpu_check.json] [--quick] [--only SECTIONS] [--skip SECTIONS]
+#                        [--step-limit SECONDS] [--cpu-smoke]
+# --quick: about 5 minutes on an H100; --skip train_step leaves out the ~1B-parameter training step;
+# --cpu-smoke: the attention and train_step code paths on the CPU with tiny sizes (no GPU needed).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 exec "${PYTHON:-python3}" "$root/bench/gpu_check.py" "$@"

@@ -1,4 +1,5 @@
-"""bench/gpu_check.py: its CPU run (every section skipped, exit 3), its report schema and its arithmetic."""
+"""bench/gpu_check.py: its CPU run (every section skipped, exit 3), its CPU smoke (the attention and train-step
+code paths on tiny sizes), its report schema and its arithmetic."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 REPORT_KEYS = {"device", "peak_gb_per_s", "torch", "cuda", "quick", "status", "exit_code", "total_seconds", "sections"}
 SECTION_KEYS = {"name", "status", "seconds", "reason", "checks"}
+SECTIONS = ["attention", "train_step", "kernels", "calibration", "closed_loop", "sharding"]
 CHECK_KEYS = {"name", "status", "error", "tolerance", "metric", "reason", "numbers"}
 
 
@@ -34,6 +36,12 @@ def test_help():
     proc = _run("--help")
     assert proc.returncode == 0, proc.stderr
     assert "--quick" in proc.stdout and "--out" in proc.stdout and "Exit status" in proc.stdout
+    assert "--cpu-smoke" in proc.stdout and "--only" in proc.stdout and "--step-limit" in proc.stdout
+
+
+def test_unknown_section_is_refused():
+    proc = _run("--only", "atention")
+    assert proc.returncode == 2 and "unknown section(s) atention" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA run")
@@ -45,7 +53,7 @@ def test_cpu_run_skips_every_section_and_exits_3(tmp_path):
     report = json.loads(out.read_text())
     assert set(report) == REPORT_KEYS
     assert report["device"] is None and report["status"] == "nothing checked" and report["exit_code"] == 3
-    assert [s["name"] for s in report["sections"]] == ["kernels", "attention", "calibration", "closed_loop", "sharding"]
+    assert [s["name"] for s in report["sections"]] == SECTIONS
     for section in report["sections"]:
         assert set(section) == SECTION_KEYS
         assert section["status"] == "skipped" and section["reason"] == "no CUDA device" and section["checks"] == []
@@ -65,6 +73,31 @@ def test_bandwidth_arithmetic():
 ])
 def test_peak_bandwidth_by_device_name(name, peak):
     assert gpu_check.peak_gb_per_s(name) == peak
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H200", 989.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None),
+])
+def test_peak_bf16_flops_by_device_name(name, peak):
+    assert gpu_check.peak_bf16_tflops(name) == peak
+
+
+@pytest.mark.parametrize("total,longest", [(3000, 750), (32768, 8192), (131072, 32768), (128, 32), (512, 128)])
+def test_long_tailed_lengths(total, longest):
+    lengths = gpu_check.long_tailed(total, longest)
+    assert sum(lengths) == total and max(lengths) == longest and min(lengths) == 1
+    assert sum(n % 2 for n in lengths) >= 2  # odd lengths: zigzag chunks get padded
+    assert lengths == gpu_check.long_tailed(total, longest)  # deterministic
+    if total >= 3000:
+        assert sorted(lengths)[len(lengths) // 2] < longest // 4  # a long tail of short samples
+
+
+def test_attention_arithmetic():
+    assert gpu_check.causal_pairs((1, 2, 3)) == 1 + 3 + 6
+    # 12 FLOPs per pair, head and dimension: 4 forward (QK^T, PV), 8 backward
+    assert gpu_check.attention_flops((4,), 2, 8) == 12 * 10 * 2 * 8
+    assert gpu_check.tokens_label(32768) == "32K" and gpu_check.tokens_label(512) == "512"
 
 
 def _check(status: str) -> object:
@@ -108,6 +141,46 @@ def test_report_schema_is_strict_json():
     assert set(section) == SECTION_KEYS and section["status"] == "fail"
     assert all(set(c) == CHECK_KEYS for c in section["checks"])
     assert section["checks"][0]["error"] == "nan" and section["checks"][0]["numbers"]["kernel_gb_per_s"] == "inf"
+
+
+def _smoke(tmp_path, section: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    out = tmp_path / "report.json"
+    proc = _run("--cpu-smoke", "--only", section, "--out", str(out))
+    report = json.loads(out.read_text())
+    sections = {s["name"]: s for s in report["sections"]}
+    assert [s["name"] for s in report["sections"]] == SECTIONS
+    assert all(s["status"] == "skipped" for name, s in sections.items() if name != section)
+    return proc, report, {c["name"]: c for c in sections[section]["checks"]}
+
+
+def test_cpu_smoke_of_the_attention_section(tmp_path):
+    """Every kernel and comm on the CPU against the fp32 oracle (sdpa with gradients, flex forward only; varlen
+    and flash skipped), and the timing code paths (recorded, not judged)."""
+    proc, report, checks = _smoke(tmp_path, "attention")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["device"] == "cpu (smoke)" and report["status"] == "ok"
+    for where in ("d=1", *(f"d={d} {c}" for d in (2, 4) for c in ("allgather", "ulysses", "ring"))):
+        for part in ("forward", "backward"):
+            assert checks[f"sdpa {where} bfloat16 {part}"]["status"] == "ok"
+        assert checks[f"flex {where} bfloat16 forward"]["status"] == "ok"
+        assert checks[f"flex {where} bfloat16 backward"]["status"] == "skipped"
+        assert "CUDA" in checks[f"varlen {where} bfloat16"]["reason"]
+    assert checks["sdpa d=2 ring mla bfloat16 backward"]["status"] == "ok"
+    timings = [c for name, c in checks.items() if name.startswith(("one rank", "ring of"))]
+    assert len(timings) == 3 and all(c["status"] == "ok" and "not judged" in c["reason"] for c in timings)
+    assert all(c["numbers"]["output_vs_reference"] <= 3e-2 for c in timings)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke of a step runs where there is no CUDA")
+def test_cpu_smoke_of_the_train_step_section(tmp_path):
+    """A tiny GPT's steps on a gloo rank through the step engine: timed, host syncs probed."""
+    proc, report, checks = _smoke(tmp_path, "train_step")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (share,) = [c for name, c in checks.items() if "share of the step" in name]
+    n = share["numbers"]
+    assert n["tokens_per_step"] == 512 and n["steps_measured"] >= 1 and n["tokens_per_s"] > 0
+    assert 0 <= share["error"] <= 1 and math.isfinite(n["loss"])
+    assert any(name.startswith("no host sync in megatron-dhp's core attention") for name in checks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

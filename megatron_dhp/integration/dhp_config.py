@@ -34,7 +34,8 @@ class DhpConfig:
     TransformerEngine's attention follows its own cp_comm_type on process groups, so with layer_spec te
     mixed runs as allgather (`effective_comm`: the family, or the planner's groups as under allgather)."""
     attention_backend: str = "auto"
-    """Local attention kernel: auto (flash-attn on GPU when installed, else torch SDPA), math, sdpa, flash."""
+    """Local attention kernel: auto (varlen on a GPU in bf16/fp16, flex on a GPU in fp32, sdpa on a CPU), varlen,
+    flex, flash, sdpa, math ([runtime.md](runtime.md#per-microbatch-metadata-and-the-local-kernels))."""
     layer_spec: str = "local"
     """Core attention: local (megatron-dhp's, any device, with any linear layers) or te
     (TransformerEngine's, GPU; Megatron-LM needs --transformer-impl transformer_engine)."""

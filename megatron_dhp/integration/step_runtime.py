@@ -17,6 +17,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.comm import CommPolicy
+from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool, nccl_sharing
@@ -73,6 +74,7 @@ def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPol
     pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())
+        logger.info("dhp: %s", describe(config.attention_backend, domain.device))
         sharing = nccl_sharing()
         if sharing is not None and policy.startup_groups:
             logger.info("dhp: %s", sharing)

@@ -55,7 +55,10 @@ class DynamicDomain:
 
     @property
     def device(self) -> torch.device:
-        """Where the step's collectives want their tensors: the current CUDA device for NCCL, else CPU."""
+        """Where the step's collectives want their tensors: the current CUDA device for NCCL, else (gloo, or no
+        process group at all) the CPU."""
+        if not dist.is_initialized():
+            return torch.device("cpu")
         group = self.group if self.group is not None else dist.group.WORLD
         if dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())

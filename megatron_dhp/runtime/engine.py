@@ -297,7 +297,8 @@ class StepEngine:
         comm = self.policy.transport(mb.group_ranks)
         self.slots_by_comm[comm] += 1
         group = PeerRing.in_domain(self.domain, mb.group_ranks) if comm in DOMAIN_COMMS else self.pool.get(mb.group_ranks)
-        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=self.backend), index, count)
+        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=self.backend,
+                                        device=self.domain.device), index, count)
 
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)

@@ -32,6 +32,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.math import merge_partials
+from megatron_dhp.runtime.host import to_device
 from megatron_dhp.runtime.layout import padded_length, zigzag_positions
 
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -49,9 +50,7 @@ def zigzag_pack(
     lays out every rank's shards one after another (rank-major: the order of an all-gather over the
     group). A `cu_seqlens` on the GPU costs a host sync; pass it on the CPU (or as a list).
     """
-    z = _Zigzag.of(cu_seqlens, group_size, rank)
-    _check_rows(x, z.num_tokens, "x", "the samples of cu_seqlens")
-    return _ZigzagPack.apply(x, z, pad_value)
+    return zigzag_on(cu_seqlens, group_size, rank, x.device).pack(x, pad_value)
 
 
 def zigzag_unpack(
@@ -62,9 +61,18 @@ def zigzag_unpack(
     Padding rows are ignored; rows of tokens that `rank` does not hold are 0 (with `rank=None` every
     token is restored, so `zigzag_unpack(zigzag_pack(x, cu, d, None), cu, d, None)` is `x`).
     """
+    return zigzag_on(cu_seqlens, group_size, rank, shard.device).unpack(shard)
+
+
+def zigzag_on(cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None,
+              device: torch.device | str) -> DeviceZigzag:
+    """The zigzag layout of `zigzag_pack` with its index tables already on `device`: what a microbatch builds
+    once (`attention.meta`) so that every layer packs and unpacks with no host work."""
     z = _Zigzag.of(cu_seqlens, group_size, rank)
-    _check_rows(shard, len(z.ranks) * z.rows_per_rank, "shard", f"the zigzag layout of {len(z.ranks)} rank(s)")
-    return _ZigzagUnpack.apply(shard, z)
+    device = torch.device(device)
+    if device.type == "cuda" and _load_kernels() is not None:
+        return DeviceZigzag(z, tables=_device_tables(z.lengths, z.local_lengths, device))
+    return DeviceZigzag(z, sources=_device_sources(z, device))
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -142,10 +150,9 @@ class _Zigzag:
                 parts.append(torch.where(pos < n, pos + start, -1))
         return torch.cat(parts)
 
-    def kernel_args(self, device: torch.device) -> tuple[torch.Tensor, int, int, int, int]:
-        """(tables, group size, first rank, ranks, rows per rank) as the kernels take them."""
-        tables = _device_tables(self.lengths, self.local_lengths, device)
-        return tables, self.group_size, self.ranks.start, len(self.ranks), self.rows_per_rank
+    def kernel_args(self) -> tuple[int, int, int, int]:
+        """(group size, first rank, ranks, rows per rank) as the kernels take them after the tables."""
+        return self.group_size, self.ranks.start, len(self.ranks), self.rows_per_rank
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,14 +162,35 @@ def _device_tables(lengths: tuple[int, ...], local_lengths: tuple[int, ...], dev
     Cached: every layer of a microbatch uses the same layout, and a host-to-device copy stalls the host.
     """
     cums = [list(itertools.accumulate(v, initial=0)) for v in (lengths, local_lengths)]
-    return torch.tensor(cums, dtype=torch.int64).to(device)
+    return to_device(torch.tensor(cums, dtype=torch.int64), device)
 
 
 @functools.lru_cache(maxsize=64)
 def _device_sources(z: _Zigzag, device: torch.device) -> torch.Tensor:
     """`z.sources()` on `device` for the torch path, cached like `_device_tables`: every layer of a microbatch
     packs and unpacks with the same layout, and building the index is a Python loop over ranks and samples."""
-    return z.sources().to(device)
+    return to_device(z.sources(), device)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceZigzag:
+    """A zigzag layout and the device tensors its copies read: the kernels' sample tables, or the torch
+    path's source index."""
+
+    layout: _Zigzag
+    tables: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
+
+    def pack(self, x: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
+        """`zigzag_pack` of whole samples `x`."""
+        _check_rows(x, self.layout.num_tokens, "x", "the samples of cu_seqlens")
+        return _ZigzagPack.apply(x, self, pad_value)
+
+    def unpack(self, shard: torch.Tensor) -> torch.Tensor:
+        """`zigzag_unpack` of shard rows `shard`."""
+        z = self.layout
+        _check_rows(shard, len(z.ranks) * z.rows_per_rank, "shard", f"the zigzag layout of {len(z.ranks)} rank(s)")
+        return _ZigzagUnpack.apply(shard, self)
 
 
 def _check_rows(x: torch.Tensor, rows: int, name: str, what: str) -> None:
@@ -206,23 +234,21 @@ def _load_kernels() -> Any | None:
     return torch.ops.megatron_dhp
 
 
-def _pack(x: torch.Tensor, z: _Zigzag, pad_value: float) -> torch.Tensor:
-    ops = _kernels(x)
-    if ops is not None:
-        return ops.zigzag_pack(x, *z.kernel_args(x.device), pad_value)
-    src = _device_sources(z, x.device)
+def _pack(x: torch.Tensor, z: DeviceZigzag, pad_value: float) -> torch.Tensor:
+    if z.tables is not None:
+        return torch.ops.megatron_dhp.zigzag_pack(x, z.tables, *z.layout.kernel_args(), pad_value)
+    src = z.sources
     out = x.index_select(0, src.clamp(min=0))
-    out[src < 0] = pad_value
-    return out
+    return out.masked_fill_((src < 0).view(-1, *[1] * (x.dim() - 1)), pad_value)
 
 
-def _unpack(shard: torch.Tensor, z: _Zigzag) -> torch.Tensor:
-    ops = _kernels(shard)
-    if ops is not None:
-        return ops.zigzag_unpack(shard, *z.kernel_args(shard.device), z.num_tokens)
-    src = _device_sources(z, shard.device)
-    real = src >= 0
-    return shard.new_zeros((z.num_tokens, *shard.shape[1:])).index_copy_(0, src[real], shard[real])
+def _unpack(shard: torch.Tensor, z: DeviceZigzag) -> torch.Tensor:
+    if z.tables is not None:
+        return torch.ops.megatron_dhp.zigzag_unpack(shard, z.tables, *z.layout.kernel_args(), z.layout.num_tokens)
+    # padding rows (source -1) all land on one extra row, cut off after: no boolean index, no data-dependent shape
+    src = torch.where(z.sources < 0, z.layout.num_tokens, z.sources)
+    out = shard.new_zeros((z.layout.num_tokens + 1, *shard.shape[1:])).index_copy_(0, src, shard)
+    return out[:-1]
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -239,7 +265,7 @@ def _scatter(x: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tenso
 
 class _ZigzagPack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, z: _Zigzag, pad_value: float) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, x: torch.Tensor, z: DeviceZigzag, pad_value: float) -> torch.Tensor:  # noqa: D102
         ctx.z = z
         return _pack(x, z, pad_value)
 
@@ -250,7 +276,7 @@ class _ZigzagPack(torch.autograd.Function):
 
 class _ZigzagUnpack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, z: _Zigzag) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, shard: torch.Tensor, z: DeviceZigzag) -> torch.Tensor:  # noqa: D102
         ctx.z = z
         return _unpack(shard, z)
 

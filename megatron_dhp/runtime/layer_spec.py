@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import LAYER_SPECS
+from megatron_dhp.runtime import rope
 from megatron_dhp.runtime.attention.core_attention import (
     DynamicCPAttention,
     DynamicCPMLASelfAttention,
@@ -53,6 +54,7 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
     block spec (megatron's MoE and heterogeneous models: one spec per layer) has each layer's swapped.
     """
     _check_backend(backend)
+    rope.install()
     spec = copy.deepcopy(spec)
     for layer in spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]:
         _swap_attention(layer, backend)

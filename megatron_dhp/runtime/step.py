@@ -26,6 +26,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.collectives import all_to_all_rows
 from megatron_dhp.runtime.engine import Slot, StepEngine
+from megatron_dhp.runtime.host import to_device
 from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
 
 
@@ -48,21 +49,20 @@ def forward_thd(model: torch.nn.Module, mb: MicrobatchInputs, ctx: CPContext, *,
     per-token losses, [1, t], unmasked, when given the labels; else the stage's output activations.
     `decoder_input` [t, 1, h] replaces the word embeddings (a vision-language model's merged input)."""
     device = next(model.parameters()).device
-    params = DhpPackedSeqParams.for_microbatch(ctx, device=device)
     return model(
-        mb.input_ids[None].to(device),
-        mb.position_ids[None].to(device),
+        to_device(mb.input_ids[None], device),
+        ctx.meta.positions[None],
         None,
         decoder_input=decoder_input,
-        labels=mb.labels[None].to(device) if labels else None,
-        packed_seq_params=params,
-        loss_mask=mb.loss_mask[None].to(device) if labels else None,  # what multi-token prediction's loss keeps
+        labels=to_device(mb.labels[None], device) if labels else None,
+        packed_seq_params=DhpPackedSeqParams.for_microbatch(ctx),
+        loss_mask=to_device(mb.loss_mask[None], device) if labels else None,  # what multi-token prediction's loss keeps
     )
 
 
 def masked_loss_sum(per_token: torch.Tensor, mb: MicrobatchInputs) -> tuple[torch.Tensor, int]:
     """The microbatch's loss, the sum of its per-token losses where the loss mask is 1, and its loss tokens."""
-    return (per_token.view(-1) * mb.loss_mask.to(per_token.device)).sum(), int(mb.loss_mask.sum())
+    return (per_token.view(-1) * to_device(mb.loss_mask, per_token.device)).sum(), int(mb.loss_mask.sum())
 
 
 class _LossSum:
@@ -74,7 +74,8 @@ class _LossSum:
     def __init__(self, model: torch.nn.Module, global_loss_tokens: int) -> None:
         self.model = model
         self.global_loss_tokens = global_loss_tokens
-        self.loss_sum = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0
+        """On the model's device until `result` reads it once: a read per microbatch would wait for the GPU."""
         self.loss_tokens = 0
 
     def forward(self, slot: Slot) -> torch.Tensor:
@@ -83,7 +84,7 @@ class _LossSum:
     def loss(self, mb: MicrobatchInputs, per_token: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The microbatch's masked loss sum and loss tokens, counted into this rank's totals."""
         loss, count = masked_loss_sum(per_token, mb)
-        self.loss_sum += float(loss.detach())
+        self.loss_sum = self.loss_sum + loss.detach()
         self.loss_tokens += count
         return loss, count
 
@@ -100,7 +101,7 @@ class _LossSum:
     def result(self, inputs: StepInputs, *, computed: bool = True) -> StepResult:
         """This rank's part of the step; `computed` False: a pipeline stage that computes no loss, so no tokens."""
         return StepResult(
-            loss_sum=self.loss_sum,
+            loss_sum=float(self.loss_sum),
             num_loss_tokens=self.loss_tokens,
             num_tokens=sum(int(mb.layout.real().sum()) for mb in inputs.microbatches) if computed else 0,
             global_loss_tokens=inputs.num_loss_tokens,
@@ -146,7 +147,7 @@ class _ImageLossSum(_LossSum):
         mb = slot.inputs
         slots, rows = self.rows.get(id(mb), self.no_rows)  # a padding slot of aligned slots has no image
         device = self.received.device
-        merged = self.vlm.embed(mb.input_ids[None].to(device), mb.position_ids[None].to(device), slots,
+        merged = self.vlm.embed(to_device(mb.input_ids[None], device), slot.context.meta.positions[None], slots,
                                 self.received[rows])
         return forward_thd(self.vlm.language, mb, slot.context, decoder_input=merged)
 
@@ -186,7 +187,8 @@ def run_step(
         return work.result(inputs, computed=parallel_state.is_pipeline_last_stage())
     # A MoE router's load-balancing loss and multi-token prediction's loss (sums over a microbatch's tokens
     # under per-token loss) are divided by the same global loss-token count as the main loss.
-    per_token = torch.full((1,), 1.0 / inputs.num_loss_tokens)  # megatron-core's shape
+    device = next(chunks[0].parameters()).device  # megatron-core multiplies it with device tensors in backward
+    per_token = torch.full((1,), 1.0 / inputs.num_loss_tokens, device=device)  # megatron-core's shape
     MoEAuxLossAutoScaler.set_loss_scale(per_token)
     MTPLossAutoScaler.set_loss_scale(per_token)
     if inputs.vision is None:

@@ -13,12 +13,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dhp.runtime.attention import blocks
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.core_attention import VARIANTS
-from megatron_dhp.runtime.attention.kernels import attend
-from megatron_dhp.runtime.attention.tokens import Tokens
+from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
 from megatron_dhp.runtime.fused import zigzag_pack
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
@@ -36,18 +33,16 @@ def _groups(sizes: tuple[int, ...]) -> Iterator[tuple[int, dist.ProcessGroup]]:
     dist.destroy_process_group()
 
 
-def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, query_chunk: int,
-                             v_dim: int = HEAD_DIM, comms: tuple[str, ...] = ("ring", "p2p")) -> dict:
+def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, v_dim: int = HEAD_DIM,
+                             comms: tuple[str, ...] = ("ring", "p2p")) -> dict:
     """Per (group size, backend, variant): output and q/k/v gradients on this rank's shards minus one process's
     (values `v_dim` wide, MLA's narrower V when below HEAD_DIM)."""
-    blocks.QUERY_CHUNK = query_chunk  # several chunks per block, some seeing nothing in it
     whole = MicrobatchLayout(tuple(range(len(lengths))), lengths, 1, 0)
     gen = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
     q, k, v, w = (torch.randn(sum(lengths), n, dim, generator=gen)
                   for n, dim in ((heads, HEAD_DIM), (kv_heads, HEAD_DIM), (kv_heads, v_dim), (heads, v_dim)))
-    tokens = Tokens(whole.local_positions, whole.segments, whole_samples=whole)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = attend(*leaves, tokens, tokens, 0.3, "math")
+    out = dynamic_cp_attention(*leaves, CPContext(whole, None, backend="math"), 0.3)
     want = [out, *torch.autograd.grad((out * w).sum(), leaves)]
     diffs = {}
     for size, group in _groups((2, 3)):
@@ -61,7 +56,7 @@ def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int
         for comm, backend in itertools.product(comms, ("sdpa", "math")):
             ring = peers.get(comm, group)
             shards = [shard(x).requires_grad_() for x in (q, k, v)]
-            out = VARIANTS[comm](*shards, CPContext(layout, ring, comm, backend), 0.3)
+            out = dynamic_cp_attention(*shards, CPContext(layout, ring, comm, backend), 0.3)
             got = [out, *torch.autograd.grad((out * shard(w)).sum(), shards)]
             real = layout.real()
             diffs[size, backend, comm] = [float((shard(x)[real] - y[real]).abs().max()) for x, y in zip(want, got)]
@@ -90,5 +85,5 @@ def saved_bytes_per_rank(tokens_per_rank: int, heads: int) -> dict[tuple[int, st
         q, k, v = (torch.randn(tokens_per_rank, heads, HEAD_DIM, requires_grad=True) for _ in range(3))
         for comm in ("allgather", "ring"):
             ctx = CPContext(layout, group, comm, "sdpa")
-            out[size, comm] = saved_bytes(lambda: VARIANTS[comm](q, k, v, ctx, 0.25))  # noqa: B023 - called at once
+            out[size, comm] = saved_bytes(lambda: dynamic_cp_attention(q, k, v, ctx, 0.25))  # noqa: B023 - called at once
     return out

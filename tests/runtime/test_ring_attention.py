@@ -1,52 +1,22 @@
 """Ring attention in O(one block): exact against one process, and what it keeps for backward is flat in the group.
 
 The ring's forward keeps q, its own k/v, the merged output and log-sum-exp; its backward sends K/V around the
-ring again with their gradient accumulators. The kernels are checked alone first (no process group).
+ring again with their gradient accumulators. The kernels alone are checked on virtual groups in
+`test_attention_kernels.py` (no process group).
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from megatron_dhp.runtime.attention import blocks
-from megatron_dhp.runtime.attention.math import block_attention, visible
 from megatron_dhp.testing.launch import launch
 from tests.runtime import ring_workers
-from tests.runtime.test_attention_math import shuffled_tokens
-
-
-@pytest.mark.parametrize("kernel", ["math", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_block_kernels_merge_and_recompute_gradients_from_the_merged_lse(kernel, dtype, monkeypatch):
-    """Two key blocks through `block_forward`, merged, then `block_backward` per block = autograd of one softmax."""
-    monkeypatch.setattr(blocks, "QUERY_CHUNK", 5)  # 23 queries: 5 chunks, some seeing nothing in a block
-    pos, seg = shuffled_tokens([9, 1, 13], seed=4)
-    order = torch.argsort(seg * 100 + pos)  # sorted by sample, like a THD block, so a chunk sees few samples
-    pos, seg = pos[order], seg[order]
-    gen = torch.Generator().manual_seed(4)
-    q, k, v, g = (torch.randn(4, pos.numel(), 8, generator=gen, dtype=dtype) for _ in range(4))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    full, _ = block_attention(*(x.transpose(0, 1) for x in leaves), visible(pos, pos, seg, seg), 0.3)
-    want = [full.transpose(0, 1), *torch.autograd.grad((full.transpose(0, 1) * g).sum(), leaves)]
-
-    run = blocks.LSE_KERNELS[kernel]
-    key_blocks = [torch.arange(0, 11), torch.arange(11, 23)]
-    parts = [blocks.chunks((pos, seg), (pos[b], seg[b]), dtype, q.device) for b in key_blocks]
-    outs = [blocks.block_forward(q, k[:, b], v[:, b], p, 0.3, run) for b, p in zip(key_blocks, parts)]
-    lse = torch.logsumexp(torch.stack([s for _, s in outs]), dim=0)
-    out = sum(torch.exp(s - lse)[..., None] * o for o, s in outs)
-    grads = [blocks.block_backward(g, q, k[:, b], v[:, b], out, lse, p, 0.3, run) for b, p in zip(key_blocks, parts)]
-    got = [out, sum(gq for gq, _, _ in grads), torch.cat([gk for _, gk, _ in grads], 1), torch.cat([gv for *_, gv in grads], 1)]
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.to(dtype), b, rtol=0, atol=tol)
 
 
 @pytest.fixture(scope="module")
 def exactness() -> list[dict]:
-    """Several documents (one shorter than the group), GQA 4/2, query chunks of 16 rows, groups of 2 and 3."""
-    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 16, timeout_s=300)
+    """Several documents (one shorter than the group), GQA 4/2, groups of 2 and 3."""
+    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, timeout_s=300)
 
 
 @pytest.mark.parametrize("comm", ["ring", "p2p"])
@@ -62,7 +32,7 @@ def test_ring_output_and_gradients_equal_one_process(exactness, size, backend, c
 @pytest.fixture(scope="module")
 def narrow_values() -> list[dict]:
     """As `exactness`, with MLA's shape: values 5 wide against queries and keys 8 wide, every variant."""
-    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 16, 5,
+    return launch(ring_workers.ring_against_one_process, 3, (37, 2, 90, 11), 4, 2, 5,
                   ("allgather", "ring", "ulysses", "p2p"), timeout_s=300)
 
 
@@ -70,7 +40,7 @@ def narrow_values() -> list[dict]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_every_variant_is_exact_with_values_narrower_than_keys(narrow_values, size, comm):
     """MLA's V head is narrower than its Q/K head (128 against 192): the ring sends K and V side by side, the
-    CPU flash kernel pads V; fp32, 1e-5, sdpa and math."""
+    CPU's fused kernels get V padded; fp32, 1e-5, sdpa and math."""
     for rank in narrow_values[:size]:
         for backend in ("sdpa", "math"):
             assert max(rank[size, backend, comm]) <= 1e-5, (backend, rank[size, backend, comm])

@@ -6,9 +6,11 @@ importing megatron-core.
 """
 
 BACKENDS: dict[str, str] = {
-    "auto": "flash-attn on GPU when it applies, else sdpa",
+    "auto": "varlen on a GPU in bf16/fp16, flex on a GPU in fp32, sdpa on a CPU",
     "math": "explicit softmax in fp32 (the reference)",
-    "sdpa": "torch's fused attention, sample by sample",
-    "flash": "flash-attn's varlen kernel (CUDA, bf16/fp16)",
+    "sdpa": "torch's fused attention, sample by sample (the CPU's)",
+    "varlen": "torch's flash-attention varlen kernels (CUDA, bf16/fp16)",
+    "flex": "FlexAttention, one block mask per microbatch (compiled on a GPU; forward only on a CPU)",
+    "flash": "flash-attn's varlen kernel for whole samples (CUDA, bf16/fp16, pip install flash-attn)",
 }
-"""Local attention kernels (see `kernels.attend`)."""
+"""Local attention kernels (`kernels.kernel(name)` runs one; `kernels.resolve` picks one for `auto`)."""

@@ -10,13 +10,10 @@ import torch
 
 from megatron_dhp.runtime.attention.comm import all_gather
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.kernels import attend
-from megatron_dhp.runtime.attention.tokens import Tokens
+from megatron_dhp.runtime.attention.kernels import LocalKernel
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, kernel: LocalKernel,
+                        scale: float) -> torch.Tensor:
     """Causal attention of the local queries over all keys of the group; [t, h, dh] in, [t, h, dh] out."""
-    layout = ctx.layout
-    keys = Tokens(layout.group_positions, layout.group_segments, whole_samples=layout)
-    queries = Tokens(layout.local_positions, layout.segments)
-    return attend(q, all_gather(k, ctx.group), all_gather(v, ctx.group), queries, keys, scale, ctx.backend)
+    return kernel.gathered(q, all_gather(k, ctx.group), all_gather(v, ctx.group), ctx.meta, scale)

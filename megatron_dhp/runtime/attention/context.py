@@ -7,7 +7,7 @@ follow groups that change between phases or interleave under pipelining); the st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.runtime.attention import BACKENDS
 from megatron_dhp.runtime.attention.comm import PeerRing
+from megatron_dhp.runtime.attention.meta import AttentionMeta
 from megatron_dhp.runtime.layout import MicrobatchLayout
 
 
@@ -32,8 +33,11 @@ class CPContext:
     """`allgather` (K/V all-gather, dK/dV reduce-scatter), `ring` (P2P K/V ring), `ulysses` (all-to-all) or
     `p2p` (the ring on the domain's communicator)."""
     backend: str = "auto"
-    """Local attention kernel: `math` (reference), `sdpa` (torch), `flash` (flash-attn varlen, GPU); `auto`
-    picks flash on CUDA when importable, else sdpa."""
+    """Local attention kernel (`attention.BACKENDS`; `auto` resolves by device and dtype, `kernels.resolve`)."""
+    device: torch.device | str = "cpu"
+    """Where the microbatch's tokens are: its `meta` is moved there."""
+    meta: AttentionMeta = field(init=False, repr=False)
+    """What every layer's attention reads, built here once per microbatch (`AttentionMeta.build`)."""
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_VARIANTS:
@@ -46,6 +50,7 @@ class CPContext:
         size = 1 if self.group is None else self.group.size()
         assert size == self.layout.group_size, f"group of {size} ranks for a layout of {self.layout.group_size}"
         assert self.group is None or self.group.rank() == self.layout.rank, "layout rank is not the group rank"
+        object.__setattr__(self, "meta", AttentionMeta.build(self.layout, self.device))
 
 
 @dataclass
@@ -61,10 +66,10 @@ class DhpPackedSeqParams(PackedSeqParams):
     dhp: CPContext | None = None
 
     @classmethod
-    def for_microbatch(cls, ctx: CPContext, *, device: torch.device | str = "cpu") -> DhpPackedSeqParams:
-        """The parameters of one microbatch, with the length tensors on the device of its tokens."""
-        layout = ctx.layout
-        cu, cu_padded = layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device)
+    def for_microbatch(cls, ctx: CPContext) -> DhpPackedSeqParams:
+        """The parameters of one microbatch, their length tensors those its metadata already moved to its device."""
+        layout, meta = ctx.layout, ctx.meta
+        cu, cu_padded = meta.cu_seqlens, meta.natural.cu
         return cls(
             qkv_format="thd",
             cu_seqlens_q=cu,

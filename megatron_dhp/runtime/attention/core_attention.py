@@ -26,14 +26,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.runtime.attention.allgather import allgather_attention
-from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
-from megatron_dhp.runtime.attention.kernels import attend
+from megatron_dhp.runtime.attention.kernels import LocalKernel, resolve
 from megatron_dhp.runtime.attention.ring import ring_attention
-from megatron_dhp.runtime.attention.tokens import Tokens
-from megatron_dhp.runtime.attention.ulysses import ulysses_attention
+from megatron_dhp.runtime.attention.ulysses import no_heads, ulysses_attention
+from megatron_dhp.runtime.rope import DynamicRopeGroup
 
-Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CPContext, float], torch.Tensor]
+Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CPContext, LocalKernel, float], torch.Tensor]
 
 VARIANTS: dict[str, Variant] = {
     "allgather": allgather_attention,
@@ -45,12 +44,12 @@ assert VARIANTS.keys() == COMM_VARIANTS.keys(), "one function per name of runtim
 
 
 def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
-    """Causal attention of a rank's THD shards [t, h, dh] over its group; a one-rank group communicates nothing."""
+    """Causal attention of a rank's THD shards [t, h, dh] over its group; a one-rank group communicates nothing.
+    Everything it reads besides q, k, v is the microbatch's `AttentionMeta` (`ctx.meta`): no host work."""
+    kernel = resolve(ctx.backend, q)
     if ctx.group is None:
-        layout = ctx.layout
-        tokens = Tokens(layout.local_positions, layout.segments, whole_samples=layout)
-        return attend(q, k, v, tokens, tokens, scale, ctx.backend)
-    return VARIANTS[ctx.comm](q, k, v, ctx, scale)
+        return kernel.causal(q, k, v, ctx.meta.local, scale) if q.shape[1] else no_heads(q, k, v)
+    return VARIANTS[ctx.comm](q, k, v, ctx, kernel, scale)
 
 
 class DynamicCPAttention(MegatronModule):
@@ -115,8 +114,9 @@ class _RoPEOnTheDynamicGroup:
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):  # noqa: D102
         params = kwargs.get("packed_seq_params")
-        group = params.cp_group if isinstance(params, DhpPackedSeqParams) else None
-        with _cp_group_for_rope(self.pg_collection, group):
+        dhp = params.dhp if isinstance(params, DhpPackedSeqParams) else None
+        rope = None if dhp is None else DynamicRopeGroup(params.cp_group, dhp.meta.positions)
+        with _cp_group_for_rope(self.pg_collection, rope):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
@@ -147,10 +147,9 @@ class DynamicCPMLASelfAttention(_RoPEOnTheDynamicGroup, MLASelfAttention):
 
 
 @contextmanager
-def _cp_group_for_rope(pgs: ProcessGroupCollection, group: torch.distributed.ProcessGroup | PeerRing | None
-                      ) -> Iterator[None]:
-    """Let megatron's THD RoPE see `group` (None: keep the static CP group of size 1). A `PeerRing` does: RoPE
-    only asks its `size()` and `rank()`.
+def _cp_group_for_rope(pgs: ProcessGroupCollection, group: DynamicRopeGroup | None) -> Iterator[None]:
+    """Let megatron's THD RoPE see the microbatch's group and its rows' positions (`runtime.rope`; None: keep
+    the static CP group of size 1, not a megatron-dhp microbatch). RoPE asks only `size()` and `rank()`.
 
     The collection object is shared by every layer of the model, so the swap is undone as soon as this
     layer's forward returns; RoPE's backward needs no group, so nothing else can observe it.

@@ -1,11 +1,9 @@
-"""flash-attn varlen on the dynamic-CP layout (CUDA only; imported lazily, absent on CPU machines).
+"""The `flash` kernel: flash-attn's varlen kernel (the `flash-attn` package, CUDA, bf16/fp16), where installed.
 
-Keys that are whole samples in group order are every rank's zigzag shards of the padded samples, one rank
-after another; `fused.zigzag_unpack` puts them back into natural order, so each sample is one causal varlen
-sequence. Queries that are whole samples too (Ulysses) take the same reordering and `zigzag_pack` returns
-their outputs; a rank's own zigzag shards (all-gather) are runs of consecutive positions, and a run
-starting at position a attends the first a + len keys of its sample, which flash's bottom-right-aligned
-causal mask expresses directly.
+It answers the whole-sample questions (`causal`, `gathered`) with flash-attn's own `flash_attn_varlen_func`
+on the same inputs as `varlen` (imported lazily: absent on CPU machines); flash-attn >= 2.1, whose causal mask
+is bottom-right aligned, as the all-gather's runs need. Ring steps need a kernel that takes the merged
+log-sum-exp back, which torch's flash operators do (`varlen`, the same FlashAttention-2 algorithm).
 """
 
 from __future__ import annotations
@@ -15,12 +13,13 @@ from typing import Any
 import torch
 
 from megatron_dhp.runtime.attention.math import widened
-from megatron_dhp.runtime.attention.tokens import Tokens
-from megatron_dhp.runtime.fused import gather_rows, zigzag_pack, zigzag_unpack
-from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.attention.meta import AttentionMeta, Spans
+from megatron_dhp.runtime.attention.varlen import VarlenKernel, flash_applies, run_keys
+from megatron_dhp.runtime.fused import gather_rows
 
 
-def _varlen_kernel() -> Any | None:
+def varlen_func() -> Any | None:
+    """flash-attn's `flash_attn_varlen_func`, or None when flash-attn is not installed."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
@@ -28,59 +27,22 @@ def _varlen_kernel() -> Any | None:
     return flash_attn_varlen_func
 
 
-def usable(q: torch.Tensor) -> bool:
-    """Whether flash-attn can run on `q`: installed, CUDA tensor, half precision, at least one head."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[1] > 0 and _varlen_kernel() is not None
+class FlashAttnKernel(VarlenKernel):
+    """flash-attn for whole samples; ring steps as `varlen` (see the module docstring)."""
 
+    def applies(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:  # noqa: D102
+        if varlen_func() is None:
+            return "flash-attn is not installed (pip install flash-attn>=2.1)"
+        return flash_applies(device_type, dtype, head_dim)
 
-def query_runs(positions: torch.Tensor, segments: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """Maximal runs of consecutive positions within one sample: (row start, length, sample, first position)."""
-    pos, seg = positions.tolist(), segments.tolist()
-    runs: list[tuple[int, int, int, int]] = []
-    for i, (p, s) in enumerate(zip(pos, seg)):
-        if runs and s == runs[-1][2] and p == runs[-1][3] + runs[-1][1]:
-            start, length, sample, first = runs[-1]
-            runs[-1] = (start, length + 1, sample, first)
-        else:
-            runs.append((i, 1, s, p))
-    return runs
+    def causal(self, q, k, v, spans: Spans, scale: float) -> torch.Tensor:  # noqa: D102
+        dv = v.shape[-1]
+        return varlen_func()(q, k, widened(v, q.shape[-1]), spans.cu, spans.cu, spans.max_len, spans.max_len,
+                             softmax_scale=scale, causal=True)[..., :dv]
 
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    queries: Tokens,
-    layout: MicrobatchLayout,
-    scale: float,
-    kernel: Any | None = None,
-) -> torch.Tensor:
-    """Causal attention with keys = every slot of `layout` in group order; `kernel` defaults to flash-attn.
-    flash-attn takes one head size: MLA's narrower V runs `widened` with zero columns, cut off after."""
-    kernel = kernel or _varlen_kernel()
-    device, dv, v = q.device, v.shape[-1], widened(v, q.shape[-1])
-    # the group's slots are the zigzag shards of the padded samples, which need no further padding
-    padded, size = layout.cu_seqlens_padded, layout.group_size
-    k_nat, v_nat = zigzag_unpack(k, padded, size, None), zigzag_unpack(v, padded, size, None)
-    cu_k = padded.to(device)
-    if queries.whole_samples is layout:
-        out_nat = kernel(
-            zigzag_unpack(q, padded, size, None), k_nat, v_nat, cu_k, cu_k, layout.max_seqlen, layout.max_seqlen,
-            softmax_scale=scale, causal=True,
-        )
-        return zigzag_pack(out_nat, padded, size, None)[..., :dv]
-    runs = query_runs(queries.positions, queries.segments)
-    starts = padded.tolist()
-    kv_index = torch.cat([torch.arange(starts[s], starts[s] + p0 + n) for _, n, s, p0 in runs]).to(device)
-    cu_q = _cumsum([n for _, n, _, _ in runs], device)
-    cu_kv = _cumsum([p0 + n for _, n, _, p0 in runs], device)
-    return kernel(
-        q, gather_rows(k_nat, kv_index), gather_rows(v_nat, kv_index), cu_q, cu_kv,
-        max(n for _, n, _, _ in runs), max(p0 + n for _, n, _, p0 in runs), softmax_scale=scale, causal=True,
-    )[..., :dv]
-
-
-def _cumsum(values: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(values) + 1, dtype=torch.int32)
-    out[1:] = torch.cumsum(torch.tensor(values), 0)
-    return out.to(device)
+    def gathered(self, q, k, v, meta: AttentionMeta, scale: float) -> torch.Tensor:  # noqa: D102
+        dv = v.shape[-1]
+        runs = run_keys(meta)
+        k, v = (gather_rows(meta.zigzag.unpack(x), runs.index) for x in (k, widened(v, q.shape[-1])))
+        return varlen_func()(q, k, v, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k, softmax_scale=scale,
+                             causal=True)[..., :dv]

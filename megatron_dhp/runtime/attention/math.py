@@ -1,9 +1,8 @@
 """Causal attention over packed (THD) tokens addressed by (sample, position), and the log-sum-exp merge.
 
-Every communication variant reduces to these two pure functions: a query may see a key of the same sample
-at the same or an earlier position, wherever either token sits in the tensors. Because the mask is computed
-from true positions, the same code serves zigzag shards, gathered blocks and ring steps, and the single
-source of truth for "causal" is the token's position in its sample.
+A query may see a key of the same sample at the same or an earlier position, wherever either token sits in
+the tensors: the single source of truth for "causal" is the token's position in its sample. These pure
+functions are what the `math` kernel (`oracle`) computes with and what every other kernel is tested against.
 """
 
 from __future__ import annotations
@@ -62,26 +61,6 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     return merged.to(outs[0].dtype)
 
 
-SDPA_QUERY_BLOCK = 256
-"""`sdpa_attention` attends at most this many queries per call. With a mask, CPU SDPA materialises the
-[heads, queries, keys] scores: blocks keep them in cache (for 512 queries over 1024 keys the softmax backward
-took 7x as long as for 512 over 512, instead of 2x), so a long sample costs about L^2 as the cost model says."""
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """The same as `block_attention`'s output through torch SDPA, for callers that need no log-sum-exp.
-
-    Every query must see at least one key (true whenever the key set includes the query itself).
-    """
-    h = q.shape[1]
-    k, v = expand_kv_heads(k, h).transpose(0, 1), expand_kv_heads(v, h).transpose(0, 1)
-    outs = [
-        F.scaled_dot_product_attention(q[rows].transpose(0, 1), k, v, attn_mask=mask[rows], scale=scale)
-        for rows in (slice(i, i + SDPA_QUERY_BLOCK) for i in range(0, q.shape[0], SDPA_QUERY_BLOCK))
-    ]
-    return torch.cat(outs, dim=1).transpose(0, 1)
-
-
 def widened(x: torch.Tensor, width: int) -> torch.Tensor:
     """`x` with zero columns up to `width` in its last dimension (itself when that wide): how a kernel that takes
     one head size runs MLA's V, narrower than its Q and K (zero columns of V give zero columns of the output,
@@ -94,3 +73,10 @@ def widened(x: torch.Tensor, width: int) -> torch.Tensor:
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half precision and fp32, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def sum_kv_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[t, h, dh] gradient of heads repeated by `expand_kv_heads` -> [t, hk, dh]: each kv head sums over the
+    query heads it serves."""
+    t, h, dh = grad.shape
+    return grad if h == kv_heads else grad.reshape(t, kv_heads, h // kv_heads, dh).sum(dim=2)

@@ -14,9 +14,8 @@ import torch.distributed as dist
 
 from megatron_dhp.runtime.attention.comm import all_to_all
 from megatron_dhp.runtime.attention.context import CPContext
-from megatron_dhp.runtime.attention.kernels import attend
+from megatron_dhp.runtime.attention.kernels import LocalKernel
 from megatron_dhp.runtime.attention.math import expand_kv_heads
-from megatron_dhp.runtime.attention.tokens import Tokens
 
 
 def head_split(num_heads: int, size: int) -> list[int]:
@@ -24,24 +23,26 @@ def head_split(num_heads: int, size: int) -> list[int]:
     return [num_heads // size + (j < num_heads % size) for j in range(size)]
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, scale: float) -> torch.Tensor:
-    """Causal attention with heads scattered and the sequence gathered over the group; [t, h, dh] in and out."""
-    layout, group = ctx.layout, ctx.group
-    size, heads, kv_heads = layout.group_size, q.shape[1], k.shape[1]
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPContext, kernel: LocalKernel,
+                      scale: float) -> torch.Tensor:
+    """Causal attention with heads scattered and the sequence gathered over the group; [t, h, dh] in and out.
+    After the all-to-all the group's rows are put in position order (`zigzag_unpack`), so every kernel sees
+    whole samples; a rank left without heads attends nothing."""
+    meta, group = ctx.meta, ctx.group
+    size, heads, kv_heads = ctx.layout.group_size, q.shape[1], k.shape[1]
     if heads % size or kv_heads % size:
         k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     q_split, kv_split = head_split(heads, size), head_split(k.shape[1], size)
-    tokens = Tokens(layout.group_positions, layout.group_segments, whole_samples=layout)
-    out = attend(
-        _scatter_heads(q, q_split, group),
-        _scatter_heads(k, kv_split, group),
-        _scatter_heads(v, kv_split, group),
-        tokens,
-        tokens,
-        scale,
-        ctx.backend,
-    )
-    return _gather_heads(out, q_split, group)
+    q, k, v = (meta.zigzag.unpack(_scatter_heads(x, split, group))
+               for x, split in ((q, q_split), (k, kv_split), (v, kv_split)))
+    out = kernel.causal(q, k, v, meta.natural, scale) if q.shape[1] else no_heads(q, k, v)
+    return _gather_heads(meta.zigzag.pack(out), q_split, group)
+
+
+def no_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The [t, 0, dv] output of a rank with no heads, still a function of q, k, v so that their (empty)
+    gradients flow back through the all-to-alls every rank of the group runs."""
+    return (q[..., :1] + k.sum() + v.sum()).expand(q.shape[0], 0, v.shape[-1]) * 0
 
 
 def _scatter_heads(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""RoPE on the dynamic layout with no host sync: each row's frequencies taken by its true position.
+
+megatron-core's unfused THD RoPE (`rope_utils._apply_rotary_pos_emb_thd`) finds each sample's shard with
+`cu_seqlens.tolist()` and one `.item()` per sample: two host syncs per layer (query and key) and a Python loop
+over samples. A megatron-dhp microbatch already knows every local row's true position (`AttentionMeta.
+positions`, on the device once per microbatch), so its frequencies are one gather, `freqs[positions]`, and
+the rotation megatron's own `_apply_rotary_pos_emb_bshd`: the same values as megatron's slices, bit for bit.
+
+While a megatron-dhp microbatch's attention runs, the module's `cp` group is a `DynamicRopeGroup` (its
+group's size and rank, and the positions); `install` routes megatron-core's `apply_rotary_pos_emb` (as the
+attention and MLA modules imported it) through `apply_rotary_pos_emb` here, which takes this path for such a
+group and leaves everything else, megatron's fused RoPE (TransformerEngine's THD kernel, sync-free) included,
+to the original.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+_MODULES = ("megatron.core.transformer.attention", "megatron.core.transformer.multi_latent_attention")
+_ORIGINAL = rope_utils.apply_rotary_pos_emb
+
+
+@dataclass(frozen=True)
+class DynamicRopeGroup:
+    """What megatron's RoPE asks of a CP group (`size()`, `rank()`), for a microbatch's dynamic group (None: one
+    rank), with the true position of each local row."""
+
+    group: object | None
+    positions: torch.Tensor
+
+    def size(self) -> int:  # noqa: D102
+        return 1 if self.group is None else self.group.size()
+
+    def rank(self) -> int:  # noqa: D102
+        return 0 if self.group is None else self.group.rank()
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,
+                         mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """megatron-core's `apply_rotary_pos_emb`; for a THD microbatch of megatron-dhp's (unfused) by position."""
+    if isinstance(cp_group, DynamicRopeGroup) and cu_seqlens is not None and not config.apply_rope_fusion:
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[cp_group.positions], rotary_interleaved=config.rotary_interleaved,
+            multi_latent_attention=config.multi_latent_attention, mscale=mscale,
+        ).squeeze(1)
+    return _ORIGINAL(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+
+
+def install() -> None:
+    """Route megatron-core's attention modules' RoPE through `apply_rotary_pos_emb` (idempotent)."""
+    for name in _MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "apply_rotary_pos_emb", None) is _ORIGINAL:
+            module.apply_rotary_pos_emb = apply_rotary_pos_emb

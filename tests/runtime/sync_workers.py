@@ -1,0 +1,68 @@
+"""What the host-sync test runs on every spawned gloo rank: each variant's layer under `NoHostSync`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_dhp.runtime.attention import flex
+from megatron_dhp.runtime.attention.comm import PeerRing
+from megatron_dhp.runtime.attention.context import CPContext
+from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
+from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.testing.host_sync import HostSyncError, NoHostSync, OpCount, opaque
+
+COMMS = ("allgather", "ring", "ulysses", "p2p")
+
+
+def _layer(ctx: CPContext, heads: int, kv_heads: int, dim: int, backward: bool) -> None:
+    t = ctx.layout.num_slots
+    q, k, v = (torch.randn(t, n, dim, requires_grad=backward) for n in (heads, kv_heads, kv_heads))
+    out = dynamic_cp_attention(q, k, v, ctx, dim ** -0.5)
+    if backward:
+        out.backward(torch.ones_like(out))
+
+
+def layers_without_host_sync(lengths: tuple[int, ...], many: tuple[int, ...]) -> dict:
+    """Per (group size, comm, backend): None, or the first host-syncing operation of two layers' forward and
+    backward (the CPU's `auto`) or forward (`flex`); and per (group size, comm): the operators one flex layer
+    issues on `lengths[:1]`-sized one sample and on `many` samples of the same total."""
+    warnings.filterwarnings("ignore")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex._flex = lambda cuda: opaque(flex_attention)  # torch compiles flex's eager path, which no mode may watch
+    dist.init_process_group("gloo")
+    groups = {d: dist.new_group(list(range(d))) for d in (2, 3, 4)}
+    rank, out = dist.get_rank(), {}
+    for d in (1, 2, 3, 4):
+        if rank >= d:
+            continue
+        for comm in COMMS if d > 1 else ("allgather",):
+            group = None if d == 1 else PeerRing(tuple(range(d)), rank, None) if comm == "p2p" else groups[d]
+
+            def ctx(sample_lengths, backend, group=group, comm=comm, d=d):
+                layout = MicrobatchLayout(tuple(range(len(sample_lengths))), sample_lengths, d, rank)
+                return CPContext(layout, group, comm, backend)  # built outside the layer: once per microbatch
+
+            for backend, backward in (("auto", True), ("flex", False)):
+                c = ctx(lengths, backend)
+                try:
+                    with torch.set_grad_enabled(backward), NoHostSync():
+                        for _ in range(2):
+                            _layer(c, 4, 2, 16, backward)
+                    out[d, comm, backend] = None
+                except HostSyncError as e:
+                    out[d, comm, backend] = str(e)
+            counts = []
+            for sample_lengths in ((sum(many),), many):
+                c = ctx(sample_lengths, "flex")
+                with torch.no_grad():
+                    _layer(c, 4, 2, 16, False)  # the first layer builds the microbatch's block masks
+                    with OpCount() as ops:
+                        _layer(c, 4, 2, 16, False)
+                counts.append(ops.total)
+            out[d, comm, "ops"] = tuple(counts)
+    dist.destroy_process_group()
+    return out
