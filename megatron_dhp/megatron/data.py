@@ -128,7 +128,7 @@ def _share_over_model_parallel(found: list[Sequence] | None, runtime: DhpRuntime
     """The reading rank's sequences on every rank of its model-parallel group (one header, lengths and rows)."""
     if runtime.share_group is None:
         return found
-    device = runtime.domain.device
+    device = runtime.domain.device if dist.get_backend(runtime.share_group) == "nccl" else torch.device("cpu")
     header = torch.tensor([-1 if found is None else len(found)], dtype=torch.int64, device=device)
     dist.broadcast(header, runtime.share_source, group=runtime.share_group)
     count = int(header)

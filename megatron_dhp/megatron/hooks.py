@@ -22,7 +22,7 @@ from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_e
 from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
-from megatron_dhp.runtime.domain import DynamicDomain
+from megatron_dhp.runtime.domain import DynamicDomain, host_groups
 from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slots import slot_rules
@@ -73,7 +73,7 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         check_pipeline(domain)
     policy, cost = job_cost(config, domain)
     cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages, virtual)
-    share_group, share_source = _loader_sharing()
+    share_group, share_source = _loader_sharing(domain)
     aligned, equal_rows = slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                      getattr(args, "moe_token_dispatcher_type", None),
                                      fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)))
@@ -109,16 +109,23 @@ def _flat(iterators: tuple) -> list:
     return out
 
 
-def _loader_sharing() -> tuple[dist.ProcessGroup | None, int]:
-    """The model-parallel group (None when it is this rank alone) and the global rank in it that reads the
-    loader, tensor-parallel rank 0 of the first pipeline stage. Collective over the model-parallel group."""
+def _loader_sharing(domain: DynamicDomain) -> tuple[dist.ProcessGroup | None, int]:
+    """The model-parallel group (None when it is this rank alone; its gloo twin when the domain has a host
+    control plane, since the shared samples are read on the host) and the global rank in it that reads the
+    loader, tensor-parallel rank 0 of the first pipeline stage. Collective over the world."""
     group = parallel_state.get_model_parallel_group()
     if group.size() == 1:
         return None, dist.get_rank()
     coordinates: list[tuple[int, int] | None] = [None] * group.size()
     me = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
     dist.all_gather_object(coordinates, me, group=group)
-    return group, dist.get_process_group_ranks(group)[coordinates.index((0, 0))]
+    ranks = tuple(dist.get_process_group_ranks(group))
+    source = ranks[coordinates.index((0, 0))]
+    if domain.control is not None:
+        every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, ranks)
+        group = host_groups(sorted(set(every)), domain.timeout)[ranks]
+    return group, source
 
 
 def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token_cap: int, stages: int,

@@ -11,7 +11,9 @@ A step
 
 then moves its tokens (`dispatch.move_tokens`) and images (`vision.move_images`) with `all_to_all_rows`.
 `engine.StepEngine` runs them in order for every entry point. A plan whose world size differs from the
-domain is rejected (`check_world`) before any collective.
+domain is rejected (`check_world`) before any collective. All of them but the image move are read on the host,
+so they run on the domain's control plane (`DynamicDomain.control_plane`: gloo beside an NCCL job), where a
+result read on the host never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -82,11 +84,12 @@ def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain,
     head = torch.full((1 + REPORT_WIDTH,), float("nan"), dtype=torch.float64)
     head[0] = mine.shape[0]
     head[1 : 1 + len(report)] = torch.tensor(list(report), dtype=torch.float64)
-    heads = _all_gather(head, domain.group, domain.size, domain.device).view(domain.size, -1)
+    group, device = domain.control_plane()
+    heads = _all_gather(head, group, domain.size, device).view(domain.size, -1)
     counts = [int(c) for c in heads[:, 0].tolist()]
     padded = torch.zeros(max(max(counts), 1), width, dtype=torch.int64)
     padded[: mine.shape[0]] = mine
-    gathered = _all_gather(padded, domain.group, domain.size, domain.device).view(domain.size, -1, width)
+    gathered = _all_gather(padded, group, domain.size, device).view(domain.size, -1, width)
     reports = tuple(tuple(row) for row in heads[:, 1:].tolist())
     return [gathered[position, :count].tolist() for position, count in enumerate(counts)], reports
 
@@ -112,7 +115,8 @@ def check_plan(plan: Plan, gathered: GatheredBatch, domain: DynamicDomain) -> No
     fingerprint = plan.fingerprint()
     mine = torch.tensor([_signed64(fingerprint), int(problem is not None)], dtype=torch.int64)
     world = dist.get_world_size()
-    table = _all_gather(mine, None, world, domain.device).view(world, 2).tolist()
+    group, device = domain.control_plane(world=True)
+    table = _all_gather(mine, group, world, device).view(world, 2).tolist()
     me = dist.get_rank()
     if problem is not None:
         raise DhpError(f"rank {me} (domain position {domain.position}) rejects the plan: {problem}")
@@ -178,27 +182,30 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, dev
     return out.cpu()
 
 
-def all_to_all_rows(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], domain: DynamicDomain) -> torch.Tensor:
+def all_to_all_rows(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], domain: DynamicDomain, *,
+                    on_host: bool = False) -> torch.Tensor:
     """One all-to-all over the domain: `send_rows[d]` rows of `send` (rows of any equal shape) to position d,
-    in order; `recv_rows[s]` rows from each source s, grouped by source, on the domain's device. Collective."""
+    in order; `recv_rows[s]` rows from each source s, grouped by source, on the domain's device (`on_host`: on
+    the control plane, `DynamicDomain.control_plane`, for rows the host reads). Collective."""
     tail = send.shape[1:]
     width = int(tail.numel())
-    device = domain.device
+    group, device = domain.control_plane() if on_host else (domain.group, domain.device)
     out = torch.empty(sum(recv_rows) * width, dtype=send.dtype, device=device)
     dist.all_to_all_single(
-        out, send.reshape(-1).to(device), [n * width for n in recv_rows], [n * width for n in send_rows], group=domain.group
+        out, send.reshape(-1).to(device), [n * width for n in recv_rows], [n * width for n in send_rows], group=group
     )
     return out.view(-1, *tail)
 
 
 def _broadcast_bytes(data: bytes | None, domain: DynamicDomain) -> bytes:
     """`data` of rank `PLANNING_RANK` on every rank of the world (None elsewhere): its length, then its bytes."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=domain.device)
+    device = domain.control_plane(world=True)[1]
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
     _broadcast(size, domain)
     if data is None:
-        buffer = torch.empty(int(size), dtype=torch.uint8, device=domain.device)
+        buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
     else:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(domain.device)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     _broadcast(buffer, domain)
     return buffer.cpu().numpy().tobytes()
 
@@ -207,7 +214,8 @@ def _broadcast(x: torch.Tensor, domain: DynamicDomain) -> None:
     """Broadcast from `PLANNING_RANK` over the world, waiting at most the domain's timeout: the other ranks
     wait here while it solves, so a planner slower than the timeout stops them with a message saying so."""
     try:
-        dist.broadcast(x, src=PLANNING_RANK, async_op=True).wait(timeout=domain.timeout)
+        group = domain.control_plane(world=True)[0]
+        dist.broadcast(x, src=PLANNING_RANK, group=group, async_op=True).wait(timeout=domain.timeout)
     except RuntimeError as e:
         raise DhpError(
             f"rank {dist.get_rank()} got no plan from rank {PLANNING_RANK} ({e}): rank {PLANNING_RANK} stopped (see "

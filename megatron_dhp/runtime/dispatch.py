@@ -55,7 +55,7 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     )
     real = torch.cat([layout.real() for layout, _, _ in mine] or [torch.empty(0, dtype=torch.bool)])
     recv_counts = torch.bincount(sources[real], minlength=domain.size).tolist()
-    received = all_to_all_rows(send, send_rows, recv_counts, domain).cpu()
+    received = all_to_all_rows(send, send_rows, recv_counts, domain, on_host=True).cpu()
 
     # received rows come grouped by source rank, each group in this rank's slot order; padding slots stay 0
     real_slots = torch.nonzero(real).view(-1)

@@ -214,9 +214,10 @@ class Trainer:
                 loss_tokens: int, groups_p2p: int) -> StepRecord:
         """Sum the losses over the last stage's domain, take the slowest rank's times over the world. Collective."""
         world = dist.get_world_size()
-        local = torch.tensor(mine, dtype=torch.float64, device=self.domain.device)
+        group, device = self.domain.control_plane(world=True)  # read on the host: gloo beside NCCL
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
         table = local.new_empty(world * local.numel())
-        all_gather_single(table, local)
+        all_gather_single(table, local, group=group)
         table = table.view(world, -1).cpu()
         ours = table[list(self.loss_ranks)]
         times = table[:, 2:].max(dim=0).values.tolist()

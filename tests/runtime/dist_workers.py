@@ -9,13 +9,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from datetime import timedelta
+from unittest import mock
 
+import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.runtime import collectives
 from megatron_dhp.runtime.distributed import init_distributed
+from megatron_dhp.runtime.domain import ControlPlane, host_groups
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
@@ -202,3 +206,47 @@ def init_distributed_leaves_megatron_core_alone() -> dict:
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"before": before, "after": marks(), "error": error}
+
+
+class _GivenPlan:
+    """A plan source that hands rank 0 a fixed plan, so the step broadcasts it."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def plan(self, batch: Batch) -> Plan:
+        return self._plan
+
+    def prefetch(self, batch: Batch) -> None:
+        pass
+
+
+def control_plane_checks() -> dict:
+    """4 ranks: one step's gather, plan broadcast, plan check and token move on host twins of the domain and
+    the world (`ControlPlane`), against the same step without: the same microbatches, and every control
+    collective on a control group."""
+    start_cpu_rank(tensor_parallel=1)
+    check = SelfCheck(seed=5)
+    samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
+    plan = plans_of_four()["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"]
+    local = local_slice(samples, check.domain.position, 4)
+    twins = host_groups(check.domain.all_domains, check.domain.timeout)
+    control = ControlPlane(twins[check.domain.global_ranks], dist.new_group(backend="gloo"))
+    names = {id(control.domain): "domain", id(control.world): "world"}
+    used: list[str] = []
+
+    def recorded(fn):
+        def call(*args, group=None, **kwargs):
+            used.append(names.get(id(group), f"other {group}"))
+            return fn(*args, group=group, **kwargs)
+        return call
+
+    plain = dispatch(local, check.domain, planner=_GivenPlan(plan))
+    with mock.patch.object(collectives, "all_gather_single", recorded(collectives.all_gather_single)), \
+            mock.patch.object(dist, "broadcast", recorded(dist.broadcast)), \
+            mock.patch.object(dist, "all_to_all_single", recorded(dist.all_to_all_single)):
+        hosted = dispatch(local, replace(check.domain, control=control), planner=_GivenPlan(plan))
+    same = all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+               and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(plain.microbatches, hosted.microbatches))
+    dist.destroy_process_group()
+    return {"same": same and len(plain.microbatches) == len(hosted.microbatches), "used": used}

@@ -146,3 +146,14 @@ def test_init_distributed_does_not_switch_the_cpu_shim_on():
     (result,) = launch(dist_workers.init_distributed_leaves_megatron_core_alone, 1, timeout_s=200)
     unpatched = {"applied": False, "current_device": "torch.cuda", "literals_redirected": False}
     assert result["before"] == unpatched and result["after"] == unpatched, result
+
+
+def test_the_control_plane_carries_every_host_read_collective_and_changes_nothing():
+    """On NCCL each step's gather, plan broadcast, plan check and token move run on host (gloo) twins of the
+    domain and the world, so reading their results waits for no GPU: here on gloo twins of a gloo job, the
+    same microbatches, and every one of those collectives on a twin (the two row gathers and the token move on
+    the domain's, the two plan broadcasts and the check on the world's)."""
+    results = launch(dist_workers.control_plane_checks, 4, timeout_s=300)
+    for rank in results:
+        assert rank["same"], rank
+        assert Counter(rank["used"]) == {"domain": 3, "world": 3}, rank["used"]
