@@ -43,7 +43,7 @@ setup(
     extras_require={
         "megatron": MEGATRON_LM,
         "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", *MEGATRON_LM],
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],  # 2.1: bottom-right causal masks
     },
     entry_points={"console_scripts": ["megatron-dhp=megatron_dhp.cli:main"]},
 )
