@@ -33,7 +33,7 @@ import torch
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.math import merge_partials
 from megatron_dhp.runtime.host import to_device
-from megatron_dhp.runtime.layout import padded_length, zigzag_positions
+from megatron_dhp.runtime.layout import padded_length
 
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 """The kernel sources (present in a source checkout, which the JIT build needs)."""
@@ -141,14 +141,23 @@ class _Zigzag:
         return sum(self.local_lengths)
 
     def sources(self) -> torch.Tensor:
-        """The whole-tensor row each shard row holds, -1 for padding: the torch path's index."""
-        starts = list(itertools.accumulate(self.lengths, initial=0))
-        parts = [torch.empty(0, dtype=torch.int64)]
-        for r in self.ranks:
-            for start, n in zip(starts, self.lengths):
-                pos = zigzag_positions(n, self.group_size, r)
-                parts.append(torch.where(pos < n, pos + start, -1))
-        return torch.cat(parts)
+        """The whole-tensor row each shard row holds, -1 for padding: the torch path's index (vectorised: each
+        rank holds two runs of positions per sample, chunk r and chunk 2d-1-r)."""
+        lengths = torch.tensor(self.lengths, dtype=torch.int64)
+        starts = torch.cumsum(lengths, 0) - lengths
+        if self.group_size == 1:
+            return torch.arange(int(lengths.sum())).repeat(len(self.ranks))
+        d, ranks = self.group_size, torch.tensor(list(self.ranks), dtype=torch.int64)[:, None]
+        chunk = torch.tensor(self.local_lengths, dtype=torch.int64)[None, :] // 2
+        first = torch.stack((ranks * chunk, (2 * d - 1 - ranks) * chunk), dim=-1).reshape(-1)  # rank, sample, run
+        runs = chunk.expand(len(ranks), -1).repeat_interleave(2, dim=1).reshape(-1)
+
+        def per_row(x: torch.Tensor) -> torch.Tensor:
+            return torch.repeat_interleave(x.expand(len(ranks), -1).repeat_interleave(2, dim=1).reshape(-1), runs)
+
+        offsets = torch.cumsum(runs, 0) - runs
+        positions = torch.arange(int(runs.sum())) + torch.repeat_interleave(first - offsets, runs)
+        return torch.where(positions < per_row(lengths[None, :]), positions + per_row(starts[None, :]), -1)
 
     def kernel_args(self) -> tuple[int, int, int, int]:
         """(group size, first rank, ranks, rows per rank) as the kernels take them after the tables."""
