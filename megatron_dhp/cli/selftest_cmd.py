@@ -195,12 +195,14 @@ def worker(options: SelftestOptions) -> int:
     import warnings
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
     from megatron_dhp.plan.plan import Plan
+    from megatron_dhp.runtime.attention.kernels import describe
     from megatron_dhp.runtime.distributed import init_distributed
     from megatron_dhp.solver.random_plan import random_plan
     from megatron_dhp.testing.cpu_compat import apply_cpu_compat
@@ -247,7 +249,8 @@ def worker(options: SelftestOptions) -> int:
             mtp = f", MTP {options.mtp_layers}" if options.mtp_layers else ""
             mtp += ", MLA (Q/K 16 + 8 RoPE, V 12, latents 32 / 24)" if options.model == "mla" else ""
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
-                  f"{sp}{pp}{moe}{mtp}, domain of {n}, tolerance {TOLERANCE:g}", flush=True)
+                  f"{sp}{pp}{moe}{mtp}, domain of {n}, tolerance {TOLERANCE:g}, "
+                  f"{describe(options.attention, check.domain.device, (torch.float32,))}", flush=True)
             family = check.policy("mixed").family
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
         rng = random.Random(options.seed)

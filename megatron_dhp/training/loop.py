@@ -28,6 +28,7 @@ from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan, rank_speeds_text
 from megatron_dhp.runtime.attention.comm import all_gather_single
+from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.layer_spec import seq_multiple
@@ -145,7 +146,7 @@ class Trainer:
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
                 f"{self.longest} (static CP {self.static_cp}) | {self.runtime.policy.summary()} | "
-                f"from step {self.completed + 1} of {c.train.steps}")
+                f"{describe(c.dhp.attention_backend, self.domain.device)} | from step {self.completed + 1} of {c.train.steps}")
 
     def resume(self, directory: str) -> int:
         """Load the latest checkpoint of `directory` into this rank; returns the steps it had completed."""
