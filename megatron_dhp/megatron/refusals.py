@@ -142,6 +142,18 @@ REFUSALS: tuple[Refusal, ...] = (
             "--cp-comm-type {value} with layer_spec te",
             "TransformerEngine runs packed (THD) sequences with `p2p` or `all_gather` only",
             "set `--cp-comm-type p2p` or `all_gather`"),
+    Refusal("fp8 (`--fp8-format`)",
+            lambda a, c: getattr(a, "fp8", None),
+            "--fp8-format {value} with --dhp",
+            "TransformerEngine's fp8 GEMMs need every rank's token rows in a multiple of 8 or 16, and a dynamic "
+            "microbatch holds any count (most ranks' rows of a plan are not)",
+            "train in bf16 (drop `--fp8-format`)"),
+    Refusal("`--tp-comm-overlap`",
+            lambda a, c: getattr(a, "tp_comm_overlap", False),
+            "--tp-comm-overlap with --dhp",
+            "TransformerEngine's userbuffers are sized once from `--seq-length` x `--micro-batch-size`, and a "
+            "dynamic microbatch has other row counts every step",
+            "drop `--tp-comm-overlap`"),
     Refusal("`layer_spec: te` with `--dhp-comm`",
             lambda a, c: c.layer_spec == "te" and a.dhp_comm,
             "--dhp-comm {value} with layer_spec te",

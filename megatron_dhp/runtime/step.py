@@ -185,12 +185,7 @@ def run_step(
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)
         return work.result(inputs, computed=parallel_state.is_pipeline_last_stage())
-    # A MoE router's load-balancing loss and multi-token prediction's loss (sums over a microbatch's tokens
-    # under per-token loss) are divided by the same global loss-token count as the main loss.
-    device = next(chunks[0].parameters()).device  # megatron-core multiplies it with device tensors in backward
-    per_token = torch.full((1,), 1.0 / inputs.num_loss_tokens, device=device)  # megatron-core's shape
-    MoEAuxLossAutoScaler.set_loss_scale(per_token)
-    MTPLossAutoScaler.set_loss_scale(per_token)
+    scale_aux_losses(inputs.num_loss_tokens, next(chunks[0].parameters()).device)
     if inputs.vision is None:
         work = _LossSum(model, inputs.num_loss_tokens)
         engine.run(inputs, work)
@@ -199,6 +194,21 @@ def run_step(
     if grad_sync and hasattr(model, "finish_grad_sync"):
         reduce_gradients(model)
     return work.result(inputs)
+
+
+def scale_aux_losses(global_loss_tokens: int, device: torch.device) -> None:
+    """Divide a MoE router's load-balancing loss and multi-token prediction's loss (sums over a microbatch's
+    tokens under per-token loss) by the global loss-token count, as the main loss. The scale lives on the
+    model's device: megatron-core multiplies it with the loss's gradient in backward, and a 1-D tensor on
+    another device is refused there. (MoE's `set_loss_scale` copies into the scale it already holds, whatever
+    its device, so a scale elsewhere is replaced, not copied into.)"""
+    scale = torch.full((1,), 1.0 / global_loss_tokens, device=device)  # megatron-core's shape
+    for scaler in (MoEAuxLossAutoScaler, MTPLossAutoScaler):
+        held = scaler.main_loss_backward_scale
+        if held is not None and held.device == scale.device and held.shape == scale.shape:
+            held.copy_(scale)
+        else:
+            scaler.main_loss_backward_scale = scale
 
 
 def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> _LossSum:

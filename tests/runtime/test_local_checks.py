@@ -116,3 +116,22 @@ def test_the_start_up_note_says_whether_nccl_groups_share_resources(monkeypatch)
     fake.group.WORLD.bound_device_id = "cuda:0"
     monkeypatch.setenv(group_pool.SHARE_RESOURCES, "1")
     assert group_pool.nccl_sharing() == "NCCL: groups split from the default communicator, sharing its resources"
+
+
+def test_aux_loss_scales_sit_on_the_models_device():
+    """megatron-core's MoE and MTP scalers multiply their scale with the loss's gradient in backward; a 1-D scale
+    on another device is refused there (the CPU one before a GPU model: shown here with a `meta` model)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from megatron_dhp.runtime.step import scale_aux_losses
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1)  # a scale left on the host by an earlier step
+    scale_aux_losses(4, torch.device("meta"))
+    for scaler in (MoEAuxLossAutoScaler, MTPLossAutoScaler):
+        assert scaler.main_loss_backward_scale.device.type == "meta"
+    out = torch.empty(3, device="meta", requires_grad=True)
+    aux = torch.empty((), device="meta", requires_grad=True)
+    MoEAuxLossAutoScaler.apply(out, aux).sum().backward()  # raises with a scale on another device
+    assert aux.grad is not None and aux.grad.device.type == "meta"
+    scale_aux_losses(4, torch.device("cpu"))
