@@ -35,6 +35,9 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # logged with their estimated memory); NCCL children split from a parent share its buffers with this set
 # before the first communicator (torch splits new groups from a default group bound to a device).
 export NCCL_COMM_SPLIT_SHARE_RESOURCES="${NCCL_COMM_SPLIT_SHARE_RESOURCES:-1}"
+# Every step has new token counts per rank and microbatch: expandable segments keep the caching allocator
+# from fragmenting under those varying shapes.
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 DISTRIBUTED_ARGS=(
   --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"

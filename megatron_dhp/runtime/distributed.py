@@ -30,6 +30,9 @@ def init_distributed(
     bound = {}
     if backend == "nccl":  # new groups split from the default one and share its buffers (`group_pool.nccl_sharing`)
         os.environ.setdefault(SHARE_RESOURCES, "1")
+        # every step has new token counts per microbatch: segments that grow keep the allocator from fragmenting
+        # (read when CUDA's allocator starts, so before the first CUDA call; a user's setting wins)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(bound["device_id"])
     dist.init_process_group(backend=backend, timeout=timeout, **bound, **attempt_store(timeout))

@@ -72,3 +72,16 @@ def test_apply_patches_script_calls_the_command(tmp_path):
     out = subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(tmp_path), "--check"], capture_output=True,
                          text=True, env=env)
     assert out.returncode == 2 and "is not a Megatron-LM checkout" in out.stderr
+
+
+def test_launch_script_and_nccl_ranks_grow_allocator_segments():
+    """Every step has new token counts per microbatch: the caching allocator gets expandable segments (a
+    user's own setting wins), in the launch script and in every NCCL rank megatron-dhp starts."""
+    script = (REPO / "scripts" / "pretrain_gpt_dhp.sh").read_text()
+    assert 'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in script
+    import inspect
+
+    from megatron_dhp.runtime import distributed
+
+    assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in inspect.getsource(
+        distributed.init_distributed)
