@@ -20,6 +20,7 @@ from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
+from megatron_dhp.runtime.fused import kernels_status
 from megatron_dhp.runtime.group_pool import GroupPool, nccl_sharing
 from megatron_dhp.runtime.slot_timer import SlotTimer
 
@@ -38,6 +39,8 @@ class StepRuntime:
     pool: GroupPool
     pipeline_stages: int = 1
     """P: the planner plans 1F1B slots and the engines run megatron-core's 1F1B when > 1."""
+    kernels: str = ""
+    """Which copy kernels the steps run (`fused.kernels_status`, loaded at start-up)."""
 
     def engine(self, *, source: SampleSource | None = None, lookahead: bool = False, seq_multiple: int = 1,
                aligned_slots: bool = False, equal_rows: bool = False) -> StepEngine:
@@ -71,11 +74,12 @@ def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPol
     Rank 0 logs the policy's one line."""
     planner = JobPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages,
                          virtual_stages=virtual_stages)
+    kernels = kernels_status(domain.device)  # every rank: a JIT build now, not in the first forward
     pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())
-        logger.info("dhp: %s", describe(config.attention_backend, domain.device))
+        logger.info("dhp: %s; %s", describe(config.attention_backend, domain.device), kernels)
         sharing = nccl_sharing()
         if sharing is not None and policy.startup_groups:
             logger.info("dhp: %s", sharing)
-    return StepRuntime(config, domain, policy, cost, planner, pool, pipeline_stages)
+    return StepRuntime(config, domain, policy, cost, planner, pool, pipeline_stages, kernels)

@@ -7,7 +7,7 @@
 - `lse_merge`: `attention.math.merge_partials` as one kernel (and one for its backward).
 
 A call takes the kernels when its tensor is on a CUDA device and they are available: built by torch's JIT
-extension loader on first use (cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`),
+extension loader at a job's start-up (`kernels_status`) or on first use (cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`),
 or loaded from the library `scripts/build_csrc.sh` builds when `MEGATRON_DHP_CSRC` names it;
 `MEGATRON_DHP_CSRC=0` turns them off, and a failed build warns once and falls back. Everything else, CPU
 tensors above all, takes the torch path; nothing is compiled or loaded at import. Copies are bit-identical
@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -211,6 +212,18 @@ def _as_index(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if index.dim() != 1 or x.dim() < 1:
         raise DhpError(f"need a 1-D index into the rows of x, got index {tuple(index.shape)}, x {tuple(x.shape)}")
     return index.to(device=x.device, dtype=torch.int64)
+
+
+def kernels_status(device: torch.device) -> str:
+    """Load (or build) the kernels now for `device` and say which copy kernels its steps run: called at start-up,
+    so a JIT build does not stall the first forward and its outcome is on the start-up line."""
+    if device.type != "cuda":
+        return "copy kernels: torch (not a CUDA device)"
+    start = time.perf_counter()
+    if _load_kernels() is None:
+        return "copy kernels: torch (the csrc kernels did not build or load; see the warning)"
+    source = os.environ.get("MEGATRON_DHP_CSRC") or "JIT-built"
+    return f"copy kernels: csrc ({source}, {time.perf_counter() - start:.1f} s)"
 
 
 def _kernels(t: torch.Tensor) -> Any | None:

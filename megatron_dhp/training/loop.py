@@ -146,7 +146,8 @@ class Trainer:
                 f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
                 f"{self.longest} (static CP {self.static_cp}) | {self.runtime.policy.summary()} | "
-                f"{describe(c.dhp.attention_backend, self.domain.device)} | from step {self.completed + 1} of {c.train.steps}")
+                f"{describe(c.dhp.attention_backend, self.domain.device)}, {self.runtime.kernels} | "
+                f"from step {self.completed + 1} of {c.train.steps}")
 
     def resume(self, directory: str) -> int:
         """Load the latest checkpoint of `directory` into this rank; returns the steps it had completed."""
