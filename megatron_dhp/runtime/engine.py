@@ -60,7 +60,13 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.pipeline import run_1f1b
 from megatron_dhp.runtime.slot_timer import SlotTimer
-from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_rows, pipeline_work, work_items
+from megatron_dhp.runtime.slots import (
+    PHASE_BARRIER,
+    aligned_slot_rows,
+    last_backward_shared,
+    pipeline_work,
+    work_items,
+)
 from megatron_dhp.runtime.step_data import GatheredBatch, MicrobatchInputs, StepInputs, TokenSample
 from megatron_dhp.runtime.vision import move_images
 from megatron_dhp.workload.sample import Batch
@@ -246,15 +252,19 @@ class StepEngine:
 
     def pipeline_slots(self, inputs: StepInputs) -> list[Slot]:
         """This position's 1F1B slots of a prepared step (`slots.pipeline_work`), each with its group's context."""
-        work = pipeline_work(inputs, self.domain.position, aligned=self.aligned_slots)
+        # 1F1B starts the reduction at each position's last backward: equal slot counts make every position's
+        # last slot idle or its group's last on every member (`slots.last_backward_shared`)
+        aligned = self.aligned_slots or not last_backward_shared(inputs.plan, pipelined=True)
+        work = pipeline_work(inputs, self.domain.position, aligned=aligned)
         return [self.slot(mb, index, len(work)) for index, mb in enumerate(work)]
 
     def walk(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> None:
         """Walk this rank's work list of the step: barriers over the domain, each slot's forward and backward.
 
-        With `overlap` the reduction starts during the last backward, unless the plan has phase barriers:
-        a reduction must not start before a barrier on the same ranks and every rank must issue the buckets
-        in one order, so then all ranks start it after their last barrier. Without it the caller reduces.
+        With `overlap` the reduction starts during the last backward, unless the plan has phase barriers (a
+        reduction must not start before a barrier on the same ranks and every rank must issue the buckets in one
+        order, so then all ranks start it after their last barrier) or some rank's last backward is not its
+        group's last on every member (`slots.last_backward_shared`): then too every rank starts it after its walk. Without it the caller reduces.
         """
         items = work_items(inputs, self.domain.position, aligned=self.aligned_slots)
         count = sum(item is not PHASE_BARRIER for item in items)
@@ -273,8 +283,10 @@ class StepEngine:
             index += 1
 
         # A variant on the domain's communicator shares it with the gradient reduction (Megatron's DP group):
-        # NCCL needs every rank to issue both in one order, so the reduction waits for the walk, as after a barrier.
-        deferred = inputs.plan.phase_barrier or self.policy.any_group
+        # NCCL needs every rank to issue both in one order, so the reduction waits for the walk, as after a barrier;
+        # so it does when a rank's last backward is not its group peers' last (`slots.last_backward_shared`).
+        deferred = (inputs.plan.phase_barrier or self.policy.any_group
+                    or not last_backward_shared(inputs.plan, aligned=self.aligned_slots))
         with (overlap.no_sync if overlap is not None else contextlib.nullcontext)():
             for item in items if deferred else items[:-1]:
                 visit(item)

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from megatron_dhp.plan.pipeline import pipeline_slots
+from megatron_dhp.plan.pipeline import SlotRef, pipeline_slots
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.layout import MicrobatchLayout, SlotRows
 from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
@@ -66,6 +66,46 @@ def work_items(inputs: StepInputs, position: int, *, aligned: bool = False) -> l
         if plan.phase_barrier and phase < plan.num_phases - 1:
             work.append(PHASE_BARRIER)
     return work
+
+
+def last_backward_shared(plan: Plan, *, aligned: bool = False, pipelined: bool = False) -> bool:
+    """Whether every position may start an overlapped gradient reduction in its last slot's backward
+    (megatron DDP's `overlap_grad_reduce`; megatron-core's 1F1B does so at each position's last backward).
+
+    The reduction is a collective over the whole domain. A rank that starts its buckets inside a multi-rank
+    microbatch queues them ahead of that microbatch's remaining attention kernels; if a peer of the group has
+    slots after it, the peer reaches the buckets only after those, so the group waits on the bucket and the
+    bucket on the group (with one hardware queue, `CUDA_DEVICE_MAX_CONNECTIONS=1`, a deadlock gloo cannot
+    show). Safe when each position's last slot is idle, of a group of one, or the last slot of every member
+    of its group. From the plan alone: the same answer on every rank. `pipelined`: the 1F1B slot lists
+    (`plan.pipeline.pipeline_slots`) instead of the walk's; `aligned`: with the aligned slots' padding (which
+    always keeps the rule: every position's last slot is then at one index, idle or its group's last)."""
+    if pipelined:
+        rows = pipeline_slots(plan)
+        if aligned:
+            rows = [row + [None] * (max(map(len, rows)) - len(row)) for row in rows]
+    else:
+        rows = _walk_slots(plan, aligned)
+    lasts = [row[-1] if row else None for row in rows]
+    for last in lasts:
+        if last is not None and plan.groups[last.group].size > 1:
+            if any(lasts[r] != last for r in plan.groups[last.group].ranks):
+                return False
+    return True
+
+
+def _walk_slots(plan: Plan, aligned: bool) -> list[list[SlotRef | None]]:
+    """Each position's slots of the walk as `SlotRef`s (None: an idle slot of aligned padding)."""
+    counts = aligned_slot_counts(plan) if aligned else None
+    rows: list[list[SlotRef | None]] = []
+    for position in range(plan.world_size):
+        row: list[SlotRef | None] = []
+        for phase in range(plan.num_phases):
+            mine = [SlotRef(plan.groups.index(g), k) for g in plan.groups_of_rank(position) if g.phase == phase
+                    for k in range(len(g.microbatches))]
+            row += mine + ([None] * (counts[phase] - len(mine)) if counts is not None else [])
+        rows.append(row)
+    return rows
 
 
 def slot_rules(expert_parallel: int, dispatcher: str | None, *, fully_sharded: bool = False) -> tuple[bool, bool]:

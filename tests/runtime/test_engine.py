@@ -101,3 +101,61 @@ def test_p2p_slot_gets_a_peer_ring_on_the_domain_and_never_asks_the_pool():
         StepEngine(domain, GroupPool(domain)).slot(mb, 0, 1)
     with pytest.raises(DhpError, match="lacks the comm policy's start-up groups"):
         StepEngine(domain, GroupPool(domain), policy=CommPolicy.resolve("mixed", world_size=4, gpus_per_node=4))
+
+
+class _Group:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _peer_has_more_after_the_shared_microbatch() -> StepInputs:
+    """Position 0's last (and only) microbatch is in the group {0, 1}; position 1 runs one more after it."""
+    plan = Plan("t", 2, 2, Batch.from_lengths([4, 4]).samples,
+                (PlanGroup((0, 1), ((0,),)), PlanGroup((0,), (), phase=1), PlanGroup((1,), ((1,),), phase=1)))
+    z = torch.zeros(2, dtype=torch.int64)
+    mb = MicrobatchInputs((0, 1), 0, MicrobatchLayout((0,), (4,), 2, 0), z, z, torch.ones(2), z)
+    return StepInputs(plan, (mb,), 8, 8)
+
+
+def test_a_reduction_overlapping_a_group_a_peer_outlasts_waits_for_the_walk(monkeypatch):
+    """Position 0's last backward is in a group whose other member still has a microbatch after it: starting
+    the overlapped reduction there could queue its buckets ahead of the group's remaining kernels (a deadlock on
+    one hardware queue), so the reduction starts after the walk; the rule is the plan's, the same everywhere."""
+    from megatron_dhp.runtime.slots import last_backward_shared
+
+    inputs = _peer_has_more_after_the_shared_microbatch()
+    assert not last_backward_shared(inputs.plan)
+    assert last_backward_shared(inputs.plan, aligned=True)  # aligned: position 0 ends on an idle slot
+    assert last_backward_shared(_inputs(0, 1).plan)
+    engine = _engine()
+    monkeypatch.setattr(engine.pool, "get", lambda ranks: _Group(len(ranks), 0))
+    work = Recorder()
+    engine.run(inputs, work, overlap=work.overlap())
+    assert work.log == [("F", (0,), 0, 1, True), ("B", 0, True), ("start",)]
+
+
+def test_the_last_backward_rule_over_random_plans_walked_and_pipelined():
+    """selftest's random valid plans break the rule often (a group's rank ends while a peer goes on); under
+    1F1B equal slot counts (aligned) always keep it, which is what the pipelined engine then runs."""
+    import random
+
+    from megatron_dhp.cost.config import Domain
+    from megatron_dhp.runtime.slots import last_backward_shared
+    from megatron_dhp.solver.random_plan import random_plan
+
+    broken = broken_1f1b = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        batch = Batch.from_lengths([rng.randint(1, 60) for _ in range(8)])
+        plan = random_plan(batch, Domain(world_size=4, gpus_per_node=4, max_tokens_per_rank=64), rng)
+        broken += not last_backward_shared(plan)
+        broken_1f1b += not last_backward_shared(plan, pipelined=True)
+        assert last_backward_shared(plan, aligned=True)
+        assert last_backward_shared(plan, aligned=True, pipelined=True)
+    assert broken >= 3 and broken_1f1b >= 3, (broken, broken_1f1b)  # 5 and 4 of 30
