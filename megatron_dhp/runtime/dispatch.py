@@ -34,18 +34,8 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
     rows = torch.cat([torch.empty(0, 3, dtype=torch.int64), *fields])
     first_row = dict(zip((s.id for s in local), itertools.accumulate((s.length for s in local), initial=0)))
 
-    # the send buffer is one gather: per destination, the real rows of each shard it computes from here
-    picks, send_rows = [torch.empty(0, dtype=torch.int64)], []
-    for dest in range(domain.size):
-        count = 0
-        for layout, _, _ in microbatches_of(plan, dest, lengths, seq_multiple, slot_rows):
-            for i, (sid, n) in enumerate(zip(layout.sample_ids, layout.lengths)):
-                if gathered.owners[sid] == me:
-                    held = layout.sample_positions(i)
-                    picks.append(first_row[sid] + held[held < n])
-                    count += picks[-1].numel()
-        send_rows.append(count)
-    send = gather_rows(rows, torch.cat(picks))
+    picks, send_rows = send_order(plan, me, gathered.owners, lengths, first_row, seq_multiple, slot_rows)
+    send = gather_rows(rows, picks)
 
     mine = microbatches_of(plan, me, lengths, seq_multiple, slot_rows)
     owner_of_sample = [gathered.owners[sid] for layout, _, _ in mine for sid in layout.sample_ids]
@@ -69,6 +59,31 @@ def move_tokens(local: Sequence[TokenSample], plan: Plan, gathered: GatheredBatc
         seq_multiple=seq_multiple,
         slot_rows=slot_rows,
     )
+
+
+def send_order(plan: Plan, me: int, owners: dict[int, int], lengths: dict[int, int], first_row: dict[int, int],
+               seq_multiple: int = 1, slot_rows: SlotRows | None = None) -> tuple[torch.Tensor, list[int]]:
+    """The rows of this rank's samples (`first_row`: where each starts in its local rows) in send order, and
+    how many go to each position: per destination, in its slot order, the real rows of each shard it
+    computes from here. Only the microbatches holding one of this rank's samples are laid out (for each
+    member of their group), not every position's: O(own samples x group size), whatever N."""
+    per_dest: list[list[tuple[tuple[int, int], torch.Tensor]]] = [[] for _ in range(plan.world_size)]
+    for group in plan.groups:
+        ranks = tuple(sorted(group.ranks))
+        for k, mb in enumerate(group.microbatches):
+            held_here = [i for i, sid in enumerate(mb) if owners[sid] == me]
+            if not held_here:
+                continue
+            for index, dest in enumerate(ranks):
+                layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), len(ranks), index, seq_multiple)
+                if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
+                    layout = layout.with_rows(slot_rows[group.phase][k])
+                for i in held_here:
+                    positions = layout.sample_positions(i)
+                    per_dest[dest].append(((group.phase, k), first_row[mb[i]] + positions[positions < lengths[mb[i]]]))
+    ordered = [sorted(parts, key=lambda part: part[0]) for parts in per_dest]  # stable: samples keep their order
+    picks = [rows for parts in ordered for _, rows in parts]
+    return torch.cat([torch.empty(0, dtype=torch.int64), *picks]), [sum(r.numel() for _, r in p) for p in ordered]
 
 
 def _pack(mine: list[tuple[MicrobatchLayout, tuple[int, ...], int]], slots: torch.Tensor) -> list[MicrobatchInputs]:
