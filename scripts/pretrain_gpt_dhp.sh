@@ -35,6 +35,9 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # logged with their estimated memory); NCCL children split from a parent share its buffers with this set
 # before the first communicator (torch splits new groups from a default group bound to a device).
 export NCCL_COMM_SPLIT_SHARE_RESOURCES="${NCCL_COMM_SPLIT_SHARE_RESOURCES:-1}"
+# TransformerEngine's p2p context parallelism (layer_spec te) batches each ring step's send and receive, so
+# torch keeps them on the group's communicator instead of opening one per pair of ranks.
+export NVTE_BATCH_MHA_P2P_COMM="${NVTE_BATCH_MHA_P2P_COMM:-1}"
 # Every step has new token counts per rank and microbatch: expandable segments keep the caching allocator
 # from fragmenting under those varying shapes.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

@@ -79,6 +79,7 @@ def test_launch_script_and_nccl_ranks_grow_allocator_segments():
     user's own setting wins), in the launch script and in every NCCL rank megatron-dhp starts."""
     script = (REPO / "scripts" / "pretrain_gpt_dhp.sh").read_text()
     assert 'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in script
+    assert 'export NVTE_BATCH_MHA_P2P_COMM="${NVTE_BATCH_MHA_P2P_COMM:-1}"' in script  # TE p2p on the group's comm
     import inspect
 
     from megatron_dhp.runtime import distributed
