@@ -29,6 +29,9 @@ Sections, each timed, each check ok / fail (with its error and tolerance) / skip
    within 10 % of the measured one on 90 % of the steps after a warm-up.
 6. sharding: megatron-core's torch FSDP2 wrapper (`selftest --fsdp`) on a one-rank NCCL job, loss and every
    gradient against one process.
+7. safety: multi-token prediction on a one-rank NCCL job (its loss scale on the model's device) against one
+   process, and the head-of-line blocking of CUDA_DEVICE_MAX_CONNECTIONS=1 behind the overlapped reduction's
+   rule (recorded).
 
 `--cpu-smoke` runs the attention and train_step sections on the CPU with tiny sizes (sdpa in place of varlen,
 flex forward only, megatron-dhp's `NoHostSync` in place of the sync debug mode, a tiny GPT on a gloo rank),
@@ -57,6 +60,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -1253,6 +1257,46 @@ def sharding_checks(quick: bool) -> list[Check]:
                      loss=result.loss, tokens=result.tokens_computed, batch_tokens=result.batch_tokens)]
 
 
+def safety_checks(quick: bool) -> list[Check]:
+    """What only a GPU shows of a step's safety. Multi-token prediction on one NCCL rank (`selftest --mtp 1`'s
+    check): its loss scale must sit on the model's device, or megatron-core's backward refuses it. And the
+    mechanism behind the overlapped reduction's rule (`slots.last_backward_shared`): with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 a tiny kernel on a second stream must wait for a long one queued before it
+    on the first (head-of-line blocking), measured in a subprocess, since CUDA reads the variable at start-up;
+    recorded, the rule does not depend on it."""
+    from dataclasses import replace as with_fields
+
+    from megatron_dhp.plan.plan import Plan, PlanGroup
+    from megatron_dhp.testing.gpt import TinyGPTConfig
+    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
+    from megatron_dhp.workload.sample import Batch
+
+    batch = Batch.from_lengths([24, 7, 40, 13])
+    ids = [s.id for s in batch.samples]
+    plan = Plan("gpu-check", 1, 1, batch.samples, (PlanGroup((0,), (tuple(ids[:2]), tuple(ids[2:]))),))
+    with one_rank_job():
+        check = SelfCheck(config=with_fields(TinyGPTConfig(), mtp_num_layers=1), seed=0)
+        result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=0), "allgather")
+    checks = [compared("multi-token prediction on one NCCL rank: loss and every gradient against one process",
+                       max(result.max_loss_diff, result.max_grad_diff), TOLERANCE, "max abs difference",
+                       loss=result.loss)]
+    probe = ("import time, torch\n"
+             "a, b = torch.cuda.Stream(), torch.cuda.Stream()\n"
+             "x = torch.zeros(1, device='cuda'); torch.cuda.synchronize()\n"
+             "with torch.cuda.stream(a): torch.cuda._sleep(int(5e8))\n"
+             "start = time.perf_counter()\n"
+             "with torch.cuda.stream(b): x.add_(1)\n"
+             "b.synchronize(); print(time.perf_counter() - start)\n")
+    waits = {}
+    for connections in ("1", "8"):
+        env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": connections}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        waits[connections] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else out.stderr[-300:]
+    checks.append(Check("head-of-line blocking: a second stream's kernel behind a long one (seconds waited)", "ok",
+                        numbers={"CUDA_DEVICE_MAX_CONNECTIONS=1": waits["1"], "CUDA_DEVICE_MAX_CONNECTIONS=8": waits["8"]}))
+    return checks
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 SECTIONS: dict[str, Callable[[Options], list[Check]]] = {
@@ -1262,6 +1306,7 @@ SECTIONS: dict[str, Callable[[Options], list[Check]]] = {
     "calibration": lambda opts: calibration_section(opts.quick),
     "closed_loop": lambda opts: closed_loop_checks(opts.quick),
     "sharding": lambda opts: sharding_checks(opts.quick),
+    "safety": lambda opts: safety_checks(opts.quick),
 }
 SMOKE_SECTIONS = ("attention", "train_step")
 """What `--cpu-smoke` runs on the CPU; the others need CUDA."""

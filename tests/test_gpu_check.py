@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 REPORT_KEYS = {"device", "peak_gb_per_s", "torch", "cuda", "quick", "status", "exit_code", "total_seconds", "sections"}
 SECTION_KEYS = {"name", "status", "seconds", "reason", "checks"}
-SECTIONS = ["attention", "train_step", "kernels", "calibration", "closed_loop", "sharding"]
+SECTIONS = ["attention", "train_step", "kernels", "calibration", "closed_loop", "sharding", "safety"]
 CHECK_KEYS = {"name", "status", "error", "tolerance", "metric", "reason", "numbers"}
 
 
