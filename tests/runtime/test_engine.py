@@ -4,6 +4,7 @@ the group each slot gets (a PeerRing under p2p, the pool's otherwise)."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,17 +104,6 @@ def test_p2p_slot_gets_a_peer_ring_on_the_domain_and_never_asks_the_pool():
         StepEngine(domain, GroupPool(domain), policy=CommPolicy.resolve("mixed", world_size=4, gpus_per_node=4))
 
 
-class _Group:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def _peer_has_more_after_the_shared_microbatch() -> StepInputs:
     """Position 0's last (and only) microbatch is in the group {0, 1}; position 1 runs one more after it."""
     plan = Plan("t", 2, 2, Batch.from_lengths([4, 4]).samples,
@@ -134,7 +124,7 @@ def test_a_reduction_overlapping_a_group_a_peer_outlasts_waits_for_the_walk(monk
     assert last_backward_shared(inputs.plan, aligned=True)  # aligned: position 0 ends on an idle slot
     assert last_backward_shared(_inputs(0, 1).plan)
     engine = _engine()
-    monkeypatch.setattr(engine.pool, "get", lambda ranks: _Group(len(ranks), 0))
+    monkeypatch.setattr(engine.pool, "get", lambda ranks: SimpleNamespace(size=lambda: len(ranks), rank=lambda: 0))
     work = Recorder()
     engine.run(inputs, work, overlap=work.overlap())
     assert work.log == [("F", (0,), 0, 1, True), ("B", 0, True), ("start",)]
