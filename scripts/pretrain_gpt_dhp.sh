@@ -35,6 +35,9 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 # logged with their estimated memory); NCCL children split from a parent share its buffers with this set
 # before the first communicator (torch splits new groups from a default group bound to a device).
 export NCCL_COMM_SPLIT_SHARE_RESOURCES="${NCCL_COMM_SPLIT_SHARE_RESOURCES:-1}"
+# NVLink SHARP buffers come with every communicator of 3+ ranks in an NVSwitch node (hundreds of MiB each,
+# and megatron-dhp's group family holds up to max_groups_per_rank communicators): off unless you turn it on.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 # TransformerEngine's p2p context parallelism (layer_spec te) batches each ring step's send and receive, so
 # torch keeps them on the group's communicator instead of opening one per pair of ranks.
 export NVTE_BATCH_MHA_P2P_COMM="${NVTE_BATCH_MHA_P2P_COMM:-1}"

@@ -33,6 +33,8 @@ def init_distributed(
         # every step has new token counts per microbatch: segments that grow keep the allocator from fragmenting
         # (read when CUDA's allocator starts, so before the first CUDA call; a user's setting wins)
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # NVLink SHARP buffers with every communicator of 3+ ranks in a node, for each of the group family's
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(bound["device_id"])
     dist.init_process_group(backend=backend, timeout=timeout, **bound, **attempt_store(timeout))

@@ -74,15 +74,17 @@ def test_apply_patches_script_calls_the_command(tmp_path):
     assert out.returncode == 2 and "is not a Megatron-LM checkout" in out.stderr
 
 
-def test_launch_script_and_nccl_ranks_grow_allocator_segments():
+def test_launch_script_and_nccl_ranks_set_the_cuda_and_nccl_defaults():
     """Every step has new token counts per microbatch: the caching allocator gets expandable segments (a
     user's own setting wins), in the launch script and in every NCCL rank megatron-dhp starts."""
     script = (REPO / "scripts" / "pretrain_gpt_dhp.sh").read_text()
     assert 'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in script
     assert 'export NVTE_BATCH_MHA_P2P_COMM="${NVTE_BATCH_MHA_P2P_COMM:-1}"' in script  # TE p2p on the group's comm
+    assert 'export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"' in script  # no NVLink SHARP buffers per communicator
     import inspect
 
     from megatron_dhp.runtime import distributed
 
-    assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in inspect.getsource(
-        distributed.init_distributed)
+    source = inspect.getsource(distributed.init_distributed)
+    assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in source
+    assert 'os.environ.setdefault("NCCL_NVLS_ENABLE", "0")' in source
