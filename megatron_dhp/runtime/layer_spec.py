@@ -121,13 +121,32 @@ def _swap_attention(spec: ModuleSpec, backend: str) -> None:
             raise DhpError("multi-latent attention under layer_spec 'te' is not verified (no GPU here); use "
                            "layer_spec 'local'")
         te_attention = _require_te()
-        if not (isinstance(attention.submodules.core_attention, type)
-                and issubclass(attention.submodules.core_attention, te_attention)):
+        core = attention.submodules.core_attention
+        if not (isinstance(core, type) and issubclass(core, te_attention)):
             raise DhpError(
                 f"layer spec 'te' needs TEDotProductAttention as core attention, the spec has "
-                f"{attention.submodules.core_attention!r}; build it with --transformer-impl transformer_engine"
+                f"{core!r}; build it with --transformer-impl transformer_engine"
             )
+        if not getattr(core, "dhp_comm_type", False):
+            attention.submodules.core_attention = with_job_comm_type(core)
     attention.module = dynamic
+
+
+def with_job_comm_type(te_attention: type) -> type:
+    """TE's core attention taking the job's `cp_comm_type` (`--cp-comm-type`): megatron-core hands it to TE only
+    when the static CP size is above 1 (never under megatron-dhp), and its per-call switch to the dynamic group
+    passes TE's own attribute, which then stays at TE's default, p2p."""
+
+    class DynamicCommTypeAttention(te_attention):
+        dhp_comm_type = True
+
+        def __init__(self, config: TransformerConfig, layer_number: int, *args, **kwargs) -> None:
+            super().__init__(config, layer_number, *args, **kwargs)
+            kind = config.cp_comm_type
+            self.cp_comm_type = (kind[layer_number - 1] if isinstance(kind, list) else kind) or "p2p"
+
+    DynamicCommTypeAttention.__name__ = DynamicCommTypeAttention.__qualname__ = f"Dynamic{te_attention.__name__}"
+    return DynamicCommTypeAttention
 
 
 _DYNAMIC = {MLASelfAttention: DynamicCPMLASelfAttention, SelfAttention: DynamicCPSelfAttention}

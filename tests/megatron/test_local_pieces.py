@@ -173,8 +173,10 @@ def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
         step_iterator(iter([]))
 
 
-def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
-    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once."""
+def test_te_layer_spec_allocates_te_cp_stream_and_takes_the_jobs_comm_type_at_static_cp_one(monkeypatch):
+    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once, and the
+    attention keeps the job's --cp-comm-type (per layer when a list), which megatron-core passes TE only at
+    static CP > 1 while its per-call switch to the dynamic group hands TE that attribute."""
     import sys
     import types
 
@@ -184,7 +186,12 @@ def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
     from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
     class TEDotProductAttention:
+        """Records what TE's attention keeps: megatron-core gives it no cp_comm_type at static CP 1."""
+
         cp_stream = None
+
+        def __init__(self, config, layer_number, *args, cp_comm_type=None, **kwargs):
+            self.cp_comm_type = "p2p"  # TE's default, what its per-call group switch would pass on
 
     stub = types.ModuleType("megatron.core.extensions.transformer_engine")
     stub.TEDotProductAttention = TEDotProductAttention
@@ -196,7 +203,13 @@ def test_te_layer_spec_allocates_te_cp_stream_for_static_cp_one(monkeypatch):
     spec = with_dynamic_cp(te_spec, backend="te")
     assert TEDotProductAttention.cp_stream == "a stream"
     assert spec.submodules.self_attention.module is DynamicCPSelfAttention
-    assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention  # TE keeps its own
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert issubclass(core, TEDotProductAttention)  # TE's own attention, with the job's --cp-comm-type
+    assert with_dynamic_cp(spec, backend="te").submodules.self_attention.submodules.core_attention is core
+    config = types.SimpleNamespace(cp_comm_type="all_gather")
+    assert core(config, 1, cp_comm_type=None).cp_comm_type == "all_gather"
+    assert core(types.SimpleNamespace(cp_comm_type=["p2p", "all_gather"]), 2).cp_comm_type == "all_gather"
+    assert core(types.SimpleNamespace(cp_comm_type=None), 1).cp_comm_type == "p2p"
     with pytest.raises(DhpError, match="layer spec 'te' needs TEDotProductAttention as core attention"):
         with_dynamic_cp(get_gpt_layer_local_spec(), backend="te")
 
