@@ -222,3 +222,23 @@ def test_gpu_kernels_equal_the_oracle(backend, comm, size):
     want = virtual_group(*(x.double().cpu() for x in (q, k, v, g)), LENGTHS, 1, "allgather", kernel("math"), 0.125)
     for a, b in zip(got, want):
         assert float((a.double().cpu() - b).abs().max() / b.abs().max()) <= 2e-2
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_flex_ring_backward_by_recompute_through_the_blocks_lse(size, monkeypatch):
+    """FlexAttention has no backward that takes a merged log-sum-exp, so the flex kernel recomputes each ring
+    block with autograd and weights its output and lse gradients by the block's share of the merged softmax.
+    torch runs no flex backward on a CPU, so that rule runs here on a differentiable stand-in for FlexAttention
+    under the same per-kind masks (the oracle's), fp64: output and every gradient equal the oracle's."""
+    from megatron_dhp.runtime.attention import flex
+    from megatron_dhp.runtime.attention.math import MASKED, block_attention
+    from megatron_dhp.runtime.attention.oracle import ring_block_mask
+
+    def attend(q, k, v, mask, scale):
+        out, lse = block_attention(q, k, v, mask, scale)
+        return out.masked_fill(~mask.any(dim=1)[:, None, None], 0), lse.clamp(min=MASKED)
+
+    monkeypatch.setattr(flex, "_ring_mask", ring_block_mask)
+    monkeypatch.setattr(flex, "_attend", attend)
+    q, k, v, g = inputs(torch.float64)
+    assert_matches(virtual_group(q, k, v, g, LENGTHS, size, "ring", kernel("flex"), 0.3), oracle(q, k, v, g), 1e-10)
