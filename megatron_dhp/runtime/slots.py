@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from megatron_dhp.plan.pipeline import SlotRef, pipeline_slots
+from megatron_dhp.plan.pipeline import SlotRef, padded_slot_count, pipeline_slots
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.layout import MicrobatchLayout, SlotRows
 from megatron_dhp.runtime.step_data import MicrobatchInputs, StepInputs
@@ -80,32 +80,46 @@ def last_backward_shared(plan: Plan, *, aligned: bool = False, pipelined: bool =
     of its group. From the plan alone: the same answer on every rank. `pipelined`: the 1F1B slot lists
     (`plan.pipeline.pipeline_slots`) instead of the walk's; `aligned`: with the aligned slots' padding (which
     always keeps the rule: every position's last slot is then at one index, idle or its group's last)."""
-    if pipelined:
-        rows = pipeline_slots(plan)
-        if aligned:
-            rows = [row + [None] * (max(map(len, rows)) - len(row)) for row in rows]
-    else:
-        rows = _walk_slots(plan, aligned)
-    lasts = [row[-1] if row else None for row in rows]
+    lasts = last_slots(plan, aligned=aligned, pipelined=pipelined)
+    checked: set[SlotRef] = set()
     for last in lasts:
-        if last is not None and plan.groups[last.group].size > 1:
-            if any(lasts[r] != last for r in plan.groups[last.group].ranks):
-                return False
+        if last is None or last in checked or plan.groups[last.group].size == 1:
+            continue
+        checked.add(last)
+        if any(lasts[r] != last for r in plan.groups[last.group].ranks):
+            return False
     return True
 
 
-def _walk_slots(plan: Plan, aligned: bool) -> list[list[SlotRef | None]]:
-    """Each position's slots of the walk as `SlotRef`s (None: an idle slot of aligned padding)."""
-    counts = aligned_slot_counts(plan) if aligned else None
-    rows: list[list[SlotRef | None]] = []
-    for position in range(plan.world_size):
-        row: list[SlotRef | None] = []
-        for phase in range(plan.num_phases):
-            mine = [SlotRef(plan.groups.index(g), k) for g in plan.groups_of_rank(position) if g.phase == phase
-                    for k in range(len(g.microbatches))]
-            row += mine + ([None] * (counts[phase] - len(mine)) if counts is not None else [])
-        rows.append(row)
-    return rows
+def last_slots(plan: Plan, *, aligned: bool = False, pipelined: bool = False) -> list[SlotRef | None]:
+    """Each position's last slot (None: an idle one) of the walk (`work_items`) or, `pipelined`, of its 1F1B
+    slot list (`plan.pipeline.pipeline_slots`), `aligned` with the aligned slots' padding: from one pass over
+    the groups, without building the lists (it runs every step, on every rank)."""
+    n, phases = plan.world_size, plan.num_phases
+    counts = [[0] * phases for _ in range(n)]
+    ends: list[list[SlotRef | None]] = [[None] * phases for _ in range(n)]
+    for gi, group in enumerate(plan.groups):
+        if group.microbatches:
+            for r in group.ranks:
+                counts[r][group.phase] = len(group.microbatches)
+                ends[r][group.phase] = SlotRef(gi, len(group.microbatches) - 1)
+    widest = [max(row[q] for row in counts) for q in range(phases)]  # a padded phase's slots
+
+    def last_padded(p: int, phase_limit: int) -> SlotRef | None:
+        """The end of position p's last non-empty padded phase before `phase_limit`: its own slot if it fills it."""
+        q = next((q for q in reversed(range(phase_limit)) if widest[q]), None)
+        return ends[p][q] if q is not None and counts[p][q] == widest[q] else None
+
+    if not pipelined:
+        if aligned:  # an all-idle phase 0's one idle slot (`aligned_slot_counts`) is idle, None, as no slot
+            return [last_padded(p, phases) for p in range(n)]
+        return [next((ends[p][q] for q in reversed(range(phases)) if counts[p][q]), None) for p in range(n)]
+    last = phases - 1  # 1F1B pads every phase but the last to its widest, then the end where asked
+    lengths = [sum(widest[:last]) + counts[p][last] for p in range(n)]
+    end = (padded_slot_count(max(lengths), plan.pipeline_stages) if plan.virtual_stages > 1
+           else max(lengths) if aligned else None)
+    return [None if end is not None and lengths[p] < end else ends[p][last] if counts[p][last]
+            else last_padded(p, last) for p in range(n)]
 
 
 def slot_rules(expert_parallel: int, dispatcher: str | None, *, fully_sharded: bool = False) -> tuple[bool, bool]:

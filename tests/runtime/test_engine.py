@@ -149,3 +149,45 @@ def test_the_last_backward_rule_over_random_plans_walked_and_pipelined():
         assert last_backward_shared(plan, aligned=True)
         assert last_backward_shared(plan, aligned=True, pipelined=True)
     assert broken >= 3 and broken_1f1b >= 3, (broken, broken_1f1b)  # 5 and 4 of 30
+
+
+def test_last_slots_are_the_last_entries_of_the_slot_lists_built_in_full():
+    """`slots.last_slots` reads each position's last slot off the groups in one pass; laid out in full (the walk
+    phase by phase, padded when aligned; 1F1B's `pipeline_slots`, end-padded when aligned or interleaved), the
+    lists end in the same slots, on random plans with phases, idle positions, and 1 or 2 virtual stages."""
+    import dataclasses
+    import random
+
+    from megatron_dhp.cost.config import Domain
+    from megatron_dhp.plan.pipeline import SlotRef, pipeline_slots
+    from megatron_dhp.runtime.slots import aligned_slot_counts, last_slots
+    from megatron_dhp.solver.random_plan import random_plan
+
+    def walk_rows(plan, aligned):
+        counts = aligned_slot_counts(plan) if aligned else None
+        rows = []
+        for position in range(plan.world_size):
+            row = []
+            for phase in range(plan.num_phases):
+                mine = [SlotRef(plan.groups.index(g), k) for g in plan.groups_of_rank(position) if g.phase == phase
+                        for k in range(len(g.microbatches))]
+                row += mine + ([None] * (counts[phase] - len(mine)) if counts is not None else [])
+            rows.append(row)
+        return rows
+
+    def pipeline_rows(plan, aligned):
+        rows = pipeline_slots(plan)
+        return [row + [None] * (max(map(len, rows)) - len(row)) for row in rows] if aligned else rows
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        batch = Batch.from_lengths([rng.randint(1, 60) for _ in range(rng.randint(1, 9))])
+        plan = random_plan(batch, Domain(world_size=4, gpus_per_node=4, max_tokens_per_rank=64), rng)
+        for virtual in (1, 2):
+            plan = dataclasses.replace(plan, pipeline_stages=2, virtual_stages=virtual)
+            for aligned in (False, True):
+                for pipelined, rows in ((False, walk_rows(plan, aligned)), (True, pipeline_rows(plan, aligned))):
+                    if virtual > 1 and not pipelined:
+                        continue
+                    want = [row[-1] if row else None for row in rows]
+                    assert last_slots(plan, aligned=aligned, pipelined=pipelined) == want, (seed, virtual, aligned)
