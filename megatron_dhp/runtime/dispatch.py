@@ -18,7 +18,7 @@ from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.collectives import all_to_all_rows
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.fused import gather_rows, scatter_rows
-from megatron_dhp.runtime.layout import MicrobatchLayout, SlotRows, microbatches_of
+from megatron_dhp.runtime.layout import MicrobatchLayout, SlotRows, group_layout, microbatches_of
 from megatron_dhp.runtime.step_data import GatheredBatch, MicrobatchInputs, StepInputs, TokenSample
 
 
@@ -75,9 +75,7 @@ def send_order(plan: Plan, me: int, owners: dict[int, int], lengths: dict[int, i
             if not held_here:
                 continue
             for index, dest in enumerate(ranks):
-                layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), len(ranks), index, seq_multiple)
-                if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
-                    layout = layout.with_rows(slot_rows[group.phase][k])
+                layout = group_layout(group, k, index, lengths, seq_multiple, slot_rows)
                 for i in held_here:
                     positions = layout.sample_positions(i)
                     per_dest[dest].append(((group.phase, k), first_row[mb[i]] + positions[positions < lengths[mb[i]]]))

@@ -28,7 +28,7 @@ from functools import cached_property
 
 import torch
 
-from megatron_dhp.plan.plan import Plan
+from megatron_dhp.plan.plan import Plan, PlanGroup
 
 
 def shard_multiple(group_size: int, seq_multiple: int = 1) -> int:
@@ -195,12 +195,17 @@ def microbatches_of(plan: Plan, position: int, lengths: dict[int, int], seq_mult
     out = []
     for group in plan.groups_of_rank(position):
         ranks = tuple(sorted(group.ranks))
-        for k, mb in enumerate(group.microbatches):
-            layout = MicrobatchLayout(
-                sample_ids=mb, lengths=tuple(lengths[s] for s in mb), group_size=len(ranks), rank=ranks.index(position),
-                seq_multiple=seq_multiple,
-            )
-            if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
-                layout = layout.with_rows(slot_rows[group.phase][k])
-            out.append((layout, ranks, group.phase))
+        for k in range(len(group.microbatches)):
+            out.append((group_layout(group, k, ranks.index(position), lengths, seq_multiple, slot_rows), ranks,
+                        group.phase))
     return out
+
+
+def group_layout(group: PlanGroup, k: int, rank: int, lengths: dict[int, int], seq_multiple: int,
+                 slot_rows: SlotRows | None) -> MicrobatchLayout:
+    """The layout of `group`'s k-th microbatch on its `rank`-th member (in sorted order)."""
+    mb = group.microbatches[k]
+    layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), group.size, rank, seq_multiple)
+    if slot_rows is not None:  # a rank's k-th microbatch of a phase is its k-th slot of it
+        layout = layout.with_rows(slot_rows[group.phase][k])
+    return layout

@@ -11,6 +11,7 @@ import torch
 
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.runtime import dispatch
+from megatron_dhp.runtime import layout as layouts
 from megatron_dhp.runtime.layout import microbatches_of
 from megatron_dhp.runtime.slots import aligned_slot_rows
 from megatron_dhp.solver.random_plan import random_plan
@@ -59,13 +60,13 @@ def test_a_rank_lays_out_only_its_own_samples_microbatches_at_1024_ranks(monkeyp
     member), where laying out every position's microbatches builds one per microbatch per member."""
     plan, lengths, owners = problem(3, 1024, 2048)
     built = []
-    original = dispatch.MicrobatchLayout
+    original = layouts.MicrobatchLayout
 
     def counted(*args, **kwargs):
         built.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "MicrobatchLayout", counted)
+    monkeypatch.setattr(layouts, "MicrobatchLayout", counted)  # what `layout.group_layout` builds
     mine = [sid for sid in sorted(lengths) if owners[sid] == 0]
     first_row = dict(zip(mine, itertools.accumulate((lengths[s] for s in mine), initial=0)))
     dispatch.send_order(plan, 0, owners, lengths, first_row)
