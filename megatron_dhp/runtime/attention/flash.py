@@ -14,7 +14,7 @@ import torch
 
 from megatron_dhp.runtime.attention.math import widened
 from megatron_dhp.runtime.attention.meta import AttentionMeta, Spans
-from megatron_dhp.runtime.attention.varlen import VarlenKernel, flash_applies, run_keys
+from megatron_dhp.runtime.attention.varlen import VarlenKernel, flash_applies, run_key_index
 from megatron_dhp.runtime.fused import gather_rows
 
 
@@ -42,7 +42,7 @@ class FlashAttnKernel(VarlenKernel):
 
     def gathered(self, q, k, v, meta: AttentionMeta, scale: float) -> torch.Tensor:  # noqa: D102
         dv = v.shape[-1]
-        runs = run_keys(meta)
-        k, v = (gather_rows(meta.zigzag.unpack(x), runs.index) for x in (k, widened(v, q.shape[-1])))
-        return varlen_func()(q, k, v, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k, softmax_scale=scale,
+        queries, keys = meta.runs.queries, meta.runs.keys
+        k, v = (gather_rows(meta.zigzag.unpack(x), run_key_index(meta)) for x in (k, widened(v, q.shape[-1])))
+        return varlen_func()(q, k, v, queries.cu, keys.cu, queries.max_len, keys.max_len, softmax_scale=scale,
                              causal=True)[..., :dv]

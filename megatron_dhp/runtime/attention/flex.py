@@ -80,8 +80,8 @@ def _ring_mask(kind: str, meta: AttentionMeta):
             def mask(b, h, i, j):
                 return (seg[i] == seg[j]) & (j <= i)
         else:
-            chunk = (meta.halves.cu[1:] - meta.halves.cu[:-1])[seg]
-            front = (torch.arange(t, device=meta.device) - meta.local.cu[seg]) < chunk
+            index, chunk = meta.shard_rows()
+            front = index < chunk
             if kind == BACK_QUERIES:
                 def mask(b, h, i, j):
                     return (seg[i] == seg[j]) & ~front[i]

@@ -71,6 +71,24 @@ class Spans:
 
 
 @dataclass(frozen=True, eq=False)
+class Runs:
+    """This rank's rows as runs of consecutive positions (a group of d > 1: chunk r, then chunk 2d-1-r, of each
+    sample; of one rank: each sample whole), each seeing its sample's first `first + rows` keys in position order (bottom-right causal): the
+    all-gather's queries and keys."""
+
+    queries: Spans
+    """Each run's local rows."""
+    keys: Spans
+    """The keys each run sees, packed run after run."""
+    firsts: tuple[int, ...]
+    """Each run's first position."""
+    key_starts: tuple[int, ...]
+    """Where each run's sample starts in natural order (the group's rows after `zigzag_unpack`)."""
+    key_starts_on_device: torch.Tensor
+    """`key_starts`, int64 on the device."""
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionMeta:
     """Everything one microbatch's attention reads, on its device, for every layer (see the module docstring)."""
 
@@ -91,6 +109,8 @@ class AttentionMeta:
     """int64: the local rows of each sample's front chunk, sample by sample (d > 1)."""
     back_rows: torch.Tensor | None
     """int64: the local rows of each sample's back chunk (d > 1)."""
+    runs: Runs
+    """This rank's runs of consecutive positions and the keys each sees."""
     zigzag: DeviceZigzag
     """Every group rank's shards <-> natural order, its index tables on the device."""
     cache: dict[str, Any] = field(default_factory=dict)
@@ -112,46 +132,67 @@ class AttentionMeta:
         """The metadata of `layout` on `device`: computed on the host, moved in one non-blocking copy."""
         device = torch.device(device)
         d = layout.group_size
-        local_starts = _starts(layout.local_lengths)
-        parts: dict[str, torch.Tensor] = {
-            "cu_seqlens": _cu(layout.lengths),
-            "local": _cu(layout.local_lengths),
-            "natural": _cu(layout.padded_lengths),
+        local_starts, natural_starts = _starts(layout.local_lengths), _starts(layout.padded_lengths)
+        parts: dict[str, torch.Tensor] = {  # the layout's own cumulative lengths (int32), in the int64 buffer
+            "cu_seqlens": layout.cu_seqlens.long(),
+            "local": layout.local_cu_seqlens.long(),
+            "natural": layout.cu_seqlens_padded.long(),
             "positions": layout.local_positions,
             "segments": layout.segments,
         }
         halves = tuple(n // 2 for n in layout.local_lengths)
-        if d > 1:
+        if d > 1:  # two runs per sample, chunk r then chunk 2d-1-r
+            r = layout.rank
+            run_rows = tuple(c for c in halves for _ in range(2))
+            firsts = tuple(f for c in halves for f in (r * c, (2 * d - 1 - r) * c))
+            key_starts = tuple(start for start in natural_starts for _ in range(2))
             parts["halves"] = _cu(halves)
             parts["front_rows"] = _runs(local_starts, halves)
             parts["back_rows"] = _runs([a + c for a, c in zip(local_starts, halves)], halves)
+        else:  # each sample whole
+            run_rows, firsts, key_starts = layout.local_lengths, (0,) * len(halves), tuple(natural_starts)
+        seen = tuple(f + n for f, n in zip(firsts, run_rows))
+        parts["run_rows"], parts["run_keys"] = _cu(run_rows), _cu(seen)
+        parts["key_starts"] = torch.tensor(key_starts, dtype=torch.int64)
         moved = _to_device(parts, device)
         return cls(
             layout=layout,
             local=Spans(tuple(local_starts), layout.local_lengths, moved["local"].int()),
-            natural=Spans(tuple(_starts(layout.padded_lengths)), layout.padded_lengths, moved["natural"].int()),
+            natural=Spans(tuple(natural_starts), layout.padded_lengths, moved["natural"].int()),
             halves=Spans(tuple(_starts(halves)), halves, moved["halves"].int()) if d > 1 else None,
             cu_seqlens=moved["cu_seqlens"].int(),
             positions=moved["positions"],
             segments=moved["segments"],
             front_rows=moved.get("front_rows"),
             back_rows=moved.get("back_rows"),
+            runs=Runs(
+                queries=Spans(tuple(_starts(run_rows)), run_rows, moved["run_rows"].int()),
+                keys=Spans(tuple(_starts(seen)), seen, moved["run_keys"].int()),
+                firsts=firsts, key_starts=key_starts, key_starts_on_device=moved["key_starts"],
+            ),
             zigzag=zigzag_on(layout.cu_seqlens_padded, d, None, device),
         )
+
+    def shard_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index within its sample's shard, the sample's zigzag chunk length) of each local row, on the device
+        (d > 1, cached): a row is in the front chunk when its index is below the chunk length."""
+        if "shard_rows" not in self.cache:
+            index = torch.arange(self.positions.numel(), device=self.device) - self.local.cu[self.segments]
+            self.cache["shard_rows"] = (index, (self.halves.cu[1:] - self.halves.cu[:-1])[self.segments])
+        return self.cache["shard_rows"]
 
     def group_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, samples) of every group rank's rows, rank-major (an all-gather's order), derived on the
         device from this rank's (cached): rank r' holds chunks r' and 2d-1-r' of each sample."""
         if "group_rows" not in self.cache:
             d, t = self.layout.group_size, self.positions.numel()
-            ranks = torch.arange(d, device=self.device).repeat_interleave(t)
             segments = self.segments.repeat(d)
             if d == 1:
                 self.cache["group_rows"] = (self.positions, segments)
             else:
-                local = torch.arange(t, device=self.device) - self.local.cu[self.segments]
-                chunk = (self.halves.cu[1:] - self.halves.cu[:-1])[self.segments]
-                offset, back = (local % chunk).repeat(d), (local >= chunk).repeat(d)
+                ranks = torch.arange(d, device=self.device).repeat_interleave(t)
+                index, chunk = self.shard_rows()
+                offset, back = (index % chunk).repeat(d), (index >= chunk).repeat(d)
                 which = torch.where(back, 2 * d - 1 - ranks, ranks)
                 self.cache["group_rows"] = (which * chunk.repeat(d) + offset, segments)
         return self.cache["group_rows"]

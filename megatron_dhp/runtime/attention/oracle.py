@@ -26,8 +26,8 @@ def ring_block_mask(kind: str, meta: AttentionMeta) -> torch.Tensor:
     same = meta.segments[:, None] == meta.segments[None, :]
     if kind == DIAGONAL:
         return same & (rows[None, :] <= rows[:, None])
-    chunk = (meta.halves.cu[1:] - meta.halves.cu[:-1])[meta.segments]
-    front = (rows - meta.local.cu[meta.segments]) < chunk
+    index, chunk = meta.shard_rows()
+    front = index < chunk
     return same & (~front[:, None] if kind == BACK_QUERIES else front[None, :])
 
 

@@ -46,7 +46,9 @@ class SdpaKernel:
         h = q.shape[1]
         k, v = (expand_kv_heads(meta.zigzag.unpack(x), h) for x in (k, v))
         outs = []
-        for row, count, key_start, seen in query_runs(meta):  # seen: the run's first position
+        runs = meta.runs
+        for row, count, key_start, seen in zip(runs.queries.starts, runs.queries.lengths, runs.key_starts,
+                                               runs.firsts):  # seen: the run's first position
             for b in range(0, count, QUERY_BLOCK):
                 rows = min(QUERY_BLOCK, count - b)
                 keys = slice(key_start, key_start + seen + b + rows)
@@ -77,20 +79,6 @@ class SdpaKernel:
             dk[cols] += sum_kv_heads(gk.transpose(0, 1).to(acc), hk)
             dvv[cols] += sum_kv_heads(gv.transpose(0, 1).to(acc), hk)
         return dq, dk, dvv[..., :dv]
-
-
-def query_runs(meta: AttentionMeta) -> list[tuple[int, int, int, int]]:
-    """This rank's rows as runs of consecutive positions, each (first row, rows, its sample's first row in
-    natural order, its first position): a shard is chunk r then chunk 2d-1-r of each sample. Host ints, cached
-    per microbatch."""
-    if "runs" not in meta.cache:
-        d, r = meta.layout.group_size, meta.layout.rank
-        runs = []
-        for start, n, key_start in zip(meta.local.starts, meta.local.lengths, meta.natural.starts):
-            c = n // 2
-            runs += [(start, c, key_start, r * c), (start + c, c, key_start, (2 * d - 1 - r) * c)]
-        meta.cache["runs"] = runs
-    return meta.cache["runs"]
 
 
 def block_slices(kind: str, meta: AttentionMeta) -> list[tuple[slice, slice]]:

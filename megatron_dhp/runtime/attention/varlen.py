@@ -6,7 +6,7 @@ whose signatures are the same from torch 2.6 to 2.13, with a varlen call per que
 
 - causal samples: one call over the packed samples (`Spans.cu`);
 - the all-gather: the group's keys back in position order (`zigzag_unpack`), each of this rank's runs of
-  consecutive positions gathered with its sample's prefix of keys (`run_keys`: an index built once per
+  consecutive positions gathered with its sample's prefix of keys (`run_key_index`: an index built once per
   microbatch on the device), one call whose causal mask is bottom-right aligned, as flash attention's is;
 - ring steps: the own block is one causal call; an earlier rank's block one full call of every query over the
   front chunks (gathered); a later rank's one full call of the back-chunk queries (gathered) over the block.
@@ -61,9 +61,9 @@ class VarlenKernel:
 
     def gathered(self, q, k, v, meta: AttentionMeta, scale: float) -> torch.Tensor:  # noqa: D102
         dv = v.shape[-1]
-        runs = run_keys(meta)
-        k, v = (gather_rows(meta.zigzag.unpack(x), runs.index) for x in (k, widened(v, q.shape[-1])))
-        return _Varlen.apply(q, k, v, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k, True, scale)[..., :dv]
+        queries, keys = meta.runs.queries, meta.runs.keys
+        k, v = (gather_rows(meta.zigzag.unpack(x), run_key_index(meta)) for x in (k, widened(v, q.shape[-1])))
+        return _Varlen.apply(q, k, v, queries.cu, keys.cu, queries.max_len, keys.max_len, True, scale)[..., :dv]
 
     def block(self, q, k, v, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
         dv, v = v.shape[-1], widened(v, q.shape[-1])
@@ -104,33 +104,16 @@ class VarlenKernel:
         return dq.float(), dk.float(), dvv[..., :dv].float()
 
 
-class RunKeys:
-    """The all-gather's varlen inputs: this rank's runs as queries, each over its sample's prefix of keys."""
-
-    def __init__(self, meta: AttentionMeta) -> None:
-        d, r, halves = meta.layout.group_size, meta.layout.rank, meta.halves
-        chunk = halves.cu[1:] - halves.cu[:-1]  # per sample, on the device
-        ends = torch.stack((chunk * (r + 1), chunk * (2 * d - r)), dim=1).reshape(-1).long()  # keys of the two runs
-        self.cu_q = _cumsum(chunk.long().repeat_interleave(2)).int()
-        cu_k = _cumsum(ends)
-        self.cu_k = cu_k.int()
-        starts = meta.natural.cu[:-1].repeat_interleave(2).long()
-        total = sum(c * (2 * d + 1) for c in halves.lengths)
-        begin = torch.repeat_interleave(starts - cu_k[:-1], ends, output_size=total)
-        self.index = begin + torch.arange(total, device=begin.device)
-        """Natural-order key row of every gathered key, run after run."""
-        self.max_q, self.max_k = halves.max_len, halves.max_len * (2 * d - r)
-
-
-def run_keys(meta: AttentionMeta) -> RunKeys:
-    """`RunKeys` of the microbatch, built on the device at its first layer and cached."""
-    if "run_keys" not in meta.cache:
-        meta.cache["run_keys"] = RunKeys(meta)
-    return meta.cache["run_keys"]
-
-
-def _cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+def run_key_index(meta: AttentionMeta) -> torch.Tensor:
+    """The natural-order row of every key the all-gather's runs see, run after run (`AttentionMeta.runs`):
+    built on the device at the microbatch's first layer and cached."""
+    if "run_key_index" not in meta.cache:
+        keys = meta.runs.keys
+        cu = keys.cu.long()
+        begin = torch.repeat_interleave(meta.runs.key_starts_on_device - cu[:-1], cu[1:] - cu[:-1],
+                                        output_size=keys.total)
+        meta.cache["run_key_index"] = begin + torch.arange(keys.total, device=begin.device)
+    return meta.cache["run_key_index"]
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float
