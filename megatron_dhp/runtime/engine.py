@@ -264,7 +264,8 @@ class StepEngine:
         With `overlap` the reduction starts during the last backward, unless the plan has phase barriers (a
         reduction must not start before a barrier on the same ranks and every rank must issue the buckets in one
         order, so then all ranks start it after their last barrier) or some rank's last backward is not its
-        group's last on every member (`slots.last_backward_shared`): then too every rank starts it after its walk. Without it the caller reduces.
+        group's last on every member (`slots.last_backward_shared`): then too every rank starts it after its
+        walk. Without it the caller reduces.
         """
         items = work_items(inputs, self.domain.position, aligned=self.aligned_slots)
         count = sum(item is not PHASE_BARRIER for item in items)
@@ -309,8 +310,8 @@ class StepEngine:
         comm = self.policy.transport(mb.group_ranks)
         self.slots_by_comm[comm] += 1
         group = PeerRing.in_domain(self.domain, mb.group_ranks) if comm in DOMAIN_COMMS else self.pool.get(mb.group_ranks)
-        return Slot(mb, CPContext(layout=mb.layout, group=group, comm=comm, backend=self.backend,
-                                        device=self.domain.device), index, count)
+        context = CPContext(layout=mb.layout, group=group, comm=comm, backend=self.backend, device=self.domain.device)
+        return Slot(mb, context, index, count)
 
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)

@@ -7,8 +7,9 @@
 - `lse_merge`: `attention.math.merge_partials` as one kernel (and one for its backward).
 
 A call takes the kernels when its tensor is on a CUDA device and they are available: built by torch's JIT
-extension loader at a job's start-up (`kernels_status`) or on first use (cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`),
-or loaded from the library `scripts/build_csrc.sh` builds when `MEGATRON_DHP_CSRC` names it;
+extension loader at a job's start-up (`kernels_status`) or on first use (cached under `TORCH_EXTENSIONS_DIR`,
+default `~/.cache/torch_extensions`), or loaded from the library `scripts/build_csrc.sh` builds when
+`MEGATRON_DHP_CSRC` names it;
 `MEGATRON_DHP_CSRC=0` turns them off, and a failed build warns once and falls back. Everything else, CPU
 tensors above all, takes the torch path; nothing is compiled or loaded at import. Copies are bit-identical
 on both paths; the torch `lse_merge` is `merge_partials` itself, which the kernel matches to float rounding.
@@ -178,7 +179,7 @@ def _device_tables(lengths: tuple[int, ...], local_lengths: tuple[int, ...], dev
 @functools.lru_cache(maxsize=64)
 def _device_sources(z: _Zigzag, device: torch.device) -> torch.Tensor:
     """`z.sources()` on `device` for the torch path, cached like `_device_tables`: every layer of a microbatch
-    packs and unpacks with the same layout, and building the index is a Python loop over ranks and samples."""
+    packs and unpacks with the same layout, and the index is a host-to-device copy of O(tokens)."""
     return to_device(z.sources(), device)
 
 
