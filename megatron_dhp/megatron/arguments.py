@@ -108,6 +108,13 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
     problems = refusals(args, config)
     if problems:
         raise DhpError("\n".join(problems))
+    if getattr(args, "distributed_backend", "nccl") == "nccl":
+        import torch
+
+        from megatron_dhp.runtime.distributed import gpu_environment
+
+        if torch.cuda.is_available():
+            gpu_environment()  # before Megatron-LM initialises NCCL (which caches its variables) and CUDA's allocator
     return config
 
 

@@ -12,9 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_dhp.integration.dhp_config import DhpConfig
-
-# TransformerEngine's CP variants that take THD (packed) input
-_TE_THD_COMM_TYPES = ("p2p", "all_gather")
+from megatron_dhp.runtime.attention.te import te_unsupported
 
 
 @dataclass(frozen=True)
@@ -44,8 +42,7 @@ class Refusal:
 def _non_thd_comm_types(args: argparse.Namespace, config: DhpConfig) -> str:
     if config.layer_spec != "te":
         return ""
-    given = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    return " ".join(sorted({c for c in given if c not in _TE_THD_COMM_TYPES}))
+    return " ".join(te_unsupported(args.cp_comm_type))
 
 
 REFUSALS: tuple[Refusal, ...] = (
@@ -140,7 +137,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("`layer_spec: te` with a `--cp-comm-type` other than `p2p` or `all_gather`",
             _non_thd_comm_types,
             "--cp-comm-type {value} with layer_spec te",
-            "TransformerEngine runs packed (THD) sequences with `p2p` or `all_gather` only",
+            "TransformerEngine's attention runs dynamic groups of any size with `p2p` or `all_gather` only (`a2a` "
+            "needs the group size to divide the heads; `a2a+p2p` has no packed-sequence path)",
             "set `--cp-comm-type p2p` or `all_gather`"),
     Refusal("fp8 (`--fp8-format`)",
             lambda a, c: getattr(a, "fp8", None),

@@ -29,13 +29,8 @@ def init_distributed(
 
     bound = {}
     if backend == "nccl":  # new groups split from the default one and share its buffers (`group_pool.nccl_sharing`)
-        os.environ.setdefault(SHARE_RESOURCES, "1")
-        # every step has new token counts per microbatch: segments that grow keep the allocator from fragmenting
-        # (read when CUDA's allocator starts, so before the first CUDA call; a user's setting wins)
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        # NVLink SHARP buffers with every communicator of 3+ ranks in a node, for each of the group family's
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        bound["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        gpu_environment()
+        bound["device_id"] = local_device()
         torch.cuda.set_device(bound["device_id"])
     dist.init_process_group(backend=backend, timeout=timeout, **bound, **attempt_store(timeout))
     parallel_state.initialize_model_parallel(
@@ -46,6 +41,54 @@ def init_distributed(
         distributed_timeout_minutes=timeout.total_seconds() / 60,  # timedelta(minutes=...): a fraction is exact
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+GPU_ENVIRONMENT: dict[str, str] = {
+    # NCCL reads it at its first split: groups split from the default communicator share its buffers
+    SHARE_RESOURCES: "1",
+    # every step has new token counts per microbatch: segments that grow keep the allocator from fragmenting
+    # (read when CUDA's allocator starts, so before the first CUDA allocation)
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    # NVLink SHARP buffers come with every communicator of 3+ ranks in a node, for each of the group family's
+    "NCCL_NVLS_ENABLE": "0",
+    # TransformerEngine's p2p CP batches each ring step's send and receive on the group's communicator
+    # instead of torch giving every pair of ranks a communicator of its own
+    "NVTE_BATCH_MHA_P2P_COMM": "1",
+}
+"""What a GPU job of megatron-dhp runs with unless the user set it (scripts/pretrain_gpt_dhp.sh exports the same)."""
+
+
+def gpu_environment() -> dict[str, str]:
+    """Set `GPU_ENVIRONMENT`'s variables the user left unset, before NCCL, CUDA's allocator or TE read them;
+    returns what it set. Called by `init_distributed` and, under Megatron-LM, when the `--dhp` flags are
+    validated (before Megatron-LM initialises torch.distributed)."""
+    unset = {name: value for name, value in GPU_ENVIRONMENT.items() if name not in os.environ}
+    os.environ.update(unset)
+    return unset
+
+
+def local_device() -> torch.device:
+    """This rank's GPU: torchrun's LOCAL_RANK."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def bind_default_group(device: torch.device) -> bool:
+    """Bind an NCCL default group to `device`, as `init_process_group(device_id=...)` does, where the launcher
+    did not (Megatron-LM's `initialize_megatron`); returns whether it bound. Collective over the world.
+
+    torch then creates every new NCCL group by splitting the default communicator (`ncclCommSplit`, sharing
+    its buffers under NCCL_COMM_SPLIT_SHARE_RESOURCES=1) and connects it inside `new_group`, so the group
+    family exists after set-up instead of being connected lazily inside the first steps, which NCCL warns
+    can deadlock while other kernels run. The default communicator is connected first (a no-op when a
+    collective already did), since non-members of a new group join its split there. Every group created
+    afterwards is world-collective (torch's rule for splits): the group pool's are.
+    """
+    world = dist.group.WORLD
+    if dist.get_backend() != "nccl" or world.bound_device_id is not None:
+        return False
+    world.bound_device_id = device
+    world._get_backend(device).eager_connect_single_device(device)
+    return True
 
 
 def attempt_store(timeout: timedelta) -> dict:

@@ -26,6 +26,7 @@ from megatron_dhp.runtime.attention.core_attention import (
     DynamicCPMLASelfAttention,
     DynamicCPSelfAttention,
 )
+from megatron_dhp.runtime.attention.te import dynamic_te_attention
 
 
 def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSpec:
@@ -33,9 +34,9 @@ def dhp_layer_spec(*, backend: str = "local", **spec_kwargs: object) -> ModuleSp
 
     `local`: megatron's local spec with `DynamicCPAttention` as core attention (any device; the CPU
     reference). `te`: the TransformerEngine spec, whose `TEDotProductAttention` runs context parallelism over
-    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed; TE's
-    variant is the config's `cp_comm_type`, `p2p` or `all_gather` for THD; untested here, no GPU). In
-    both, the self-attention module is `DynamicCPSelfAttention`, so RoPE uses the same group.
+    the group it receives per microbatch in `PackedSeqParams.cp_group` (GPU with TE installed; the job's
+    `cp_comm_type` and each microbatch's padding stated, `attention.te`). In both, the self-attention module
+    is `DynamicCPSelfAttention`, so RoPE uses the same group.
     """
     _check_backend(backend)
     if backend == "local":
@@ -127,26 +128,9 @@ def _swap_attention(spec: ModuleSpec, backend: str) -> None:
                 f"layer spec 'te' needs TEDotProductAttention as core attention, the spec has "
                 f"{core!r}; build it with --transformer-impl transformer_engine"
             )
-        if not getattr(core, "dhp_comm_type", False):
-            attention.submodules.core_attention = with_job_comm_type(core)
+        if not getattr(core, "dhp_dynamic", False):
+            attention.submodules.core_attention = dynamic_te_attention(core)
     attention.module = dynamic
-
-
-def with_job_comm_type(te_attention: type) -> type:
-    """TE's core attention taking the job's `cp_comm_type` (`--cp-comm-type`): megatron-core hands it to TE only
-    when the static CP size is above 1 (never under megatron-dhp), and its per-call switch to the dynamic group
-    passes TE's own attribute, which then stays at TE's default, p2p."""
-
-    class DynamicCommTypeAttention(te_attention):
-        dhp_comm_type = True
-
-        def __init__(self, config: TransformerConfig, layer_number: int, *args, **kwargs) -> None:
-            super().__init__(config, layer_number, *args, **kwargs)
-            kind = config.cp_comm_type
-            self.cp_comm_type = (kind[layer_number - 1] if isinstance(kind, list) else kind) or "p2p"
-
-    DynamicCommTypeAttention.__name__ = DynamicCommTypeAttention.__qualname__ = f"Dynamic{te_attention.__name__}"
-    return DynamicCommTypeAttention
 
 
 _DYNAMIC = {MLASelfAttention: DynamicCPMLASelfAttention, SelfAttention: DynamicCPSelfAttention}

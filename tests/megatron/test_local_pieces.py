@@ -173,31 +173,50 @@ def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
         step_iterator(iter([]))
 
 
-def test_te_layer_spec_allocates_te_cp_stream_and_takes_the_jobs_comm_type_at_static_cp_one(monkeypatch):
-    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once, and the
+def test_te_layer_spec_allocates_te_cp_stream_and_states_comm_type_and_padding_at_static_cp_one(monkeypatch):
+    """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once; the
     attention keeps the job's --cp-comm-type (per layer when a list), which megatron-core passes TE only at
-    static CP > 1 while its per-call switch to the dynamic group hands TE that attribute."""
+    static CP > 1 while its per-call switch to the dynamic group hands TE that attribute; TE's forward receives
+    each microbatch's `pad_between_seqs` (megatron-core 0.16 has no field to pass it); a TE below the comm
+    type's floor is refused at construction."""
+    import dataclasses
     import sys
     import types
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_dhp.runtime.attention import te
+    from megatron_dhp.runtime.attention.context import DhpPackedSeqParams
     from megatron_dhp.runtime.attention.core_attention import DynamicCPSelfAttention
     from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 
-    class TEDotProductAttention:
-        """Records what TE's attention keeps: megatron-core gives it no cp_comm_type at static CP 1."""
+    class DotProductAttention:
+        """TE's own attention: records the keyword arguments its forward receives."""
+
+        def forward(self, query, key, value, attention_mask, **kwargs):
+            self.received = kwargs
+            return query
+
+    class TEDotProductAttention(DotProductAttention):
+        """megatron-core's: no cp_comm_type at static CP 1; its forward passes PackedSeqParams' own fields."""
 
         cp_stream = None
 
         def __init__(self, config, layer_number, *args, cp_comm_type=None, **kwargs):
             self.cp_comm_type = "p2p"  # TE's default, what its per-call group switch would pass on
 
+        def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
+                    packed_seq_params=None, num_splits=None):
+            kept = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(PackedSeqParams)}
+            return super().forward(query, key, value, attention_mask, **kept)
+
     stub = types.ModuleType("megatron.core.extensions.transformer_engine")
     stub.TEDotProductAttention = TEDotProductAttention
     monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", stub)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "a stream")
+    monkeypatch.setattr(te, "te_version", lambda: "2.18.0")
     te_spec = get_gpt_layer_local_spec()
     te_spec.submodules.self_attention.submodules.core_attention = TEDotProductAttention
     spec = with_dynamic_cp(te_spec, backend="te")
@@ -209,9 +228,29 @@ def test_te_layer_spec_allocates_te_cp_stream_and_takes_the_jobs_comm_type_at_st
     config = types.SimpleNamespace(cp_comm_type="all_gather")
     assert core(config, 1, cp_comm_type=None).cp_comm_type == "all_gather"
     assert core(types.SimpleNamespace(cp_comm_type=["p2p", "all_gather"]), 2).cp_comm_type == "all_gather"
-    assert core(types.SimpleNamespace(cp_comm_type=None), 1).cp_comm_type == "p2p"
+    attention = core(types.SimpleNamespace(cp_comm_type=None), 1)
+    assert attention.cp_comm_type == "p2p"
+    for padded in (True, False):
+        attention.forward("q", "k", "v", None, "causal", packed_seq_params=DhpPackedSeqParams(pad_between_seqs=padded))
+        assert attention.received["pad_between_seqs"] is padded
+    monkeypatch.setattr(te, "te_version", lambda: "2.17.1")
+    with pytest.raises(DhpError, match="TransformerEngine 2.17.1 is older than 2.18.*--cp-comm-type all_gather"):
+        core(config, 1)
+    assert core(types.SimpleNamespace(cp_comm_type="p2p"), 1).cp_comm_type == "p2p"
     with pytest.raises(DhpError, match="layer spec 'te' needs TEDotProductAttention as core attention"):
         with_dynamic_cp(get_gpt_layer_local_spec(), backend="te")
+
+
+def test_te_floors_by_comm_type():
+    """Each comm type's THD floor, one per layer; a2a (group sizes that need not divide the heads) and a2a+p2p
+    (no THD path) refused by name."""
+    from megatron_dhp.runtime.attention.te import te_refusal
+
+    assert te_refusal("p2p", "2.2") is None and te_refusal(None, "2.2.0") is None
+    assert "older than 2.2" in te_refusal("p2p", "2.1.0")
+    assert te_refusal(["p2p", "all_gather"], "2.18") is None
+    assert "older than 2.18" in te_refusal(["all_gather", None], "2.17.1")
+    assert "--cp-comm-type a2a a2a+p2p with layer_spec te" in te_refusal(["a2a", "a2a+p2p", "p2p"], "2.18")
 
 
 def test_a_decoder_block_spec_gets_dynamic_cp_attention_in_every_layer():

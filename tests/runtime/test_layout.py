@@ -64,3 +64,42 @@ def test_extra_rows_pad_the_last_sample_and_keep_every_token_once(lengths, d, t,
         assert sorted(held.tolist()) == list(range(layouts[0].padded_lengths[i]))
         assert sorted(held[held < n].tolist()) == list(range(n))
     assert sum(int(layout.real().sum()) for layout in layouts) == sum(lengths)
+
+
+class _Members:
+    """What a CPContext asks of its group: its size and this rank's place."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), d=st.integers(1, 4), t=st.integers(1, 3),
+       steps=st.integers(0, 2))
+def test_thd_parameters_state_padding_and_hold_no_empty_sequence(lengths, d, t, steps):
+    """What TransformerEngine receives: every sequence non-empty, true and padded (its fused RoPE slows on empty
+    ones), `pad_between_seqs` exactly when some sample is padded (tail padding too), and one tensor for both
+    lengths when none is (TE 2.18 treats separate tensors as padded)."""
+    from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
+
+    base = MicrobatchLayout(tuple(range(len(lengths))), tuple(lengths), d, d - 1, seq_multiple=t)
+    layout = base.with_rows(base.num_slots + steps * base.row_multiple)
+    params = DhpPackedSeqParams.for_microbatch(CPContext(layout, _Members(d, d - 1) if d > 1 else None))
+    true, padded = params.cu_seqlens_q, params.cu_seqlens_q_padded
+    assert bool((true.diff() >= 1).all()) and bool((padded.diff() >= 1).all())
+    assert params.pad_between_seqs == (not torch.equal(true, padded))
+    assert params.pad_between_seqs or padded is true
+    assert params.cu_seqlens_kv is true and params.cu_seqlens_kv_padded is padded
+
+
+def test_a_zero_length_sample_never_makes_a_layout():
+    import pytest
+
+    with pytest.raises(AssertionError, match="at least one token"):
+        MicrobatchLayout((0, 1), (5, 0), 1, 0)

@@ -63,13 +63,18 @@ class DhpPackedSeqParams(PackedSeqParams):
     RoPE asks it only `size()` and `rank()`; TE would need a process group, so `p2p` is local-spec only.
     """
 
+    pad_between_seqs: bool | None = None
+    """Whether any sample carries padding, stated so that TE need not infer it (`attention.te`); a field of
+    megatron-core's own from 0.19."""
     dhp: CPContext | None = None
 
     @classmethod
     def for_microbatch(cls, ctx: CPContext) -> DhpPackedSeqParams:
-        """The parameters of one microbatch, their length tensors those its metadata already moved to its device."""
+        """The parameters of one microbatch, their length tensors those its metadata already moved to its device
+        (one tensor for true and padded lengths when no sample is padded)."""
         layout, meta = ctx.layout, ctx.meta
-        cu, cu_padded = meta.cu_seqlens, meta.natural.cu
+        cu = meta.cu_seqlens
+        cu_padded = meta.natural.cu if layout.padded else cu
         return cls(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -80,5 +85,6 @@ class DhpPackedSeqParams(PackedSeqParams):
             max_seqlen_kv=layout.max_seqlen,
             local_cp_size=layout.group_size,
             cp_group=ctx.group,
+            pad_between_seqs=layout.padded,
             dhp=ctx,
         )
