@@ -1263,7 +1263,8 @@ def safety_checks(quick: bool) -> list[Check]:
     mechanism behind the overlapped reduction's rule (`slots.last_backward_shared`): with
     CUDA_DEVICE_MAX_CONNECTIONS=1 a tiny kernel on a second stream must wait for a long one queued before it
     on the first (head-of-line blocking), measured in a subprocess, since CUDA reads the variable at start-up;
-    recorded, the rule does not depend on it."""
+    recorded, the rule does not depend on it. And a Megatron-LM-style default group bound by megatron-dhp, its
+    groups split and connected at set-up (`megatron_default_group_check`), NVLink SHARP off and on."""
     from dataclasses import replace as with_fields
 
     from megatron_dhp.plan.plan import Plan, PlanGroup
@@ -1294,7 +1295,47 @@ def safety_checks(quick: bool) -> list[Check]:
         waits[connections] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else out.stderr[-300:]
     checks.append(Check("head-of-line blocking: a second stream's kernel behind a long one (seconds waited)", "ok",
                         numbers={"CUDA_DEVICE_MAX_CONNECTIONS=1": waits["1"], "CUDA_DEVICE_MAX_CONNECTIONS=8": waits["8"]}))
-    return checks
+    return checks + [megatron_default_group_check(nvls) for nvls in ("0", "1")]
+
+
+MEGATRON_GROUP_PROBE = """
+import json, os, sys, torch, torch.distributed as dist
+from megatron_dhp.runtime.distributed import bind_default_group, gpu_environment
+from megatron_dhp.runtime.group_pool import nccl_sharing
+gpu_environment()  # what validate_dhp_args does before Megatron-LM starts NCCL
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")  # as Megatron-LM's initialize_megatron: no device_id
+x = torch.ones(1, device="cuda"); dist.all_reduce(x); torch.cuda.synchronize()
+before, groups, device = nccl_sharing(), int(sys.argv[1]), torch.device("cuda", 0)
+free = torch.cuda.mem_get_info()[0]
+bound = bind_default_group(device)
+made = [dist.new_group([0]) for _ in range(groups)]  # the group pool's creation, no collective on them
+torch.cuda.synchronize()
+used = (free - torch.cuda.mem_get_info()[0]) / groups / 2**20
+splits = dist.group.WORLD._get_backend(device).comm_split_count()
+print(json.dumps({"bound": bound, "splits": splits, "mib_per_group": used, "before": before, "after": nccl_sharing()}))
+dist.destroy_process_group()
+"""
+"""A Megatron-LM-style default group (no device_id) on one NCCL rank, bound by megatron-dhp, then K groups."""
+
+
+def megatron_default_group_check(nvls: str, groups: int = 4) -> Check:
+    """Under Megatron-LM (default group without a device) `bind_default_group` makes every new group a split of
+    the default communicator (NCCL's split count), connected at creation (memory taken before any collective on
+    it), sharing resources (the start-up line). Memory per group with NVLink SHARP off and on (one GPU: no
+    NVLS buffers expected; the multi-GPU figure is bench/comm_memory.py's)."""
+    from megatron_dhp.testing.launch import free_port
+
+    name = f"Megatron-LM-style default group bound, {groups} groups split and connected at set-up (NCCL_NVLS_ENABLE={nvls})"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "NCCL_NVLS_ENABLE": nvls}
+    out = subprocess.run([sys.executable, "-c", MEGATRON_GROUP_PROBE, str(groups)], env=env, capture_output=True,
+                         text=True, timeout=180)
+    if out.returncode != 0:
+        return Check(name, "fail", reason=out.stderr[-600:])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ok = got["bound"] and got["splits"] == groups and got["mib_per_group"] > 0 and "sharing its resources" in got["after"]
+    return Check(name, "ok" if ok else "fail", numbers=got)
 
 
 # ----------------------------------------------------------------------------------------------- the run

@@ -18,6 +18,7 @@ from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.runtime.attention.kernels import describe
+from megatron_dhp.runtime.distributed import bind_default_group
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
 from megatron_dhp.runtime.fused import kernels_status
@@ -70,11 +71,14 @@ def job_cost(config: DhpConfig, domain: DynamicDomain) -> tuple[CommPolicy, Cost
 
 def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPolicy, cost: CostConfig, *,
                        dataset_max_tokens: int | None, pipeline_stages: int = 1, virtual_stages: int = 1) -> StepRuntime:
-    """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order).
+    """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order,
+    on CUDA each split from the default communicator and connected here, `distributed.bind_default_group`).
     Rank 0 logs the policy's one line."""
     planner = JobPlanner(config, cost, policy, dataset_max_tokens=dataset_max_tokens, pipeline_stages=pipeline_stages,
                          virtual_stages=virtual_stages)
     kernels = kernels_status(domain.device)  # every rank: a JIT build now, not in the first forward
+    if domain.device.type == "cuda":  # Megatron-LM's default group is unbound: bind it so the family splits from it
+        bind_default_group(domain.device)
     pool = GroupPool(domain, max_groups=config.max_groups, family=policy.startup_groups)
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())

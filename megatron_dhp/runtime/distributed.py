@@ -72,7 +72,7 @@ def local_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def bind_default_group(device: torch.device) -> bool:
+def bind_default_group(device: torch.device, world: dist.ProcessGroup | None = None) -> bool:
     """Bind an NCCL default group to `device`, as `init_process_group(device_id=...)` does, where the launcher
     did not (Megatron-LM's `initialize_megatron`); returns whether it bound. Collective over the world.
 
@@ -81,10 +81,10 @@ def bind_default_group(device: torch.device) -> bool:
     family exists after set-up instead of being connected lazily inside the first steps, which NCCL warns
     can deadlock while other kernels run. The default communicator is connected first (a no-op when a
     collective already did), since non-members of a new group join its split there. Every group created
-    afterwards is world-collective (torch's rule for splits): the group pool's are.
+    afterwards is world-collective (torch's rule for splits): the group pool's are. `world`: the default group.
     """
-    world = dist.group.WORLD
-    if dist.get_backend() != "nccl" or world.bound_device_id is not None:
+    world = dist.group.WORLD if world is None else world
+    if world.name() != "nccl" or world.bound_device_id is not None:
         return False
     world.bound_device_id = device
     world._get_backend(device).eager_connect_single_device(device)

@@ -206,3 +206,22 @@ def test_without_dhp_nothing_is_checked_but_stray_flags_are_named():
 def test_ulysses_needs_no_head_divisibility_check():
     # the runtime's Ulysses handles heads that do not divide by the group size (tests/runtime), so it is allowed
     assert validate_dhp_args(parse(["--dhp", "--dhp-comm", "ulysses"])).comm == "ulysses"
+
+
+def test_a_gpu_run_gets_the_gpu_environment_before_megatron_starts_nccl(monkeypatch):
+    """Validation runs before Megatron-LM's init_process_group, which is when NCCL reads its variables once
+    (NCCL_COMM_SPLIT_SHARE_RESOURCES among them) and before CUDA's allocator reads its configuration."""
+    import torch
+
+    from megatron_dhp.runtime.distributed import GPU_ENVIRONMENT
+
+    for name in GPU_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    validate_dhp_args(parse(["--dhp"], distributed_backend="nccl"))
+    assert not set(GPU_ENVIRONMENT) & set(os.environ)  # no CUDA: a CPU run's environment is its own
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    validate_dhp_args(parse(["--dhp"], distributed_backend="gloo"))
+    assert not set(GPU_ENVIRONMENT) & set(os.environ)
+    validate_dhp_args(parse(["--dhp"], distributed_backend="nccl"))
+    assert {name: os.environ[name] for name in GPU_ENVIRONMENT} == GPU_ENVIRONMENT
