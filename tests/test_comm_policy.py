@@ -6,6 +6,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, CommPolicy
 from megatron_dhp.plan.family import group_family
+from megatron_dhp.plan.memory import ModelMemory
 
 FAMILY = group_family(64, 8)
 
@@ -54,7 +55,7 @@ def test_config_keeps_what_the_user_wrote_and_exposes_the_effective_comm():
     ({"comm": "smoke"}, "comm 'smoke' is unknown"),
     ({"max_groups_per_rank": -1}, "max_groups_per_rank = -1"),
     ({"communicator_mb": -1.0}, "communicator_mb = -1.0"),
-    ({"memory_mb_per_token": 0.0}, "memory_mb_per_token = 0.0"),
+    ({"memory_mb_per_token": -1.0}, "memory_mb_per_token = -1.0"),
 ])
 def test_bad_settings_are_clear_errors(kw, match):
     with pytest.raises(DhpError, match=match):
@@ -69,10 +70,42 @@ def test_communicator_memory_is_stated_and_taken_from_the_token_cap():
     assert policy(comm="p2p").memory_per_rank_mb == 0.0
     config = DhpConfig(max_tokens_per_rank=32768, communicator_mb=500.0, memory_mb_per_token=2.0)
     assert config.token_cap(config.comm_policy(world_size=64, gpus_per_node=8)) == 32768 - 32 * 500 // 2
-    assert DhpConfig().token_cap(policy()) == DhpConfig().max_tokens_per_rank  # no conversion given: unchanged
+    assert DhpConfig().token_cap(policy()) == DhpConfig().max_tokens_per_rank  # no model, no rate: unchanged
+    model = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)  # 4 MB per token
+    default = DhpConfig(max_tokens_per_rank=32768)
+    assert default.token_cap(policy(), model) == 32768 - round(32 * DEFAULT_COMMUNICATOR_MB / 4.0)  # by default
+    assert DhpConfig(max_tokens_per_rank=32768, memory_mb_per_token=0.0).token_cap(policy(), model) == 32768
+    assert config.token_cap(config.comm_policy(world_size=64, gpus_per_node=8), model) == 32768 - 32 * 500 // 2  # rate given
     small = DhpConfig(max_tokens_per_rank=1024, memory_mb_per_token=1.0)
     with pytest.raises(DhpError, match="lower max_groups_per_rank or raise max_tokens_per_rank"):
         small.token_cap(small.comm_policy(world_size=64, gpus_per_node=8))
+
+
+def test_gathered_keys_and_values_count_where_a_group_keeps_them():
+    assert policy(comm="allgather").gathers_kv and policy(comm="mixed").gathers_kv
+    assert not policy(comm="mixed", max_groups_per_rank=0).gathers_kv  # every group runs p2p
+    assert not policy(comm="ring").gathers_kv and not policy(comm="ulysses").gathers_kv
+    assert not policy(comm="p2p").gathers_kv
+    assert policy(comm="ring", layer_spec="te").gathers_kv  # TE's all_gather may: counted whatever it runs
+
+
+def test_live_cost_model_counts_a_gpu_job_s_communicators_and_gathered_keys_and_values():
+    from megatron_dhp.integration.planning import live_cost_config
+    from megatron_dhp.integration.step_runtime import memory_summary
+
+    model = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)
+    config = DhpConfig(max_tokens_per_rank=32768)
+    p = config.comm_policy(world_size=64, gpus_per_node=8)
+    cost = live_cost_config(config, p, model)
+    assert cost.max_tokens_per_rank == 32768 - round(32 * DEFAULT_COMMUNICATOR_MB / 4.0)
+    assert cost.kv_memory_per_token == pytest.approx(1 / 32)
+    line = memory_summary(config, p, cost, model)
+    assert f"token cap {cost.max_tokens_per_rank} per rank" in line and "estimated from the model" in line
+    assert "gathered keys and values count 0.0312" in line
+    ring = DhpConfig(max_tokens_per_rank=32768, comm="ring", memory_mb_per_token=0.0)
+    cpu = live_cost_config(ring, ring.comm_policy(world_size=64, gpus_per_node=8), model)
+    assert (cpu.max_tokens_per_rank, cpu.kv_memory_per_token) == (32768, 0.0)
+    assert live_cost_config(config, p).max_tokens_per_rank == 32768  # no model (a CPU job): as stated
 
 
 def test_profile_times_every_group_on_its_own_communicator():

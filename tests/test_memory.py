@@ -210,3 +210,58 @@ def test_global_under_pipelining_is_its_encoder_phase_around_the_1f1b_slots(smal
     fp = model.footprint(batch.samples)
     assert fp.cap == small.max_tokens_per_rank - math.ceil(W * max(loads))
     assert fp.shared.tolist() == [s.tokens for s in batch.samples] and not fp.held.any()
+
+
+# ---------------------------------------------------------------------- gathered keys and values
+def test_gathered_keys_and_values_sit_whole_on_every_rank_of_the_group():
+    """g L beside the shard, whatever d: a wide group no longer divides a sample's memory away."""
+    fp = MemoryRule(1000, kv_memory_per_token=0.1).footprint(SAMPLES, 8)
+    assert fp.shared.tolist() == [1000, 600, 300] and fp.held.tolist() == [100, 60, 30]
+    assert fp.min_degree().tolist() == [2, 1, 1]  # 1000 / 2 + 100 <= 1000
+    assert fp.per_rank([0, 1], 4) == pytest.approx(1600 / 4 + 160)
+    assert not MemoryRule(1000, kv_memory_per_token=0.1).footprint([Sample(0, 9000)], 16).fits([0], 16)  # 562 + 900
+    both = MemoryRule(1000, W, "replicate", kv_memory_per_token=0.1).footprint(SAMPLES, 8)
+    assert both.held.tolist() == [512 + 100, 125 + 60, 30]
+    with pytest.raises(DhpError, match=r"sample 0 \(9000 tokens\) fits no group .* keeps the group's keys and values"):
+        MemoryRule(1000, kv_memory_per_token=0.1).check([Sample(0, 9000)], 16)
+
+
+def test_model_memory_is_megatron_lm_s_count_and_the_kv_share_follows_it():
+    """Llama-3-8B (h 4,096, ffn 14,336, 32 layers, 8 query groups of 128): 18 h + 4 f = 128 KiB per layer and
+    token in bf16, its keys and values 4 KiB: g = 1/32."""
+    from megatron_dhp.plan.memory import ModelMemory
+
+    llama = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)
+    assert llama.activation_mb == pytest.approx(4.0) and llama.kv_memory_per_token == pytest.approx(1 / 32)
+    staged = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024, tensor_parallel=2,
+                                pipeline_stages=4, element_bytes=4)
+    assert staged.activation_mb == pytest.approx(4.0 / 2 / 4 * 2) and staged.kv_memory_per_token == pytest.approx(1 / 32)
+    recompute = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024, full_recompute=True)
+    assert recompute.activation_mb == pytest.approx(32 * 2 * 4096 / 2**20)  # each layer's input only
+    assert recompute.gathered_kv_mb == pytest.approx(4096 / 2**20)  # one layer recomputed at a time
+
+
+def test_every_planner_s_plan_holds_the_gathered_keys_and_values(small):
+    model = build_cost_model(replace(small, enc_memory_per_token=0.0, kv_memory_per_token=0.05))
+    batch = Batch.from_lengths([30000, 9000, 5000, *range(100, 3000, 150)])
+    assert (model.footprint(batch.samples).min_degree()
+            > MemoryRule(small.max_tokens_per_rank).footprint(batch.samples, 16).min_degree()).any()
+    for name in ("dhp", "static", "megatron-hcp", "fcp-ref"):
+        plan = run_planner(build_planner(name, {}), batch, model)
+        back = Plan.from_dict(json.loads(plan.to_json()))
+        assert back.kv_memory_per_token == 0.05
+        back.validate()
+        with pytest.raises(PlanError, match="gathered keys and values included"):
+            replace(plan, kv_memory_per_token=0.5).validate()
+
+
+def test_the_longest_sample_a_domain_holds_leaves_room_for_its_gathered_keys_and_values():
+    """L + N ceil(g L) <= N cap, exactly: the largest such L, and the least cap that holds a given L."""
+    from megatron_dhp.plan.memory import longest_sample, ranks_cap_for
+
+    assert longest_sample(1000, 8) == 8000 and ranks_cap_for(8000, 8) == 1000
+    for cap, n, g in ((1000, 8, 0.1), (4096, 64, 1 / 32), (777, 5, 0.013), (10, 3, 0.5)):
+        longest = longest_sample(cap, n, g)
+        fp = MemoryRule(cap, kv_memory_per_token=g).footprint([Sample(0, longest), Sample(1, longest + 1)], n)
+        assert fp.fits([0], n) and not fp.fits([1], n)
+        assert ranks_cap_for(longest, n, g) <= cap < ranks_cap_for(longest + 1, n, g)

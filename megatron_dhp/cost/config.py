@@ -25,6 +25,7 @@ rank's keys and values) or all-to-all (DeepSpeed-Ulysses, FlexSP: heads scattere
 OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
+                 "kv_memory_per_token",
                  "rank_speeds", "speed_scales_comm", "cp_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
                  "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token",
                  "sharded_state_bytes", "fsdp_gather_bytes")
@@ -151,6 +152,11 @@ class CostConfig:
     encoder's hidden size x layers over the LLM's: 0.19 for a 300M ViT on GPT-7B). It counts against
     max_tokens_per_rank as the placement puts it (`plan.memory`); 0, the reference model, counts LLM tokens
     only."""
+    kv_memory_per_token: float = 0.0
+    """g: one token's keys and values in LLM tokens of activations (2 x query groups x head size over about
+    18 x hidden + 4 x ffn per layer: 0.03 for Llama-3-8B), which every rank of a group keeps whole under the
+    all-gather variant, whatever the group's size (`plan.memory`). A live job on a GPU sets it from its model
+    when some group gathers; 0, the reference model, does not count it."""
     sample_overhead_s: float = 0.0
     """s: fixed seconds per sample on every rank of its group, not divided by d (per-sample work that each
     rank repeats: megatron's THD RoPE and varlen attention loop over samples). Added to t(L, d); 0 in the

@@ -131,8 +131,9 @@ class ReferenceCostModel:
                                 self.best_placement_intra(degrees)[None, :])
 
     def memory_rule(self) -> MemoryRule:
-        """M, w and the placement the encoder's activations count under (`plan.memory`)."""
-        return MemoryRule(self.domain.max_tokens_per_rank, self.config.enc_memory_per_token, self._pricing)
+        """M, w and the placement the encoder's activations count under, and g (`plan.memory`)."""
+        return MemoryRule(self.domain.max_tokens_per_rank, self.config.enc_memory_per_token, self._pricing,
+                          self.config.kv_memory_per_token)
 
     def footprint(self, samples: Sequence[Sample]) -> Footprint:
         """Each sample's memory under `memory_rule` on this domain."""

@@ -15,6 +15,7 @@ from megatron_dhp.cost.speeds import expand_speeds, parse_slowdowns
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
 from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
+from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.runtime.attention import BACKENDS
 
 
@@ -66,9 +67,11 @@ class DhpConfig:
     this figure, and `memory_mb_per_token` turns it into tokens the cap gives up. The default is measured on
     an H200 and reported on A100s (docs/results.md); `bench/comm_memory.py` measures your GPUs."""
     memory_mb_per_token: float | None = None
-    """A rank's activation memory per token of a microbatch, in MB. When given, the communicators' memory is
-    taken from the cap: the planner holds max_tokens_per_rank - communicators x communicator_mb / this
-    tokens per rank. None: max_tokens_per_rank is taken as already leaving room for them."""
+    """A rank's activation memory per token of a microbatch, in MB: the communicators' memory is taken from the
+    cap at this rate (max_tokens_per_rank - communicators x communicator_mb / this tokens per rank). None: on a
+    GPU, estimated from the model (`plan.memory.ModelMemory`, Megatron-LM's count); 0: not counted
+    (max_tokens_per_rank already leaves room for them). A CPU job's communicators hold no GPU memory: never
+    counted there."""
     time_limit_s: float = 10.0
     """Solver time limit for planners that take one (flexsp-milp)."""
     truncate: bool = False
@@ -112,8 +115,9 @@ class DhpConfig:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} must be >= 1 (or left out)")
-        if self.memory_mb_per_token is not None and not self.memory_mb_per_token > 0:
-            raise DhpError(f"memory_mb_per_token = {self.memory_mb_per_token} must be > 0 (or left out)")
+        if self.memory_mb_per_token is not None and not self.memory_mb_per_token >= 0:
+            raise DhpError(f"memory_mb_per_token = {self.memory_mb_per_token} must be >= 0 (0: not counted; left "
+                           "out: estimated from the model on a GPU)")
         if self.time_limit_s <= 0:
             raise DhpError(f"time_limit_s = {self.time_limit_s} must be > 0")
         SpeedEstimator(1, window=self.adaptive_window, hysteresis=self.adaptive_hysteresis)  # checks both
@@ -143,17 +147,25 @@ class DhpConfig:
                                    max_groups_per_rank=self.max_groups_per_rank, layer_spec=self.layer_spec,
                                    communicator_mb=self.communicator_mb)
 
-    def token_cap(self, policy: CommPolicy) -> int:
-        """The tokens per rank a microbatch may hold: max_tokens_per_rank, less the communicators' memory
-        in tokens when `memory_mb_per_token` is given."""
-        if self.memory_mb_per_token is None:
+    def mb_per_token(self, model: ModelMemory | None) -> float:
+        """The rate the communicators' memory turns into tokens: `memory_mb_per_token`, else the model's
+        activation MB per token when the job gives one (a GPU job), else 0 (not counted)."""
+        if self.memory_mb_per_token is not None:
+            return self.memory_mb_per_token
+        return model.activation_mb if model is not None else 0.0
+
+    def token_cap(self, policy: CommPolicy, model: ModelMemory | None = None) -> int:
+        """The tokens per rank a microbatch may hold: max_tokens_per_rank, less the communicators' memory in
+        tokens at `mb_per_token`."""
+        rate = self.mb_per_token(model)
+        if not rate:
             return self.max_tokens_per_rank
-        cap = self.max_tokens_per_rank - int(policy.memory_per_rank_mb / self.memory_mb_per_token + 0.5)
+        cap = self.max_tokens_per_rank - int(policy.memory_per_rank_mb / rate + 0.5)
         if cap < 1:
             raise DhpError(
                 f"the group family's {policy.communicators_per_rank} communicators per rank take "
                 f"{policy.memory_per_rank_mb:.0f} MB, more than max_tokens_per_rank = {self.max_tokens_per_rank} "
-                f"tokens of {self.memory_mb_per_token} MB; lower max_groups_per_rank or raise max_tokens_per_rank")
+                f"tokens of {rate:.3g} MB; lower max_groups_per_rank or raise max_tokens_per_rank")
         return cap
 
     @classmethod

@@ -17,6 +17,7 @@ from megatron_dhp.cost import CostConfig
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
 from megatron_dhp.plan.comm import CommPolicy
+from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.distributed import bind_default_group
 from megatron_dhp.runtime.domain import DynamicDomain
@@ -63,10 +64,34 @@ def job_policy(config: DhpConfig, domain: DynamicDomain, job_world_size: int) ->
     return config.comm_policy(world_size=domain.size, gpus_per_node=node)
 
 
-def job_cost(config: DhpConfig, domain: DynamicDomain) -> tuple[CommPolicy, CostConfig]:
-    """The job's comm policy and the cost model it plans with (the cap its communicators leave)."""
+def job_cost(config: DhpConfig, domain: DynamicDomain, model: ModelMemory | None = None) -> tuple[CommPolicy, CostConfig]:
+    """The job's comm policy and the cost model it plans with. On a GPU, with the `model`'s memory per token,
+    the token cap gives up what the communicators take and the memory rule counts gathered keys and values
+    (`live_cost_config`); a CPU job's cap is max_tokens_per_rank as stated. Rank 0 logs what was counted."""
     policy = job_policy(config, domain, dist.get_world_size())
-    return policy, live_cost_config(config, policy)
+    counted = model if domain.device.type == "cuda" else None
+    cost = live_cost_config(config, policy, counted)
+    if dist.get_rank() == 0 and domain.device.type == "cuda":
+        logger.info("dhp: %s", memory_summary(config, policy, cost, counted))
+    return policy, cost
+
+
+def memory_summary(config: DhpConfig, policy: CommPolicy, cost: CostConfig, model: ModelMemory | None) -> str:
+    """One start-up line: the token cap the planner holds and what it gave up, and the gathered keys and values."""
+    rate = config.mb_per_token(model)
+    if rate:
+        source = "memory_mb_per_token" if config.memory_mb_per_token is not None else "estimated from the model"
+        given_up = (f"{config.max_tokens_per_rank - cost.max_tokens_per_rank} tokens for "
+                    f"{policy.communicators_per_rank} communicators x {policy.communicator_mb:.0f} MB at {rate:.3g} MB "
+                    f"per token ({source})")
+    elif config.memory_mb_per_token == 0:
+        given_up = "nothing (memory_mb_per_token 0 leaves the communicators outside it)"
+    else:
+        given_up = "nothing (no model to estimate a token's memory from: set memory_mb_per_token to count the communicators)"
+    kv = (f"; gathered keys and values count {cost.kv_memory_per_token:.3g} tokens per token on every rank of "
+          "their group" if cost.kv_memory_per_token else "")
+    return f"token cap {cost.max_tokens_per_rank} per rank: max_tokens_per_rank {config.max_tokens_per_rank} less " \
+           f"{given_up}{kv}"
 
 
 def build_step_runtime(config: DhpConfig, domain: DynamicDomain, policy: CommPolicy, cost: CostConfig, *,

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
+from megatron_dhp.plan.memory import ModelMemory, longest_sample, ranks_cap_for
 from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain, host_groups
 from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
@@ -71,14 +73,14 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if stages > 1:
         check_pipeline(domain)
-    policy, cost = job_cost(config, domain)
-    cap = _sample_cap(args.seq_length, domain, config, cost.max_tokens_per_rank, stages, virtual)
+    policy, cost = job_cost(config, domain, _model_memory(args, stages))
+    cap = _sample_cap(args.seq_length, domain, config, cost, stages, virtual)
     share_group, share_source = _loader_sharing(domain)
     aligned, equal_rows = slot_rules(parallel_state.get_expert_model_parallel_world_size(),
                                      getattr(args, "moe_token_dispatcher_type", None),
                                      fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)))
     runtime = DhpRuntime(
-        steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=min(args.seq_length, cost.domain.capacity),
+        steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=cap or args.seq_length,
                                  pipeline_stages=stages, virtual_stages=virtual),
         share_group=share_group,
         share_source=share_source,
@@ -99,6 +101,16 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     # still held hung the exit (torchrun killed the ranks 20 s later); let go, each shuts its workers down.
     atexit.register(lambda: [step_iterator(it).close() for it in _flat(wrapped)])
     return wrapped
+
+
+def _model_memory(args: argparse.Namespace, stages: int) -> ModelMemory:
+    """What a token keeps on a rank of this Megatron-LM run (`ModelMemory.of_gpt` on its flags; MoE's experts and
+    MLA's latent keys are counted as a dense GPT of the same sizes: set memory_mb_per_token to do better)."""
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return ModelMemory.of_gpt(hidden=args.hidden_size, ffn_hidden=args.ffn_hidden_size, layers=args.num_layers,
+                              kv_channels=groups * args.kv_channels, tensor_parallel=args.tensor_model_parallel_size,
+                              pipeline_stages=stages, element_bytes=2 if args.bf16 or args.fp16 else 4,
+                              full_recompute=args.recompute_granularity == "full")
 
 
 def _flat(iterators: tuple) -> list:
@@ -128,31 +140,31 @@ def _loader_sharing(domain: DynamicDomain) -> tuple[dist.ProcessGroup | None, in
     return group, source
 
 
-def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, token_cap: int, stages: int,
+def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, cost: CostConfig, stages: int,
                 virtual: int = 1) -> int | None:
     """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
 
-    `token_cap` is the M the planner holds (`DhpConfig.token_cap`: max_tokens_per_rank, less the communicators'
-    memory when it is counted). Under pipeline parallelism a stage keeps up to P microbatches in flight, so one
-    holds M // P per rank (interleaved, M V // C: `plan.pipeline.pipeline_token_cap`)."""
-    per_rank = pipeline_token_cap(token_cap, stages, virtual)
-    capacity = domain.size * per_rank
+    The cost model's cap is the M the planner holds (`DhpConfig.token_cap`: max_tokens_per_rank, less the
+    communicators' memory when it is counted). Under pipeline parallelism a stage keeps up to P microbatches in
+    flight, so one holds M // P per rank (interleaved, M V // C: `plan.pipeline.pipeline_token_cap`); gathered
+    keys and values, where counted, take their share on every rank (`plan.memory.longest_sample`)."""
+    token_cap, kv = cost.max_tokens_per_rank, cost.kv_memory_per_token
+    capacity = longest_sample(pipeline_token_cap(token_cap, stages, virtual), domain.size, kv)
     if seq_length <= capacity:
         return None
     if config.truncate:
         return capacity
     at = "" if stages == 1 else f" // {stages} pipeline stages" if virtual == 1 else \
         f" at {stages} pipeline stages of {virtual} chunks"
+    kept = f", its keys and values on every rank at kv_memory_per_token {kv:.3g}" if kv else ""
+    raised = _raised_cap(ranks_cap_for(seq_length, domain.size, kv), stages, virtual)
     raise DhpError(
         f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
-        f"{token_cap}{at} ({capacity} tokens); raise --dhp-max-tokens-per-rank to at least "
-        f"{_raised_cap(seq_length, domain.size, stages, virtual) + config.max_tokens_per_rank - token_cap} or set "
-        "truncate: true"
+        f"{token_cap}{at} ({capacity} tokens{kept}); raise --dhp-max-tokens-per-rank to at least "
+        f"{raised + config.max_tokens_per_rank - token_cap} or set truncate: true"
     )
 
 
-
-def _raised_cap(seq_length: int, ranks: int, stages: int, virtual: int) -> int:
-    """The least M whose per-microbatch cap lets `ranks` ranks hold `seq_length` tokens."""
-    per_rank = -(-seq_length // ranks)
+def _raised_cap(per_rank: int, stages: int, virtual: int) -> int:
+    """The least M whose per-microbatch cap is `per_rank` tokens."""
     return -(-per_rank * in_flight_chunks(stages, virtual) // virtual)  # M V // C >= per_rank

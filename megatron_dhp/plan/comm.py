@@ -10,7 +10,8 @@ the CLI, the benches and `selftest` ask it instead of deciding again:
 - `creates_later`: whether a step can still create a communicator (only when planners form groups freely
   under a comm that needs one per group);
 - `transport(ranks)`: how one group's attention talks (`mixed` resolves here, group by group);
-- `memory_per_rank_mb`: the communicators' GPU memory on the busiest rank, at `communicator_mb` each.
+- `memory_per_rank_mb`: the communicators' GPU memory on the busiest rank, at `communicator_mb` each;
+- `gathers_kv`: whether a group's ranks keep its whole keys and values for the backward (the memory rule's g).
 
 Pure: no torch, no process group, so every answer is testable on its own.
 """
@@ -145,6 +146,15 @@ class CommPolicy:
     def memory_per_rank_mb(self) -> float:
         """GPU memory of the start-up communicators on the busiest rank."""
         return self.communicators_per_rank * self.communicator_mb
+
+    @property
+    def gathers_kv(self) -> bool:
+        """Whether some group's ranks each keep the group's whole keys and values for the backward: allgather
+        and mixed's family groups (the memory rule is per sample, so it counts for mixed's p2p groups too), and
+        TransformerEngine's attention, whose all_gather does (counted for its p2p too: the job's cp_comm_type is
+        Megatron-LM's, not the policy's)."""
+        comm = self.effective_comm
+        return self.layer_spec == "te" or comm == "allgather" or (comm == "mixed" and self.family is not None)
 
     def for_profiling(self) -> CommPolicy:
         """The policy `profile` times groups under: every group on its own communicator, created on demand,

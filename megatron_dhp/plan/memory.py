@@ -15,6 +15,12 @@ backward, in LLM tokens: about the encoder's hidden size x layers over the LLM's
 Per rank that must stay within the cap M. With w = 0 (the reference model's, docs/cost-model.md) only LLM tokens
 count. Tokens are whole: each sample's encoder share is rounded up. More ranks never hold more per rank, so a
 microbatch that fits d ranks fits any wider group.
+
+Under the all-gather variant every rank of a group also keeps the group's keys and values for its backward:
+g = `kv_memory_per_token` tokens' worth per token of the microbatch, on every rank whatever d is, so a microbatch
+of samples S holds g sum_S L on each rank beside its shard (`ModelMemory` derives g from the model's shape). A
+live job on a GPU counts it when some group gathers (`plan.comm.CommPolicy.gathers_kv`); the reference model's
+g is 0.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.workload.sample import Sample
+
+MIB = 2**20
 
 UNPLACEABLE = np.iinfo(np.int64).max // 4
 """The minimum degree of a sample whose encoder activations alone exceed a rank (replicate): no group holds it."""
@@ -44,6 +52,54 @@ def longest_first_makespan(sizes: Iterable[float], ranks: int) -> float:
     return max(loads)
 
 
+def longest_sample(cap: int, world_size: int, kv_memory_per_token: float = 0.0) -> int:
+    """The longest text sample the whole domain holds at `cap` tokens per rank: N x cap, less what its gathered
+    keys and values take on every rank (L + N ceil(g L) <= N cap, exact in integers)."""
+    def fits(length: int) -> bool:
+        return length + world_size * math.ceil(kv_memory_per_token * length) <= world_size * cap
+
+    length = int(world_size * cap / (1 + world_size * kv_memory_per_token))
+    while length > 0 and not fits(length):
+        length -= 1
+    while fits(length + 1):
+        length += 1
+    return length
+
+
+def ranks_cap_for(length: int, world_size: int, kv_memory_per_token: float = 0.0) -> int:
+    """The least per-rank cap at which the whole domain holds a text sample of `length` (`longest_sample`'s
+    inverse): ceil(L / N) + ceil(g L)."""
+    return -(-length // world_size) + math.ceil(kv_memory_per_token * length)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What one token of a microbatch keeps on a rank until its backward, in MB, from the model's shape: what a
+    job needs to count its communicators and its gathered keys and values against the token cap unprofiled."""
+
+    activation_mb: float
+    """Its share of the activations of this rank's pipeline stage."""
+    gathered_kv_mb: float
+    """Its keys and values, kept on every rank of its group under the all-gather variant."""
+
+    @classmethod
+    def of_gpt(cls, *, hidden: int, ffn_hidden: int, layers: int, kv_channels: int, tensor_parallel: int = 1,
+               pipeline_stages: int = 1, element_bytes: int = 2, full_recompute: bool = False) -> ModelMemory:
+        """A GPT's: per layer (18 h + 4 f) bytes in 16 bits over the TP ranks (Korthikanti et al.'s count with
+        flash attention and sequence parallelism, the one Megatron-LM's theoretical memory report makes), only the
+        layer's input (2 h) under full recompute; its keys and values 2 x `kv_channels` (query groups x head
+        size) values per layer (one layer's under full recompute). Over the stage's layers, L / P."""
+        per_layer = 2 * hidden if full_recompute else 18 * hidden + 4 * ffn_hidden
+        stage = layers / pipeline_stages
+        scale = element_bytes / 2 / tensor_parallel / MIB
+        return cls(per_layer * stage * scale, 2 * kv_channels * 2 * (1 if full_recompute else stage) * scale)
+
+    @property
+    def kv_memory_per_token(self) -> float:
+        """g: a token's gathered keys and values in tokens of activations (`MemoryRule.kv_memory_per_token`)."""
+        return self.gathered_kv_mb / self.activation_mb
+
+
 @dataclass(frozen=True)
 class Footprint:
     """Each sample's memory in tokens: a microbatch of samples S on d ranks holds
@@ -52,7 +108,7 @@ class Footprint:
     shared: np.ndarray
     """Tokens the group's ranks divide: L (+ w P under split)."""
     held: np.ndarray
-    """Tokens every rank of the group holds whole: w P under replicate, else 0."""
+    """Tokens every rank of the group holds whole: g L (the gathered keys and values) plus w P under replicate."""
     cap: int
     """Tokens per rank a microbatch may use: M, less global's step-long encoder share."""
 
@@ -97,20 +153,23 @@ class MemoryRule:
     """w: an encoder token's activations in LLM tokens."""
     placement: str = "split"
     """Where the encoder runs (a concrete placement of `cost.encoder`; `auto` counts as split until resolved)."""
+    kv_memory_per_token: float = 0.0
+    """g: a token's keys and values, gathered on every rank of its group, in tokens (0: not counted)."""
 
     def footprint(self, samples: Sequence[Sample], world_size: int) -> Footprint:
         """Every sample's `Footprint` on a domain of `world_size` ranks."""
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.int64, count=len(samples))
+        kv = np.ceil(self.kv_memory_per_token * tokens).astype(np.int64)  # every rank holds it whole
         w = self.enc_memory_per_token
         if not w:
-            return Footprint(tokens, np.zeros_like(tokens), self.cap)
+            return Footprint(tokens, kv, self.cap)
         enc = np.array([math.ceil(w * sum(item.enc for item in s.images)) for s in samples], dtype=np.int64)
         if self.placement == "replicate":
-            return Footprint(tokens, enc, self.cap)
+            return Footprint(tokens, enc + kv, self.cap)
         if self.placement == "global":
             share = longest_first_makespan((item.enc for s in samples for item in s.images), world_size)
-            return Footprint(tokens, np.zeros_like(tokens), self.cap - math.ceil(w * share))
-        return Footprint(tokens + enc, np.zeros_like(tokens), self.cap)
+            return Footprint(tokens, kv, self.cap - math.ceil(w * share))
+        return Footprint(tokens + enc, kv, self.cap)
 
     def check(self, samples: Sequence[Sample], world_size: int) -> Footprint:
         """The samples' `Footprint`, or `DhpError` naming the first sample no group of the domain can hold."""
@@ -120,6 +179,13 @@ class MemoryRule:
             return footprint
         i = int(np.argmax(need > world_size))
         s, w = samples[i], self.enc_memory_per_token
+        if self.kv_memory_per_token and replace(self, kv_memory_per_token=0.0).footprint(
+                samples[i:i + 1], world_size).min_degree()[0] <= world_size:
+            raise DhpError(
+                f"sample {s.id} ({s.tokens} tokens) fits no group of the domain's {world_size} ranks once each keeps "
+                f"the group's keys and values for the backward, {int(footprint.held[i])} tokens' worth under the "
+                f"all-gather variant (kv_memory_per_token {self.kv_memory_per_token:.4g}); use comm ring or p2p, "
+                "which keep a shard only, or raise max_tokens_per_rank")
         fix = "use encoder_placement split, or lower enc_memory_per_token (e.g. with activation recompute)"
         if footprint.cap < 1:
             raise DhpError(

@@ -36,6 +36,12 @@ class PlanError(DhpError):
     """A plan that breaks an invariant (every sample once, every rank placed, memory cap)."""
 
 
+def memory_fields(rule: MemoryRule) -> dict[str, object]:
+    """A plan's fields that record `rule` (its cap aside): what `Plan.memory_rule` reads back."""
+    return {"encoder_placement": rule.placement, "enc_memory_per_token": rule.enc_memory_per_token,
+            "kv_memory_per_token": rule.kv_memory_per_token}
+
+
 @dataclass(frozen=True)
 class PlanGroup:
     """A set of ranks that runs its microbatches as context parallelism over exactly those ranks.
@@ -92,6 +98,8 @@ class Plan:
     the plan was priced with; the runtime runs it so."""
     enc_memory_per_token: float = 0.0
     """w: an encoder token's activations in LLM tokens, which count against the cap (`plan.memory`)."""
+    kv_memory_per_token: float = 0.0
+    """g: a token's keys and values, which every rank of an all-gather group keeps, in tokens (`plan.memory`)."""
     rank_speeds: tuple[float, ...] = ()
     """Each position's relative speed the plan was priced with (empty: all 1); recorded, not executed."""
     predicted_step_time_s: float | None = None
@@ -223,6 +231,7 @@ class Plan:
                 members = self.positions(mb)
                 if footprint is not None and not footprint.fits(members, g.size):
                     encoder = ", encoder activations included" if self.enc_memory_per_token else ""
+                    encoder += ", gathered keys and values included" if self.kv_memory_per_token else ""
                     raise PlanError(
                         f"group {gi}, microbatch {mi} puts {footprint.per_rank(members, g.size):.0f} tokens on each "
                         f"of its {g.size} ranks{encoder}, above the cap of {footprint.cap}; split the microbatch or "
@@ -239,7 +248,7 @@ class Plan:
 
     def memory_rule(self, cap: int) -> MemoryRule:
         """The plan's memory rule at a per-rank cap of `cap` tokens (`plan.memory`)."""
-        return MemoryRule(cap, self.enc_memory_per_token, self.encoder_placement)
+        return MemoryRule(cap, self.enc_memory_per_token, self.encoder_placement, self.kv_memory_per_token)
 
     def _validate_in_flight(self, footprint: Footprint) -> None:
         """The memory rule under pipeline parallelism: what stage 0 keeps in flight <= cap per rank."""
@@ -274,6 +283,8 @@ class Plan:
             out["encoder_placement"] = self.encoder_placement
         if self.enc_memory_per_token:
             out["enc_memory_per_token"] = self.enc_memory_per_token
+        if self.kv_memory_per_token:
+            out["kv_memory_per_token"] = self.kv_memory_per_token
         out["samples"] = [s.to_dict() for s in self.samples]
         out["groups"] = [g.to_dict() for g in self.groups]
         if timings:
@@ -322,6 +333,7 @@ class Plan:
                 virtual_stages=obj.get("virtual_stages", 1),
                 encoder_placement=str(obj.get("encoder_placement", "split")),
                 enc_memory_per_token=float(obj.get("enc_memory_per_token", 0.0)),
+                kv_memory_per_token=float(obj.get("kv_memory_per_token", 0.0)),
                 rank_speeds=tuple(obj.get("rank_speeds", ())),
                 predicted_step_time_s=obj.get("predicted_step_time_s"),
                 lower_bound_s=obj.get("lower_bound_s"),

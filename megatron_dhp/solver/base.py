@@ -15,7 +15,7 @@ from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.pipeline import pipeline_token_cap
-from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.plan.plan import Plan, PlanGroup, memory_fields
 from megatron_dhp.solver.encoder_auto import plan_best_placement
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch
@@ -95,8 +95,7 @@ def run_planner(planner: Planner, batch: Batch, model: CostModel, *, family: Gro
         phase_barrier=planner.phase_barrier,
         pipeline_stages=pipeline_stages,
         virtual_stages=virtual_stages,
-        encoder_placement=model.encoder_placement,
-        enc_memory_per_token=rule.enc_memory_per_token,
+        **memory_fields(rule),
         rank_speeds=domain.rank_speeds,
     )
     plan.validate()

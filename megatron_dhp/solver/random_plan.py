@@ -13,7 +13,7 @@ from collections.abc import Callable
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import MemoryRule
-from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.plan.plan import Plan, PlanGroup, memory_fields
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -97,8 +97,7 @@ def random_plan(
         samples=batch.samples,
         groups=groups,
         max_tokens_per_rank=cap,
-        encoder_placement=memory.placement,
-        enc_memory_per_token=memory.enc_memory_per_token,
+        **memory_fields(memory),
     )
     plan.validate()
     return plan

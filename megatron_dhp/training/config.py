@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, to_mapping
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.presets import resolve_preset
 from megatron_dhp.testing.gpt import TinyGPTConfig
 from megatron_dhp.testing.vlm import TinyVLMConfig, VisionTowerConfig
@@ -38,6 +39,13 @@ class ModelConfig(TinyGPTConfig):
         if self.num_attention_heads % self.num_query_groups:
             raise DhpError(f"model.num_attention_heads {self.num_attention_heads} must be a multiple of "
                            f"num_query_groups {self.num_query_groups}")
+
+    def memory(self, *, tensor_parallel: int, pipeline_stages: int) -> ModelMemory:
+        """What a token keeps on a rank (fp32; MoE and MLA counted as the dense GPT of the same sizes)."""
+        head = self.hidden_size // self.num_attention_heads
+        return ModelMemory.of_gpt(hidden=self.hidden_size, ffn_hidden=self.ffn_hidden_size, layers=self.num_layers,
+                                  kv_channels=self.num_query_groups * head, tensor_parallel=tensor_parallel,
+                                  pipeline_stages=pipeline_stages, element_bytes=4)
 
 
 @dataclass(frozen=True)

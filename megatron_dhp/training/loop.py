@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
+from megatron_dhp.plan.memory import longest_sample
 from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.plan.plan import Plan, rank_speeds_text
 from megatron_dhp.runtime.attention.comm import all_gather_single
@@ -104,9 +105,12 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
-        policy, self.cost = job_cost(config.dhp, self.domain)
-        # under PP a microbatch holds M // P per rank (P in flight), so that is what a sample may fill
-        capacity = self.domain.size * pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp, config.train.vpp)
+        policy, self.cost = job_cost(config.dhp, self.domain,
+                                     config.model.memory(tensor_parallel=config.train.tp, pipeline_stages=config.train.pp))
+        # under PP a microbatch holds M // P per rank (P in flight), so that is what a sample may fill, less its
+        # gathered keys and values where they are counted
+        capacity = longest_sample(pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp, config.train.vpp),
+                                  self.domain.size, self.cost.kv_memory_per_token)
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=capacity, truncate=config.dhp.truncate,
                                       vision=config.vision if config.vision.layers else None)

@@ -41,6 +41,11 @@ def megatron_args(**overrides: object) -> argparse.Namespace:
         dhp=True, dhp_config=None, dhp_planner=None, dhp_max_tokens_per_rank=8, dhp_comm=None, dhp_cost=None,
         dhp_log_plans=None, dhp_max_groups_per_rank=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
         tensor_model_parallel_size=1, sequence_parallel=False,
+        # the model's sizes, as validate_args leaves them (what a token keeps on a rank, `hooks._model_memory`)
+        hidden_size=DENSE.hidden_size, ffn_hidden_size=DENSE.ffn_hidden_size, num_layers=DENSE.num_layers,
+        num_attention_heads=DENSE.num_attention_heads, group_query_attention=True,
+        num_query_groups=DENSE.num_query_groups, kv_channels=DENSE.hidden_size // DENSE.num_attention_heads,
+        bf16=False, fp16=False, recompute_granularity=None,
     )
     for key, value in overrides.items():
         setattr(args, key, value)

@@ -75,16 +75,16 @@ def test_apply_patches_script_calls_the_command(tmp_path):
 
 
 def test_launch_script_and_nccl_ranks_set_the_cuda_and_nccl_defaults():
-    """Every step has new token counts per microbatch: the caching allocator gets expandable segments (a
-    user's own setting wins), in the launch script and in every NCCL rank megatron-dhp starts."""
-    script = (REPO / "scripts" / "pretrain_gpt_dhp.sh").read_text()
-    assert 'export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in script
-    assert 'export NVTE_BATCH_MHA_P2P_COMM="${NVTE_BATCH_MHA_P2P_COMM:-1}"' in script  # TE p2p on the group's comm
-    assert 'export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"' in script  # no NVLink SHARP buffers per communicator
+    """One table (`distributed.GPU_ENVIRONMENT`: split sharing, expandable allocator segments for new token counts
+    every step, no NVLink SHARP buffers per communicator, TE's p2p on the group's communicator): the launch script
+    exports each with its default (a user's own setting wins), and every NCCL rank megatron-dhp starts sets it."""
     import inspect
 
     from megatron_dhp.runtime import distributed
 
-    source = inspect.getsource(distributed.init_distributed)
-    assert 'os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")' in source
-    assert 'os.environ.setdefault("NCCL_NVLS_ENABLE", "0")' in source
+    script = (REPO / "scripts" / "pretrain_gpt_dhp.sh").read_text()
+    for name, value in distributed.GPU_ENVIRONMENT.items():
+        assert f'export {name}="${{{name}:-{value}}}"' in script, name
+    assert "gpu_environment()" in inspect.getsource(distributed.init_distributed)
+
+

@@ -20,6 +20,24 @@ def dhp_args(**kw: object) -> argparse.Namespace:
                                  "dhp_comm": None, "dhp_cost": None, "dhp_log_plans": None, "dhp_max_groups_per_rank": None, **kw})
 
 
+LLAMA3_8B = {"hidden_size": 4096, "ffn_hidden_size": 14336, "num_layers": 32, "num_attention_heads": 32,
+             "group_query_attention": True, "num_query_groups": 8, "kv_channels": 128,
+             "tensor_model_parallel_size": 1, "bf16": True, "fp16": False, "recompute_granularity": None}
+"""Megatron-LM's model flags of upstream's Llama-3-8B recipe, as validate_args leaves them."""
+
+
+def test_a_megatron_lm_run_s_token_memory_comes_from_its_model_flags():
+    """4 MB per token (Megatron-LM's count, bf16) and keys and values 1/32 of it; over TP 2 and 4 stages an eighth."""
+    from megatron_dhp.megatron.hooks import _model_memory
+
+    memory = _model_memory(dhp_args(**LLAMA3_8B), stages=1)
+    assert memory.activation_mb == pytest.approx(4.0) and memory.kv_memory_per_token == pytest.approx(1 / 32)
+    staged = _model_memory(dhp_args(**{**LLAMA3_8B, "tensor_model_parallel_size": 2}), stages=4)
+    assert staged.activation_mb == pytest.approx(0.5)
+    mha = _model_memory(dhp_args(**{**LLAMA3_8B, "group_query_attention": False, "bf16": False}), stages=1)
+    assert mha.activation_mb == pytest.approx(8.0) and mha.kv_memory_per_token == pytest.approx(1 / 8)
+
+
 def test_layer_spec_swaps_attention_in_megatron_specs():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -71,7 +89,7 @@ def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(
     from megatron_dhp.integration.planning import live_cost_config
     from megatron_dhp.megatron import arguments, hooks
 
-    def job_cost(config, domain):  # the job's policy and cost model on the stubbed 2-rank domain (one node)
+    def job_cost(config, domain, model):  # the job's policy and cost model on the stubbed 2-rank domain (a CPU's)
         policy = config.comm_policy(world_size=domain.size, gpus_per_node=domain.size)
         return policy, live_cost_config(config, policy)
 
@@ -81,7 +99,7 @@ def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(
     monkeypatch.setattr(hooks, "DynamicDomain", SimpleNamespace(from_parallel_state=lambda timeout: SimpleNamespace(size=2)))
     monkeypatch.setattr(hooks.parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(hooks, "check_pipeline", lambda domain: None)
-    args = dhp_args(dhp_max_tokens_per_rank=32, seq_length=64, distributed_timeout_minutes=1)
+    args = dhp_args(dhp_max_tokens_per_rank=32, seq_length=64, distributed_timeout_minutes=1, **LLAMA3_8B)
     printed = refused(capsys, lambda: hooks.setup(args, None, None, None))
     assert printed == ([] if rank == "1" else [
         "megatron-dhp: --seq-length 64 exceeds what the domain of 2 ranks holds at max_tokens_per_rank 32 // 2 "
@@ -270,3 +288,26 @@ def test_a_decoder_block_spec_gets_dynamic_cp_attention_in_every_layer():
         assert layer.submodules.self_attention.module is DynamicCPSelfAttention
         assert layer.submodules.self_attention.submodules.core_attention is DynamicCPAttention
     assert all(layer.submodules.self_attention.module is not DynamicCPSelfAttention for layer in block.layer_specs)
+
+
+def test_the_sequence_cap_leaves_room_for_gathered_keys_and_values():
+    """64 ranks of 4,096 tokens hold 262,144 tokens; keys and values at g = 1/32 on every rank take 2 x 4,096 per
+    131,072-token sample (64 x 2,048 + 64 x 4,096 = 64 x 6,144 is too much), so the cap says so and what M holds it."""
+    from dataclasses import replace
+
+    from megatron_dhp.cost import CostConfig
+    from megatron_dhp.integration.dhp_config import DhpConfig
+    from megatron_dhp.megatron.hooks import _sample_cap
+    from megatron_dhp.plan.memory import longest_sample
+
+    domain = SimpleNamespace(size=64)
+    cost = replace(CostConfig.load("gpt7b-64"), world_size=64, max_tokens_per_rank=4096, kv_memory_per_token=1 / 32)
+    config = DhpConfig(max_tokens_per_rank=4096)
+    assert _sample_cap(87000, domain, config, cost, 1) is None
+    longest = longest_sample(4096, 64, 1 / 32)
+    assert 87000 <= longest < 131072
+    assert _sample_cap(131072, domain, DhpConfig(max_tokens_per_rank=4096, truncate=True), cost, 1) == longest
+    with pytest.raises(DhpError, match=r"--seq-length 131072 exceeds .* \(\d+ tokens, its keys and values on every "
+                                       r"rank at kv_memory_per_token 0.0312\); raise --dhp-max-tokens-per-rank to at "
+                                       r"least 6144 or set truncate: true"):
+        _sample_cap(131072, domain, config, cost, 1)

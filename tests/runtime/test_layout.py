@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,19 +68,6 @@ def test_extra_rows_pad_the_last_sample_and_keep_every_token_once(lengths, d, t,
     assert sum(int(layout.real().sum()) for layout in layouts) == sum(lengths)
 
 
-class _Members:
-    """What a CPContext asks of its group: its size and this rank's place."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), d=st.integers(1, 4), t=st.integers(1, 3),
        steps=st.integers(0, 2))
@@ -90,7 +79,8 @@ def test_thd_parameters_state_padding_and_hold_no_empty_sequence(lengths, d, t, 
 
     base = MicrobatchLayout(tuple(range(len(lengths))), tuple(lengths), d, d - 1, seq_multiple=t)
     layout = base.with_rows(base.num_slots + steps * base.row_multiple)
-    params = DhpPackedSeqParams.for_microbatch(CPContext(layout, _Members(d, d - 1) if d > 1 else None))
+    group = SimpleNamespace(size=lambda: d, rank=lambda: d - 1) if d > 1 else None  # what a CPContext asks of it
+    params = DhpPackedSeqParams.for_microbatch(CPContext(layout, group))
     true, padded = params.cu_seqlens_q, params.cu_seqlens_q_padded
     assert bool((true.diff() >= 1).all()) and bool((padded.diff() >= 1).all())
     assert params.pad_between_seqs == (not torch.equal(true, padded))

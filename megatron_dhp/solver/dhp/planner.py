@@ -37,7 +37,7 @@ from megatron_dhp.cost.pipeline import pipeline_step_time
 from megatron_dhp.cost.simulate import simulate
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, GroupFamily, group_family
 from megatron_dhp.plan.pipeline import pipeline_token_cap
-from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup
+from megatron_dhp.plan.plan import Plan, PlanError, PlanGroup, memory_fields
 from megatron_dhp.solver.base import Planner, PlannerUnsupported
 from megatron_dhp.solver.dhp.columns import column_layout
 from megatron_dhp.solver.dhp.family_rounds import family_round_layouts
@@ -404,7 +404,7 @@ def draft_plan(inst: Instance, batch: Batch, groups: list[PlanGroup], stages: in
     domain, rule = inst.model.domain, inst.model.memory_rule()
     return Plan("dhp", domain.world_size, domain.gpus_per_node, batch.samples, tuple(groups),
                 max_tokens_per_rank=domain.max_tokens_per_rank, pipeline_stages=stages, virtual_stages=virtual,
-                encoder_placement=rule.placement, enc_memory_per_token=rule.enc_memory_per_token)
+                **memory_fields(rule))
 
 
 def valid(inst: Instance, batch: Batch, stages: int, groups: list[PlanGroup], virtual: int = 1) -> bool:
