@@ -1258,8 +1258,9 @@ def sharding_checks(quick: bool) -> list[Check]:
 
 
 def safety_checks(quick: bool) -> list[Check]:
-    """What only a GPU shows of a step's safety. Multi-token prediction on one NCCL rank (`selftest --mtp 1`'s
-    check): its loss scale must sit on the model's device, or megatron-core's backward refuses it. And the
+    """What only a GPU shows of a step's safety. Multi-token prediction and MoE's load-balancing loss on one NCCL
+    rank (`selftest --mtp 1` and `--model moe`'s checks): their loss scales must sit on the model's device, or
+    megatron-core's backward refuses them. And the
     mechanism behind the overlapped reduction's rule (`slots.last_backward_shared`): with
     CUDA_DEVICE_MAX_CONNECTIONS=1 a tiny kernel on a second stream must wait for a long one queued before it
     on the first (head-of-line blocking), measured in a subprocess, since CUDA reads the variable at start-up;
@@ -1275,12 +1276,19 @@ def safety_checks(quick: bool) -> list[Check]:
     batch = Batch.from_lengths([24, 7, 40, 13])
     ids = [s.id for s in batch.samples]
     plan = Plan("gpu-check", 1, 1, batch.samples, (PlanGroup((0,), (tuple(ids[:2]), tuple(ids[2:]))),))
-    with one_rank_job():
-        check = SelfCheck(config=with_fields(TinyGPTConfig(), mtp_num_layers=1), seed=0)
-        result = check.check(plan, random_samples(batch, vocab_size=check.config.vocab_size, seed=0), "allgather")
-    checks = [compared("multi-token prediction on one NCCL rank: loss and every gradient against one process",
-                       max(result.max_loss_diff, result.max_grad_diff), TOLERANCE, "max abs difference",
-                       loss=result.loss)]
+    single = Plan("gpu-check", 1, 1, batch.samples, (PlanGroup((0,), tuple((i,) for i in ids)),))
+    cases = {"multi-token prediction": (with_fields(TinyGPTConfig(), mtp_num_layers=1), plan),
+             # the load-balancing loss is per microbatch: one sample each, as one process computes it
+             "MoE with its load-balancing loss": (with_fields(TinyGPTConfig(), num_experts=4, moe_aux_loss_coeff=0.1),
+                                                  single)}
+    checks = []
+    for name, (config, case) in cases.items():
+        with one_rank_job():
+            check = SelfCheck(config=config, seed=0)
+            result = check.check(case, random_samples(batch, vocab_size=config.vocab_size, seed=0), "allgather")
+        checks.append(compared(f"{name} on one NCCL rank: loss and every gradient against one process",
+                               max(result.max_loss_diff, result.max_grad_diff), TOLERANCE, "max abs difference",
+                               loss=result.loss))
     probe = ("import time, torch\n"
              "a, b = torch.cuda.Stream(), torch.cuda.Stream()\n"
              "x = torch.zeros(1, device='cuda'); torch.cuda.synchronize()\n"

@@ -6,10 +6,10 @@
 - `gather_rows` / `scatter_rows`: rows by an int64 index, the re-dispatch primitive.
 - `lse_merge`: `attention.math.merge_partials` as one kernel (and one for its backward).
 
-A call takes the kernels when its tensor is on a CUDA device and they are available: built by torch's JIT
-extension loader at a job's start-up (`kernels_status`) or on first use (cached under `TORCH_EXTENSIONS_DIR`,
-default `~/.cache/torch_extensions`), or loaded from the library `scripts/build_csrc.sh` builds when
-`MEGATRON_DHP_CSRC` names it;
+A call takes the kernels when its tensor is on a CUDA device and they are available, loaded at a job's start-up
+(`kernels_status`) or on first use: the library `MEGATRON_DHP_CSRC` names, else the one `scripts/build_csrc.sh`
+builds by default (`PREBUILT`, one command, no GPU needed) while it is newer than every source, else built by
+torch's JIT extension loader (cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`);
 `MEGATRON_DHP_CSRC=0` turns them off, and a failed build warns once and falls back. Everything else, CPU
 tensors above all, takes the torch path; nothing is compiled or loaded at import. Copies are bit-identical
 on both paths; the torch `lse_merge` is `merge_partials` itself, which the kernel matches to float rounding.
@@ -38,6 +38,8 @@ from megatron_dhp.runtime.host import to_device
 from megatron_dhp.runtime.layout import padded_length
 
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
+PREBUILT = _CSRC.parent / "build" / "csrc" / "libmegatron_dhp_csrc.so"
+"""Where `scripts/build_csrc.sh` writes the library unless told otherwise."""
 """The kernel sources (present in a source checkout, which the JIT build needs)."""
 _MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -223,8 +225,21 @@ def kernels_status(device: torch.device) -> str:
     start = time.perf_counter()
     if _load_kernels() is None:
         return "copy kernels: torch (the csrc kernels did not build or load; see the warning)"
-    source = os.environ.get("MEGATRON_DHP_CSRC") or "JIT-built"
+    library = kernel_library()
+    source = f"prebuilt {library}" if library is not None else "JIT-built"
     return f"copy kernels: csrc ({source}, {time.perf_counter() - start:.1f} s)"
+
+
+def kernel_library() -> Path | None:
+    """The compiled library a job loads: `MEGATRON_DHP_CSRC`'s, else `PREBUILT` while it is newer than every
+    source under csrc/; None: build by JIT."""
+    setting = os.environ.get("MEGATRON_DHP_CSRC", "")
+    if setting:
+        return Path(setting)
+    if not PREBUILT.exists():
+        return None
+    newest = max((p.stat().st_mtime for p in _CSRC.glob("*") if p.suffix in (".cu", ".cpp", ".cuh", ".h")), default=0.0)
+    return PREBUILT if PREBUILT.stat().st_mtime >= newest else None
 
 
 def _kernels(t: torch.Tensor) -> Any | None:
@@ -234,12 +249,12 @@ def _kernels(t: torch.Tensor) -> Any | None:
 
 @functools.cache
 def _load_kernels() -> Any | None:
-    setting = os.environ.get("MEGATRON_DHP_CSRC", "")
-    if setting == "0":
+    if os.environ.get("MEGATRON_DHP_CSRC") == "0":
         return None
     try:
-        if setting:
-            torch.ops.load_library(setting)
+        library = kernel_library()
+        if library is not None:
+            torch.ops.load_library(str(library))
         else:
             from torch.utils.cpp_extension import load
 

@@ -225,3 +225,26 @@ def test_kernel_settings_fall_back_without_failing(monkeypatch):
     monkeypatch.setenv("MEGATRON_DHP_CSRC", "/nonexistent/libmegatron_dhp_csrc.so")
     with pytest.warns(UserWarning, match="using the torch fallback"):
         assert fused._load_kernels.__wrapped__() is None
+
+
+def test_a_prebuilt_library_is_loaded_only_while_newer_than_its_sources(monkeypatch, tmp_path):
+    """`scripts/build_csrc.sh` (one command, no GPU) writes the library a job then loads at start-up without a
+    JIT build; an edited source makes it stale (JIT again), and MEGATRON_DHP_CSRC names another."""
+    import os
+
+    csrc, library = tmp_path / "csrc", tmp_path / "build" / "csrc" / "libmegatron_dhp_csrc.so"
+    csrc.mkdir()
+    (csrc / "copy.cu").write_text("// a kernel")
+    monkeypatch.setattr(fused, "_CSRC", csrc)
+    monkeypatch.setattr(fused, "PREBUILT", library)
+    monkeypatch.delenv("MEGATRON_DHP_CSRC", raising=False)
+    assert fused.kernel_library() is None  # nothing built: JIT
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    os.utime(csrc / "copy.cu", (1, 1))
+    assert fused.kernel_library() == library
+    os.utime(csrc / "copy.cu", None)
+    os.utime(library, (2, 2))
+    assert fused.kernel_library() is None  # a source edited after the build
+    monkeypatch.setenv("MEGATRON_DHP_CSRC", "/elsewhere/lib.so")
+    assert str(fused.kernel_library()) == "/elsewhere/lib.so"

@@ -152,6 +152,18 @@ def test_flash_attn_kernel_inputs_on_a_reference_varlen_function(comm, monkeypat
     assert float((out.double() - oracle(q, k, v, g)[0]).abs().max()) <= 1e-5
 
 
+def test_a_flash_attn_older_than_2_1_is_refused_by_name(monkeypatch):
+    """flash-attn < 2.1 aligns its causal mask top-left: the all-gather's runs would be silently wrong."""
+    import sys
+    import types
+
+    monkeypatch.setattr(flash, "varlen_func", lambda: object())
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.0.9"))
+    assert "flash-attn 2.0.9 is older than 2.1" in flash.FlashAttnKernel().applies("cuda", torch.bfloat16, 128)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.7.4"))
+    assert "flash-attn" not in (flash.FlashAttnKernel().applies("cuda", torch.bfloat16, 128) or "")  # device rules
+
+
 def test_auto_takes_sdpa_on_a_cpu_and_named_kernels_refuse_what_they_cannot_run():
     q = torch.zeros(4, 2, 16)
     assert isinstance(resolve("auto", q), sdpa.SdpaKernel)

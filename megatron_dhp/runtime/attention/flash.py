@@ -27,12 +27,23 @@ def varlen_func() -> Any | None:
     return flash_attn_varlen_func
 
 
+FLASH_ATTN_FLOOR = "2.1"
+"""The first flash-attn whose causal mask is bottom-right aligned: older ones align it top-left, silently wrong
+for the all-gather's runs (queries that see more keys than themselves)."""
+
+
 class FlashAttnKernel(VarlenKernel):
     """flash-attn for whole samples; ring steps as `varlen` (see the module docstring)."""
 
     def applies(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:  # noqa: D102
         if varlen_func() is None:
-            return "flash-attn is not installed (pip install flash-attn>=2.1)"
+            return f"flash-attn is not installed (pip install 'flash-attn>={FLASH_ATTN_FLOOR}')"
+        import flash_attn
+        from packaging.version import Version
+
+        if Version(flash_attn.__version__) < Version(FLASH_ATTN_FLOOR):
+            return (f"flash-attn {flash_attn.__version__} is older than {FLASH_ATTN_FLOOR}, whose causal mask is "
+                    f"bottom-right aligned as the all-gather's runs need (pip install 'flash-attn>={FLASH_ATTN_FLOOR}')")
         return flash_applies(device_type, dtype, head_dim)
 
     def causal(self, q, k, v, spans: Spans, scale: float) -> torch.Tensor:  # noqa: D102
