@@ -191,3 +191,26 @@ def test_last_slots_are_the_last_entries_of_the_slot_lists_built_in_full():
                         continue
                     want = [row[-1] if row else None for row in rows]
                     assert last_slots(plan, aligned=aligned, pipelined=pipelined) == want, (seed, virtual, aligned)
+
+
+@pytest.mark.parametrize("speeds", [(), (0.5,) + (1.0,) * 15], ids=["nominal", "a slow rank"])
+def test_every_planner_s_plans_keep_the_overlap_the_last_backward_rule_allows(speeds):
+    """The rule defers the reduction only for plans that need it: every planner's plans of long-tailed batches on
+    16 ranks, with and without a slow rank, walked and under 1F1B, end each group on every member together."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from megatron_dhp.cost import CostConfig, build_cost_model
+    from megatron_dhp.runtime.slots import last_backward_shared
+    from megatron_dhp.solver import build_planner, run_planner
+
+    model = build_cost_model(replace(CostConfig.load("gpt7b-64"), world_size=16, max_tokens_per_rank=8192,
+                                     rank_speeds=speeds))
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        batch = Batch.from_lengths([int(x) for x in np.minimum(rng.pareto(1.2, 64) * 1500 + 100, 60000)])
+        for name in ("dhp", "static", "fcp-ref", "megatron-hcp"):
+            for stages in (1, 2):
+                plan = run_planner(build_planner(name, {}), batch, model, pipeline_stages=stages)
+                assert last_backward_shared(plan, pipelined=stages > 1), (name, seed, stages)
