@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_dhp.testing.launch import launch
+from megatron_dhp.launch.ranks import launch
 
 VARIANTS = ("allgather", "ring", "ulysses")
 HEAD_DIM = 32

@@ -85,7 +85,7 @@ def _child(world: int, way: str, groups: int, out: str) -> None:
     """Spawn the ranks of one measurement (separate from the parent so a hang or crash is contained)."""
     import torch.multiprocessing as mp
 
-    from megatron_dhp.testing.launch import free_port
+    from megatron_dhp.launch.ranks import free_port
 
     mp.spawn(_worker, args=(world, way, groups, free_port(), out), nprocs=world, join=True)
 

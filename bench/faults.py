@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from megatron_dhp.testing.processes import alive, children, wait_until
+from megatron_dhp.launch.parent import alive, children, wait_until
 from megatron_dhp.training.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]

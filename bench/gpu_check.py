@@ -690,8 +690,8 @@ def one_rank_job(backend: str = "nccl") -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_dhp.launch.ranks import free_port
     from megatron_dhp.runtime.distributed import init_distributed
-    from megatron_dhp.testing.launch import free_port
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
@@ -849,7 +849,7 @@ def step_model(opts: Options):
     """(GPT shape, tokens per microbatch, microbatches per step, measured steps): about 1.0B parameters (20
     layers of 2048, 16 query / 4 KV heads of 128, MLP 8192, 32K vocabulary) at 8K tokens per microbatch on a
     GPU; megatron-dhp's tiny test GPT in the CPU smoke."""
-    from megatron_dhp.testing.gpt import TinyGPTConfig
+    from megatron_dhp.models.gpt import TinyGPTConfig
 
     if opts.smoke:
         return TinyGPTConfig(max_sequence_length=512), 256, 2, 2
@@ -866,8 +866,8 @@ def train_step_checks(opts: Options) -> list[Check]:
     if opts.smoke:
         if torch.cuda.is_available():
             return [Check("train step", "skipped", reason="the CPU smoke of a step needs a machine without CUDA "
-                          "(megatron-core's CPU shims, testing.cpu_compat, apply only there)")]
-        from megatron_dhp.testing.cpu_compat import apply_cpu_compat
+                          "(megatron-core's CPU shims, launch.cpu_shim, apply only there)")]
+        from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 
         apply_cpu_compat()
     try:
@@ -881,7 +881,7 @@ def train_step_checks(opts: Options) -> list[Check]:
 
 def build_step_gpt(gpt, dtype: torch.dtype):
     """megatron-core's GPTModel with megatron-dhp's local layer spec (`dhp_layer_spec`) in `dtype` on `DEVICE`,
-    in megatron's DDP over the one-rank domain. `testing.gpt.build_tiny_gpt` draws every weight on the host in
+    in megatron's DDP over the one-rank domain. `models.gpt.build_tiny_gpt` draws every weight on the host in
     fp32 (exact comparisons); a billion of them would take longer than the step, so the GPU build initialises on
     the device in bf16 from the same config."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -1007,7 +1007,7 @@ def _train_steps(opts: Options) -> list[Check]:
     from megatron_dhp.runtime.domain import DynamicDomain
     from megatron_dhp.runtime.step import run_step
     from megatron_dhp.runtime.step_data import local_slice
-    from megatron_dhp.testing.selfcheck import random_samples
+    from megatron_dhp.verify.selfcheck import random_samples
     from megatron_dhp.workload.sample import Batch
 
     started = time.perf_counter()
@@ -1243,7 +1243,7 @@ def sharding_checks(quick: bool) -> list[Check]:
     gradient of a two-microbatch step against one process, the CUDA path of the sharded model and its
     summed gradient reduction (a multi-rank domain needs more GPUs)."""
     from megatron_dhp.plan.plan import Plan, PlanGroup
-    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
+    from megatron_dhp.verify.selfcheck import TOLERANCE, SelfCheck, random_samples
     from megatron_dhp.workload.sample import Batch
 
     batch = Batch.from_lengths([24, 7, 40, 13])
@@ -1268,9 +1268,9 @@ def safety_checks(quick: bool) -> list[Check]:
     groups split and connected at set-up (`megatron_default_group_check`), NVLink SHARP off and on."""
     from dataclasses import replace as with_fields
 
+    from megatron_dhp.models.gpt import TinyGPTConfig
     from megatron_dhp.plan.plan import Plan, PlanGroup
-    from megatron_dhp.testing.gpt import TinyGPTConfig
-    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
+    from megatron_dhp.verify.selfcheck import TOLERANCE, SelfCheck, random_samples
     from megatron_dhp.workload.sample import Batch
 
     batch = Batch.from_lengths([24, 7, 40, 13])
@@ -1332,7 +1332,7 @@ def megatron_default_group_check(nvls: str, groups: int = 4) -> Check:
     the default communicator (NCCL's split count), connected at creation (memory taken before any collective on
     it), sharing resources (the start-up line). Memory per group with NVLink SHARP off and on (one GPU: no
     NVLS buffers expected; the multi-GPU figure is bench/comm_memory.py's)."""
-    from megatron_dhp.testing.launch import free_port
+    from megatron_dhp.launch.ranks import free_port
 
     name = f"Megatron-LM-style default group bound, {groups} groups split and connected at set-up (NCCL_NVLS_ENABLE={nvls})"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",

@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from megatron_dhp.testing.launch import free_port
+from megatron_dhp.launch.ranks import free_port
 from megatron_dhp.testing.megatron_recipe import tiny_gpt_flags
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ TRAINING_MODULES = (
 
 def answer_cuda_on_cpu() -> None:
     """Make Megatron-LM's CUDA assumptions hold on a CPU-only machine (megatron-core's shim first)."""
-    from megatron_dhp.testing.cpu_compat import (
+    from megatron_dhp.launch.cpu_shim import (
         apply_cpu_compat,
         backport_fsdp2_finish_grad_sync,
         redirect_cuda_literals,

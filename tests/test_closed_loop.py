@@ -17,10 +17,10 @@ from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.testing.launch import launch
 from megatron_dhp.workload import LengthSource
 
 BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)

@@ -6,7 +6,7 @@ under each variant), and compares the loss and every parameter gradient with a s
 megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
 run by megatron-core's 1F1B (`runtime.pipeline`); with `--model moe` every MLP is megatron-core's MoE layer
 (4 experts, top-2), its experts split over `--ep` ranks carved from the domain; with `--model vlm` the model
-is an InternVL-shaped vision-language model (`testing.vlm`) whose samples carry images, encoded under each
+is an InternVL-shaped vision-language model (`models.vlm`) whose samples carry images, encoded under each
 `--placement` in turn (vision tower and projector gradients compared too). Exits 1 on any mismatch.
 
 Without a torchrun environment it spawns `--nproc` local ranks itself; under torchrun (any backend,
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         experts = f" x --ep {args.ep}" if args.ep > 1 else ""
         raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}{stages}{experts}")
 
-    from megatron_dhp.testing.launch import LaunchError, launch
+    from megatron_dhp.launch.ranks import LaunchError, launch
 
     try:
         statuses = launch(worker, args.nproc, options, timeout_s=max(600, 4 * args.timeout))
@@ -201,14 +201,14 @@ def worker(options: SelftestOptions) -> int:
     warnings.filterwarnings("ignore")
     from megatron_dhp.cost.config import Domain
     from megatron_dhp.errors import DhpError
+    from megatron_dhp.launch.cpu_shim import apply_cpu_compat
+    from megatron_dhp.models.gpt import TinyGPTConfig
+    from megatron_dhp.models.vlm import TinyVLMConfig, random_vlm_samples
     from megatron_dhp.plan.plan import Plan
     from megatron_dhp.runtime.attention.kernels import describe
     from megatron_dhp.runtime.distributed import init_distributed
     from megatron_dhp.solver.random_plan import random_plan
-    from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-    from megatron_dhp.testing.gpt import TinyGPTConfig
-    from megatron_dhp.testing.selfcheck import TOLERANCE, SelfCheck, random_samples
-    from megatron_dhp.testing.vlm import TinyVLMConfig, random_vlm_samples
+    from megatron_dhp.verify.selfcheck import TOLERANCE, SelfCheck, random_samples
     from megatron_dhp.workload.sample import Batch
 
     if options.backend == "gloo":

@@ -22,7 +22,7 @@ def init_distributed(
     """Join the job described by the torchrun environment and set up megatron's parallel state (CP 1;
     megatron-core carves the expert-parallel groups from the data-parallel ranks).
 
-    On a CPU-only machine the caller switches on `testing.cpu_compat` first; this leaves megatron-core as is.
+    On a CPU-only machine the caller switches on `launch.cpu_shim` first; this leaves megatron-core as is.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

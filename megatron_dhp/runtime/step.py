@@ -115,7 +115,7 @@ class _LossSum:
 
 
 class VisionLanguageModel(Protocol):
-    """What a step with images needs of the model (`testing.vlm.TinyVLM` has it)."""
+    """What a step with images needs of the model (`models.vlm.TinyVLM` has it)."""
 
     language: torch.nn.Module
     """A megatron GPT with dynamic-CP attention, fed `embed`'s output as its decoder input."""

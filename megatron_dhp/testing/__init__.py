@@ -1,6 +1,5 @@
-"""Check the runtime: the test models, the single-process oracle, local launch of N ranks, the CPU shim, and
-`selfcheck` (the `selftest` command and the multi-process tests).
+"""What only tests and benches use: host-sync and op counters (`host_sync`), virtual groups that run every rank of
+a group in one process (`virtual_group`), and upstream Megatron-LM recipes (`megatron_recipe`).
 
-Sits above `runtime` (it runs plans through it); the runtime never imports it. Modules import megatron-core
-and torch.distributed; import them directly (nothing is re-exported here).
+The top floor (tests/test_layering.py): no module of the package imports it. Import the modules directly.
 """

@@ -14,10 +14,10 @@ from pathlib import Path
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, to_mapping
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.models.gpt import TinyGPTConfig
+from megatron_dhp.models.vlm import TinyVLMConfig, VisionTowerConfig
 from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.presets import resolve_preset
-from megatron_dhp.testing.gpt import TinyGPTConfig
-from megatron_dhp.testing.vlm import TinyVLMConfig, VisionTowerConfig
 
 AUTO_LOAD = "auto"
 """`train.load` value that resumes from `train.save` when it holds a checkpoint and starts fresh otherwise."""
@@ -50,7 +50,7 @@ class ModelConfig(TinyGPTConfig):
 
 @dataclass(frozen=True)
 class VisionConfig(VisionTowerConfig):
-    """An InternVL-shaped vision tower in front of the GPT (`testing.vlm`); 0 layers: a text-only GPT.
+    """An InternVL-shaped vision tower in front of the GPT (`models.vlm`); 0 layers: a text-only GPT.
 
     With it the data's images (a multimodal source, e.g. `multimodal`) become tiles of random pixels: each
     tile is `(tile_px / patch_px)^2` encoder tokens, one block of the encoder's attention, and a quarter as

@@ -23,8 +23,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from megatron_dhp.models.vlm import IMAGE_PLACEHOLDER, VisionTowerConfig
 from megatron_dhp.runtime.step_data import ImageInput, TokenSample
-from megatron_dhp.testing.vlm import IMAGE_PLACEHOLDER, VisionTowerConfig
 from megatron_dhp.training.config import DataConfig
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem

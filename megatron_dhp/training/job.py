@@ -1,7 +1,7 @@
 """Where a training job's ranks come from: spawned here (gloo, one compute thread each) or torchrun's.
 
 Under torchrun (RANK and WORLD_SIZE set) the process is one rank and runs the function itself; otherwise
-`train.nproc` local ranks are spawned with `testing.launch`, which gives each the torchrun environment and
+`train.nproc` local ranks are spawned with `launch.ranks`, which gives each the torchrun environment and
 OMP_NUM_THREADS=1 so that wall time reflects the plan rather than core contention. A `DhpError` on a rank
 comes back as a `DhpError` in the caller (one line for the CLI), not as a traceback.
 """
@@ -37,7 +37,7 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
     `fn` must be a module-level function returning something picklable. `timeout_s` bounds the whole job
     when ranks are spawned (each collective is bounded by `train.timeout_s` regardless).
     """
-    from megatron_dhp.testing.launch import LaunchError, exit_with_parent, launch
+    from megatron_dhp.launch.ranks import LaunchError, exit_with_parent, launch
 
     if under_torchrun():
         exit_with_parent()  # torchrun's agent killed outright leaves its workers running otherwise
@@ -61,8 +61,8 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    from megatron_dhp.launch.cpu_shim import apply_cpu_compat
     from megatron_dhp.runtime.distributed import init_distributed
-    from megatron_dhp.testing.cpu_compat import apply_cpu_compat
 
     warnings.filterwarnings("ignore")  # megatron-core warns once per rank about missing TE / Apex
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -14,15 +14,15 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.models.gpt import build_tiny_gpt_chunks
+from megatron_dhp.models.vlm import TinyVLM
 from megatron_dhp.runtime.layer_spec import dhp_layer_spec
-from megatron_dhp.testing.gpt import build_tiny_gpt_chunks
-from megatron_dhp.testing.vlm import TinyVLM
 from megatron_dhp.training.config import ModelConfig, RunConfig, VisionConfig
 
 
 def build_model(config: ModelConfig, *, seed: int, layer_spec: str = "local", vision: VisionConfig | None = None,
                 virtual: int = 1) -> DistributedDataParallel | list[DistributedDataParallel]:
-    """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`testing.vlm`);
+    """The GPT with dynamic-CP attention, behind a vision tower when `vision` has layers (`models.vlm`);
     weights a function of `seed` only (any rank, TP or PP count). With `virtual` V > 1 the stage's V model
     chunks (interleaved pipelining), each in its own DDP."""
     spec = dhp_layer_spec(backend=layer_spec)

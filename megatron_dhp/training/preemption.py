@@ -6,7 +6,7 @@ from the step's record gather (no extra collective): they save a checkpoint when
 (Megatron-LM's `--exit-signal-handler` does the same) and return, so the job ends with its exit status
 128 + the signal's number and nothing lost. The signal may reach one rank or all: one is enough.
 
-A rank also watches the process that started it (`testing.launch.exit_with_parent`), so none outlives its
+A rank also watches the process that started it (`launch.ranks.exit_with_parent`), so none outlives its
 launcher.
 """
 

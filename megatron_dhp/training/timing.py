@@ -66,7 +66,7 @@ def microbatches(point: GridPoint) -> list[list[int]]:
 def point_plan(point: GridPoint, n: int, config: TrainConfig):
     """The plan of one grid point: n // d groups of d ranks, each running the point's microbatches."""
     from megatron_dhp.plan.plan import Plan, PlanGroup
-    from megatron_dhp.testing.selfcheck import random_samples
+    from megatron_dhp.verify.selfcheck import random_samples
     from megatron_dhp.workload.sample import Batch
 
     d = point.group_size

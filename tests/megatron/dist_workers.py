@@ -18,13 +18,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.launch.cpu_shim import apply_cpu_compat
+from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.step_data import TokenSample
-from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, global_names
-from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
-from megatron_dhp.testing.selfcheck import TOLERANCE, full_grad
+from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
+from megatron_dhp.verify.selfcheck import TOLERANCE, full_grad
 from megatron_dhp.workload.sample import Batch
 
 SEQ_LENGTH = 24

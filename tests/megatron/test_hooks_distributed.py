@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dhp.testing.launch import launch
+from megatron_dhp.launch.ranks import launch
 from tests.megatron import dist_workers
 
 K = dist_workers.LOADER_MICROBATCHES

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.launch.ranks import free_port
 from megatron_dhp.megatron.patching import SUPPORTED_TAGS, apply, detect, patch_file, patched_files
-from megatron_dhp.testing.launch import free_port
 from megatron_dhp.testing.megatron_recipe import tiny_gpt_flags
 
 REPO = Path(__file__).resolve().parents[2]

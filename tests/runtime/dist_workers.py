@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.launch.cpu_shim import apply_cpu_compat
+from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime import collectives
@@ -23,9 +25,7 @@ from megatron_dhp.runtime.domain import ControlPlane, host_groups
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
-from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-from megatron_dhp.testing.gpt import TinyGPTConfig
-from megatron_dhp.testing.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from megatron_dhp.workload.sample import Batch
 
 LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)
@@ -189,7 +189,7 @@ def init_distributed_leaves_megatron_core_alone() -> dict:
 
     import torch
 
-    from megatron_dhp.testing import cpu_compat
+    from megatron_dhp.launch import cpu_shim as cpu_compat
 
     def marks() -> dict:
         utils = importlib.import_module("megatron.core.transformer.utils")

@@ -9,11 +9,11 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dhp.launch.cpu_shim import apply_cpu_compat
+from megatron_dhp.models.gpt import TinyGPTConfig, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.distributed import init_distributed
-from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-from megatron_dhp.testing.gpt import TinyGPTConfig, global_names
-from megatron_dhp.testing.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from tests.runtime.dist_workers import SAMPLE_SEED, batch
 
 MOE = TinyGPTConfig(num_experts=4)

@@ -7,12 +7,12 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.step_data import local_slice
-from megatron_dhp.testing.gpt import TinyGPTConfig
-from megatron_dhp.testing.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from tests.runtime.dist_workers import SAMPLE_SEED, batch, start_cpu_rank
 
 

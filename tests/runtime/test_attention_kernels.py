@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.attention import flash, kernels, sdpa, varlen
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
@@ -23,7 +24,6 @@ from megatron_dhp.runtime.attention.kernels import kernel, resolve
 from megatron_dhp.runtime.attention.meta import AttentionMeta
 from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.testing.host_sync import HostSyncError, NoHostSync
-from megatron_dhp.testing.launch import launch
 from megatron_dhp.testing.virtual_group import virtual_group
 from tests.runtime import sync_workers
 

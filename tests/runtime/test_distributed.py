@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.plan.comm import COMM_VARIANTS
-from megatron_dhp.testing.launch import launch
-from megatron_dhp.testing.selfcheck import TOLERANCE, random_samples
+from megatron_dhp.verify.selfcheck import TOLERANCE, random_samples
 from tests.runtime import dist_workers
 
 

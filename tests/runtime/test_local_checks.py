@@ -66,9 +66,9 @@ def test_pool_lookups_without_prepare():
 def test_attention_and_spec_reject_what_they_cannot_run():
     from megatron.core.transformer.enums import AttnMaskType
 
+    from megatron_dhp.models.gpt import TinyGPTConfig
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention
     from megatron_dhp.runtime.layer_spec import dhp_layer_spec
-    from megatron_dhp.testing.gpt import TinyGPTConfig
 
     config = TinyGPTConfig().transformer_config()
     config.attention_dropout = 0.1
@@ -84,7 +84,7 @@ def test_attention_and_spec_reject_what_they_cannot_run():
 
 
 def test_cpu_compat_is_idempotent_and_only_acts_without_cuda():
-    from megatron_dhp.testing.cpu_compat import apply_cpu_compat
+    from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 
     if torch.cuda.is_available():
         assert apply_cpu_compat() is False

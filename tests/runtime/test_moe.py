@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_counts, aligned_slot_rows, work_items
 from megatron_dhp.runtime.step_data import StepInputs
-from megatron_dhp.testing.launch import launch
 from tests.runtime import moe_workers
 from tests.runtime.test_distributed import assert_exact
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_dhp.launch.ranks import LaunchError, launch
 from megatron_dhp.plan.pipeline import pipeline_slots
-from megatron_dhp.testing.launch import LaunchError, launch
-from megatron_dhp.testing.selfcheck import TOLERANCE
+from megatron_dhp.verify.selfcheck import TOLERANCE
 from tests.runtime import dist_workers, pipeline_workers
 
 

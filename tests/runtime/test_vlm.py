@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.step_data import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.vision import encoder_ranks
-from megatron_dhp.testing.launch import launch
-from megatron_dhp.testing.selfcheck import TOLERANCE
+from megatron_dhp.verify.selfcheck import TOLERANCE
 from megatron_dhp.workload.sample import Batch
 from tests.runtime import vlm_workers
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.launch.cpu_shim import apply_cpu_compat
+from megatron_dhp.models.vlm import TinyVLMConfig, random_vlm_samples
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.collectives import gather_batch
 from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.step_data import local_slice
-from megatron_dhp.testing.cpu_compat import apply_cpu_compat
-from megatron_dhp.testing.selfcheck import SelfCheck
-from megatron_dhp.testing.vlm import TinyVLMConfig, random_vlm_samples
+from megatron_dhp.verify.selfcheck import SelfCheck
 from tests.runtime.dist_workers import batch, plans_of_four
 
 SEED = 11
@@ -46,8 +46,8 @@ def tile_independence() -> tuple[float, float]:
     patch of its own tile changes (0 and > 0 for a per-tile bidirectional encoder)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_dhp.testing.reference import single_rank_groups
-    from megatron_dhp.testing.vlm import TinyVLM
+    from megatron_dhp.models.vlm import TinyVLM
+    from megatron_dhp.verify.reference import single_rank_groups
 
     apply_cpu_compat()
     init_distributed(tensor_parallel=1)

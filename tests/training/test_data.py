@@ -74,7 +74,7 @@ def test_length_file_source(tmp_path):
 
 
 def test_a_vision_tower_turns_the_images_into_whole_tiles_with_pixels_and_no_loss():
-    from megatron_dhp.testing.vlm import IMAGE_PLACEHOLDER, VisionTowerConfig
+    from megatron_dhp.models.vlm import IMAGE_PLACEHOLDER, VisionTowerConfig
 
     vision = VisionTowerConfig()
     p = TokenPipeline(DataConfig(source="multimodal", length_scale=1 / 32, global_batch=16, seed=2), vocab_size=97,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_dhp.testing.launch import free_port
-from megatron_dhp.testing.processes import alive, children, wait_until
+from megatron_dhp.launch.parent import alive, children, wait_until
+from megatron_dhp.launch.ranks import free_port
 from megatron_dhp.training.train import train
 from tests.training import workers
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megatron_dhp.testing.launch import launch
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.training.job import rank_main
 from tests.training import workers
 

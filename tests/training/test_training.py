@@ -10,8 +10,8 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.cost import CostConfig
+from megatron_dhp.launch.ranks import launch
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK, group_family
-from megatron_dhp.testing.launch import launch
 from megatron_dhp.training.job import rank_main
 from megatron_dhp.training.profile import fit_report
 from megatron_dhp.training.timing import CALIBRATION_WARMUP

@@ -21,8 +21,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt
 from megatron_dhp.runtime.step_data import TokenSample
-from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt
 
 
 @dataclass
@@ -107,7 +107,7 @@ def _per_token_loss(model: torch.nn.Module, sample: TokenSample, causal: torch.T
 
 
 def _logits(model: torch.nn.Module, sample: TokenSample, causal: torch.Tensor) -> torch.Tensor:
-    """A GPT's logits of one sample; a vision-language model (`testing.vlm.TinyVLM`) first encodes the
+    """A GPT's logits of one sample; a vision-language model (`models.vlm.TinyVLM`) first encodes the
     sample's images, each on its own, and puts their rows at their positions."""
     device = causal.device
     positions = torch.arange(sample.length, device=device)[None]

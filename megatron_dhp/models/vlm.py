@@ -4,7 +4,7 @@ Vision: megatron-core's `CLIPViTModel` (subtype `internvit`: no class token, no 
 attend bidirectionally inside each tile. megatron-core 0.16.1's local ViT spec is causal
 (`vit_layer_specs.py:72`), which is wrong for an encoder, so the spec here sets `no_mask`. Then InternVL's
 pixel shuffle (0.5: 4 patches -> one token) and megatron-core's `MultimodalProjector` (MLP) to the LLM
-width. Language: the tiny GPT of `testing.gpt`, with dynamic-CP attention, fed the merged embeddings
+width. Language: the tiny GPT of `models.gpt`, with dynamic-CP attention, fed the merged embeddings
 through `GPTModel.forward(decoder_input=...)`: text rows from its own word embedding, image rows from the
 projector. Every tile is one block of the encoder's attention; an image of k tiles occupies k x
 `tokens_per_tile` LLM tokens, so the merge factor is `patches_per_tile / tokens_per_tile` = 4.
@@ -25,8 +25,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt, init_weights_
 from megatron_dhp.runtime.step_data import ImageInput, TokenSample
-from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt, init_weights_
 from megatron_dhp.workload.sample import Batch
 
 PIXEL_SHUFFLE = 0.5

@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+from megatron_dhp.launch.cpu_shim import backport_fsdp2_finish_grad_sync
+from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt_chunks, global_names
+from megatron_dhp.models.vlm import TinyVLM, TinyVLMConfig
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
@@ -30,10 +33,7 @@ from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.slots import slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
-from megatron_dhp.testing.cpu_compat import backport_fsdp2_finish_grad_sync
-from megatron_dhp.testing.gpt import TinyGPTConfig, build_tiny_gpt_chunks, global_names
-from megatron_dhp.testing.reference import build_reference_gpt, reference_step, single_rank_groups
-from megatron_dhp.testing.vlm import TinyVLM, TinyVLMConfig
+from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.workload.sample import Batch
 
 TOLERANCE = 1e-5

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from megatron_dhp.testing.processes import state
+from megatron_dhp.launch.parent import state
 
 
 class LaunchError(RuntimeError):

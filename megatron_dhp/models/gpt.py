@@ -1,7 +1,7 @@
 """A tiny GPT for checks: small enough for a 2-core CPU, with weights that depend only on parameter names.
 
 Built with the dynamic-CP layer spec (`runtime.layer_spec`) unless given another; the oracle
-(`testing.reference`) builds the same weights on megatron's local spec.
+(`verify.reference`) builds the same weights on megatron's local spec.
 """
 
 from __future__ import annotations
