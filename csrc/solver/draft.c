@@ -3,11 +3,14 @@
  * (megatron_dhp/solver/dhp/fill.py, `BinSet`, `fill_in_order`, `improve`) and the fill of the wide groups'
  * waits with one-rank samples (layout.py, `fill_holes`).
  *
- * Each is the Python of those files, operation for operation in IEEE double: the same sums in the same
- * order, the same tie-breaks, so a plan is the same to the last bit with or without this module
- * (tests/solver/test_draft_native.py plans and fills both ways and compares). The Python stays the reference
- * and the fallback where no C compiler built this file. Arrays come in through the buffer protocol
- * (C-contiguous float64 / int64), so no numpy headers are needed to build it.
+ * Each is the Python of those files, operation for operation in IEEE double (built without FMA contraction),
+ * so a plan is the same to the last bit with or without this module. The rules both keep, their tie-breaks
+ * and the order of their sums, are stated once, in the docstring of megatron_dhp/solver/dhp/native.py; the
+ * code below names them by their tags ([W1] ... [H2]) where it keeps them, and does not restate them.
+ * tests/solver/test_draft_native.py runs each loop and the whole planner both ways on random inputs and
+ * compares the results bit for bit. The Python stays the reference and the fallback where no C compiler
+ * built this file. Arrays come in through the buffer protocol (C-contiguous float64 / int64), so no numpy
+ * headers are needed to build it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -53,11 +56,10 @@ static void release(Array *arrays, int count) {
 
 /* choose_window(ready, start, size, firsts, time, overhead, by, speeds, capacity) -> (j, begin)
  *
- * Windows are flat, in segments of one size each starting at `firsts`. A window's begin is its latest-free
- * rank's time, its waste the rank time its ranks wait for it, its finish begin + time + overhead. With `by`
- * (a float), a window that ends by then ranks before one that does not, in segments where any does; with
- * `speeds` and `capacity` its cost is the speed-weighted rank time it gives up, else its waste. Per segment
- * the least (order, cost, start), the first of equals; a later segment's only where it ends 0.1 % earlier. */
+ * Windows are flat, in segments of one size each starting at `firsts`; `by` is None or a float, `speeds`
+ * and `capacity` both None or both arrays. Each segment's pick is [W1]'s, the segments' [W2]'s, in [W3]'s
+ * arithmetic. `speeds` weigh the cost here even without `by`, where the Python ignores them: its caller
+ * (`layout.native_choose_window`) passes them only with `by`. */
 static PyObject *choose_window(PyObject *self, PyObject *args) {
   PyObject *o[9];
   if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
@@ -97,7 +99,7 @@ static PyObject *choose_window(PyObject *self, PyObject *args) {
   double *prefix = buf, *weight = buf + n + 1, *begin = buf + 2 * (n + 1), *finish = begin + w, *cost = finish + w;
   prefix[0] = 0.0;
   weight[0] = 0.0;
-  for (Py_ssize_t r = 0; r < n; r++) {  /* numpy's cumsum: sequential */
+  for (Py_ssize_t r = 0; r < n; r++) {  /* [W3]: numpy's cumsum, sequential */
     prefix[r + 1] = r ? prefix[r] + ready[r] : ready[r];
     if (weighted) weight[r + 1] = r ? weight[r] + F64(a[6])[r] * ready[r] : F64(a[6])[r] * ready[r];
   }
@@ -114,7 +116,7 @@ static PyObject *choose_window(PyObject *self, PyObject *args) {
     cost[k] = weighted ? finish[k] * F64(capacity)[k] - (weight[e] - weight[s]) : (double)size[k] * b - (prefix[e] - prefix[s]);
   }
   Py_ssize_t j = -1;
-  for (Py_ssize_t g = 0; g < segments; g++) {
+  for (Py_ssize_t g = 0; g < segments; g++) {  /* [W1] per segment, [W2] over them */
     Py_ssize_t lo = (Py_ssize_t)firsts[g], hi = g + 1 < segments ? (Py_ssize_t)firsts[g + 1] : w;
     int all_late = 1;
     if (has_by)
@@ -168,11 +170,11 @@ typedef struct {
 
 static inline int64_t load(const Fill *f, int item, int64_t size) { return f->shared[item] + size * f->held[item]; }
 static inline double time_of(const Fill *f, int c, int item) { return f->times[(Py_ssize_t)c * f->n + item]; }
-static inline int before(const Fill *f, int b, int other) {
+static inline int before(const Fill *f, int b, int other) {  /* [B1] */
   return f->finish[b] < f->finish[other] || (f->finish[b] == f->finish[other] && b < other);
 }
 
-static void refresh(Fill *f, int b) {  /* `BinSet._refresh`: the bin's room and its place in its class */
+static void refresh(Fill *f, int b) {  /* `BinSet._refresh`: the bin's room and its place in its class [B1] */
   int64_t room = 0;
   int any = 0;
   for (int k = f->first_mb[b]; k >= 0; k = f->mb_next[k]) {
@@ -189,7 +191,7 @@ static void refresh(Fill *f, int b) {  /* `BinSet._refresh`: the bin's room and 
   list[pos] = b;
 }
 
-/* `BinSet.best_bin`: the bin where the item finishes earliest, and that finish; -1 where none holds it. */
+/* `BinSet.best_bin` [B2]: the bin where the item finishes earliest, and that finish; -1 where none holds it. */
 static int best_bin(const Fill *f, int item, int exclude, double *out) {
   double best = INFINITY;
   int best_b = -1;
@@ -268,7 +270,7 @@ static void append_item(Fill *f, int k, int item) {
   f->mb_count[k]++;
 }
 
-/* `BinSet.add` (`layout.add_to_group`): the fullest microbatch it fits, the first of equals, else a new one. */
+/* `BinSet.add` (`layout.add_to_group`): [B3], [B4]. */
 static void add(Fill *f, int item, int b) {
   int c = (int)f->bin_class[b];
   int64_t tokens = load(f, item, f->bin_size[b]), best_room = INT64_MAX;
@@ -291,7 +293,7 @@ static void add(Fill *f, int item, int b) {
   refresh(f, b);
 }
 
-/* `BinSet.remove`: an emptied microbatch goes, with its overhead. */
+/* `BinSet.remove`: [B3], [B4]. */
 static void remove_item(Fill *f, int item) {
   int b = f->item_bin[item], k = f->item_mb[item];
   link_remove(f->item_next, f->item_prev, &f->mb_head[k], &f->mb_tail[k], item);
@@ -307,7 +309,7 @@ static void remove_item(Fill *f, int item) {
   refresh(f, b);
 }
 
-static int makespan(const Fill *f, double *out) {  /* the latest (finish, bin) over the classes' last bins */
+static int makespan(const Fill *f, double *out) {  /* [B1], over the classes' last bins */
   int worst = -1;
   for (int c = 0; c < f->num_classes; c++) {
     if (!f->class_count[c]) continue;
@@ -318,7 +320,7 @@ static int makespan(const Fill *f, double *out) {  /* the latest (finish, bin) o
   return worst;
 }
 
-/* `improve`: one sample at a time off the latest bin to where the pair's later finish is earliest. */
+/* `improve` [B6]: one sample at a time off the latest bin to where the pair's later finish is earliest. */
 static void improve(Fill *f, const int *ascending, Py_ssize_t count, double floor_s, long max_moves) {
   for (long move = 0; move < max_moves; move++) {
     double span;
@@ -428,7 +430,7 @@ static int fill_setup(Fill *f, Array *a, PyObject **o, void **memory) {
     f->class_count[f->bin_class[b]]++;
   }
   for (Py_ssize_t c = 1; c < nc; c++) f->class_start[c] = f->class_start[c - 1] + f->class_count[c - 1];
-  for (Py_ssize_t b = 0; b < nb; b++) {  /* each class sorted by (start, bin), by insertion */
+  for (Py_ssize_t b = 0; b < nb; b++) {  /* each class in [B1]'s order, by insertion */
     int c = (int)f->bin_class[b], *list = f->sorted + f->class_start[c], pos = filled[c]++;
     while (pos > 0 && before(f, (int)b, list[pos - 1])) {
       list[pos] = list[pos - 1];
@@ -523,8 +525,7 @@ done:
 }
 
 /* hole_fill(<the fill arrays>, lengths) -> ([(bin, microbatches, rooms, finish) per used bin], rest):
- * `layout.fill_holes`, the bins one-rank holes of `lengths` seconds (one class); each item in `order` into
- * the hole with the least time left that still ends it in time, best-fit; the rest in order. */
+ * `layout.fill_holes`, the bins one-rank holes of `lengths` seconds (one class), filled as [H2] states. */
 static PyObject *hole_fill(PyObject *self, PyObject *args) {
   PyObject *o[FILL_ARRAYS + 1];
   (void)self;
@@ -553,7 +554,7 @@ static PyObject *hole_fill(PyObject *self, PyObject *args) {
     if (rest != NULL) PyErr_NoMemory();
     goto done;
   }
-  /* (length, hole) sorted: Python's sorted() of the pairs */
+  /* [H2]: (length, hole) sorted, as Python's sorted() of the pairs */
   for (Py_ssize_t k = 0; k < nb; k++) {
     double v = F64(a[12])[k];
     Py_ssize_t pos = k;

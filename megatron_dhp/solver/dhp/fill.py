@@ -8,6 +8,9 @@ ends last while that lowers the makespan.
 Bins of one (size, placement, speed) class give a sample the same time, so each class keeps its bins sorted by
 finish time: the earliest finish, or the earliest among bins with room, is a short scan from the front
 (at most `SCAN` bins, so that a start with many empty bins stays linear).
+
+The C of `csrc/solver/draft.c` does the same (`fill_in_order`); the ties and the order of the arithmetic
+both keep are `native`'s [B1] - [B6], tagged where they are kept here.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def bin_classes(inst: Instance, bins: list[DraftGroup]) -> tuple[list[tuple[int,
 
 
 class BinSet:
-    """Bins grouped by (size, placement, speed) class, each class sorted by finish time."""
+    """Bins grouped by (size, placement, speed) class, each class sorted by finish time, then index ([B1])."""
 
     def __init__(self, inst: Instance, bins: list[DraftGroup]) -> None:
         self.inst = inst
@@ -59,11 +62,11 @@ class BinSet:
         return self.bins[b].finish_s
 
     def makespan(self) -> tuple[float, int]:
-        """The latest finish and its bin."""
+        """The latest finish and its bin (the greatest (finish, bin): [B1])."""
         return max((lst[-1] for lst in self.by_class if lst), default=(0.0, -1))
 
     def best_bin(self, item: int, exclude: int = -1) -> tuple[float, int]:
-        """The bin where `item` would finish earliest (and that finish), skipping bin `exclude`."""
+        """The bin where `item` would finish earliest (and that finish), skipping bin `exclude` ([B2])."""
         lo, shared, held, room = self.min_degree[item], self.shared[item], self.held[item], self.room
         best = (math.inf, -1)
         for c, size in enumerate(self.sizes):
@@ -91,14 +94,15 @@ class BinSet:
         return best
 
     def add(self, item: int, b: int) -> None:
-        """Put the sample into bin b (best-fit microbatch)."""
+        """Put the sample into bin b (best-fit microbatch: [B3], [B4])."""
         c = self.class_of[b]
         add_to_group(self.bins[b], item, self.inst.load(item, self.bins[b].size), self.times[c][item])
         self.where[item] = b
         self._refresh(b)
 
     def remove(self, item: int) -> float:
-        """Take the sample out of its bin (an emptied microbatch goes, with its overhead); return the saving."""
+        """Take the sample out of its bin (an emptied microbatch goes, with its overhead: [B3], [B4]); return
+        the saving."""
         b = self.where.pop(item)
         g = self.bins[b]
         k = next(k for k, mb in enumerate(g.microbatches) if item in mb)
@@ -133,7 +137,7 @@ def fill(inst: Instance, bins: list[DraftGroup], items: np.ndarray, *, floor_s: 
 
     `floor_s` is a finish time the bins need not beat (e.g. a wide group that ends later anyway).
     """
-    order = items[np.lexsort((inst.ids[items], -inst.tokens[items], -inst.work[items]))]
+    order = items[np.lexsort((inst.ids[items], -inst.tokens[items], -inst.work[items]))]  # [B5]
     fill_in_order(inst, bins, order, floor_s=floor_s, max_moves=max_moves)
 
 
@@ -163,7 +167,7 @@ def native_fill(inst: Instance, bins: list[DraftGroup], order: np.ndarray, *, fl
 
 
 def improve(binset: BinSet, *, floor_s: float, max_moves: int) -> None:
-    """Move one sample at a time off the latest bin to where the pair's later finish is earliest."""
+    """Move one sample at a time off the latest bin to where the pair's later finish is earliest ([B6])."""
     members: dict[int, list[int]] = {}
     for item, b in binset.where.items():
         members.setdefault(b, []).append(item)

@@ -135,13 +135,13 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
                grow: int = 1, limit_s: float | None = None, straddle: bool = False, bound_s: float | None = None,
                stop_s: float = math.inf) -> bool:
     """Place wide samples, widest first, each on the window where it ends earliest (then wastes the least
-    rank time waiting for the window's last rank, then comes first).
+    rank time waiting for the window's last rank: ties as `native`'s [W1], [W2] state).
 
     With a family the windows are the family's groups of the sample's degree (a family size). With
     `grow` > 1 a sample may also take any allowed size up to `grow` times its degree, where that ends it
     earlier (by more than 0.1 %): a wider window free now beats waiting for a narrow one, which evens out
     a skyline of many wide groups. With `limit_s` (multifit, see `planner.multifit`) a sample takes the
-    window that wastes the least among those that end it by then, the first of equals, so that columns fill
+    window that wastes the least among those that end it by then, so that columns fill
     up to the limit one after another and leave whole columns free for the rest; only where none does, the
     earliest end. Without a family, `straddle` lets groups that fit a node take windows across two
     (`window_starts`). With rank speeds and without a limit, a sample takes, among the windows that end it
@@ -182,7 +182,7 @@ def choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | N
     """`place_wide`'s window for one sample (its index in `w`, and when its last rank is free): ranks free at
     `ready`, the sample's seconds on each window `time`; with `by`, windows that end by then first; with
     `speeds`, the speed-weighted rank time given up instead of the waste (`native.draft.choose_window` is
-    this, compiled)."""
+    this, compiled). Ties and the order of the arithmetic: `native`'s [W1] - [W3]."""
     begin = ready[w.ranks].max(axis=1)
     prefix = np.concatenate([[0.0], np.cumsum(ready)])  # ranks' free times summed over ranks [a, b)
     waste = w.size * begin - (prefix[w.end] - prefix[w.start])
@@ -195,11 +195,11 @@ def choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | N
         if speeds is not None:  # the speed-weighted rank-seconds the window gives up
             weighted = np.concatenate([[0.0], np.cumsum(speeds * ready)])
             cost = finish * w.capacity - (weighted[w.end] - weighted[w.start])
-    # sorted by segment first: each segment's best where it began (one size: no segment key)
+    # [W1], sorted by segment first: each segment's best where it began (one size: no segment key)
     ranked = np.lexsort((w.start, cost, order_by) if len(w.sizes) == 1 else (w.start, cost, order_by, w.segment))
     firsts = ranked[w.firsts]
     j = int(firsts[0])
-    for f in firsts[1:].tolist():  # a wider size only where it ends the sample 0.1 % earlier
+    for f in firsts[1:].tolist():  # [W2]: a wider size only where it ends the sample 0.1 % earlier
         if finish[f] < finish[j] * (1 - 1e-3):
             j = f
     return j, float(begin[j])
@@ -207,7 +207,10 @@ def choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | N
 
 def native_choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | None,
                          speeds: np.ndarray | None) -> tuple[int, float]:
-    """`choose_window` in C."""
+    """`choose_window` in C, which weighs by `speeds` even without `by`: they go to it only with `by`, as the
+    Python uses them."""
+    if by is None:
+        speeds = None
     return native.draft.choose_window(ready, w.start, w.size, w.firsts, time, w.overhead, by, speeds,
                                       None if speeds is None else w.capacity)
 
@@ -240,7 +243,7 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
 
 def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> None:
     """Best-fit the item into an open microbatch of the group, or open a new one (paying the overhead)."""
-    k, best = -1, math.inf  # the fullest microbatch it fits (the first of equals)
+    k, best = -1, math.inf  # the fullest microbatch it fits (`native` [B3], [B4])
     for j, room in enumerate(group.rooms):
         if tokens <= room < best:
             k, best = j, room
@@ -256,17 +259,18 @@ def add_to_group(group: DraftGroup, item: int, tokens: int, time_s: float) -> No
 
 def fill_holes(inst: Instance, skyline: Skyline, items: np.ndarray) -> tuple[list[DraftGroup], np.ndarray]:
     """Run one-rank samples in the waits of the wide groups' ranks (`Skyline.holes`), longest first, each in
-    the hole with the least time left that still ends it in time (a one-rank group is in every family).
-    Returns the holes' groups (start and finish inside their hole) and the items left for the bins."""
-    holes = sorted(((end - start, rank, start) for rank, start, end in skyline.holes), reverse=True)
+    the hole with the least time left that still ends it in time (a one-rank group is in every family; ties
+    and order: `native`'s [H1], [H2]). Returns the holes' groups (start and finish inside their hole) and
+    the items left for the bins."""
+    holes = sorted(((end - start, rank, start) for rank, start, end in skyline.holes), reverse=True)  # [H1]
     if not holes:
         return [], items
     times, m = inst.times(1, True), inst.overhead(1)
     groups = [DraftGroup(rank, 1, 0, start, inst.footprint.cap, m) for _, rank, start in holes]
-    order = items[np.lexsort((inst.ids[items], -times[items]))]
+    order = items[np.lexsort((inst.ids[items], -times[items]))]  # [H1]
     if native.draft is not None:
         return native_fill_holes(inst, groups, order, [length for length, _, _ in holes])
-    left = sorted((length, k) for k, (length, _, _) in enumerate(holes))
+    left = sorted((length, k) for k, (length, _, _) in enumerate(holes))  # [H2]
     rest = []
     for i in order.tolist():
         t = float(times[i]) + m
