@@ -1,5 +1,5 @@
-"""Fully sharded data parallelism in the cost model: sharded states in the token cap, each slot's traffic,
-and a plan priced in lockstep slots (every rank joins every microbatch's gathers), by hand."""
+"""Fully sharded data parallelism: sharded states in the cost model's token cap, and bench/fsdp_tp.py's slot
+traffic and plan priced in lockstep slots (every rank joins every microbatch's gathers), by hand."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from dataclasses import replace
 import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.cost.fsdp import lockstep_step, slot_traffic_s
 from megatron_dhp.cost.tensor_parallel import per_position, token_cap
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.workload.sample import Sample
+from tests.bench_scripts import load_bench
+
+fsdp_tp = load_bench("fsdp_tp")
+lockstep_step, slot_traffic_s = fsdp_tp.lockstep_step, fsdp_tp.slot_traffic_s
 
 # one token-second per token on one rank, nothing else: a sample of L tokens on d ranks takes L / d seconds
 UNIT = CostConfig(kind="reference", world_size=4, gpus_per_node=2, max_tokens_per_rank=100, attn_s_per_token2=0.0,

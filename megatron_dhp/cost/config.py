@@ -230,7 +230,8 @@ class CostConfig:
     parallelism, before the (n - 1) / n of a ring over the domain's n positions: the weights all-gathered
     for the forward and again for the backward, the gradients reduce-scattered (3 x 2 bytes per parameter
     in bf16); 1 / t of it at TP t. Every rank of the domain joins each microbatch's collectives, so a plan
-    runs in lockstep slots (`cost.fsdp`); 0: no FSDP."""
+    runs in lockstep slots; bench/fsdp_tp.py prices them (`lockstep_step`), `simulate` and the planners do
+    not; 0: no FSDP."""
     description: str = ""
     """Free text: where the numbers come from."""
 
