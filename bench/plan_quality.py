@@ -47,6 +47,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from tuning import tune_dhp  # bench/tuning.py (this folder is the script's sys.path[0])
 
 from megatron_dhp.cli.common import dataset_max_tokens
 from megatron_dhp.cost import CostConfig, build_cost_model
@@ -62,7 +63,7 @@ from megatron_dhp.solver import (
     planner_comm_policy,
     run_planner,
 )
-from megatron_dhp.solver.static_best import tune_dhp, tune_static
+from megatron_dhp.solver.static_best import tune_static
 from megatron_dhp.workload import LengthSource
 
 WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
 
 def tuned_records(domain: str, workload: str, batches: list, args: argparse.Namespace) -> list[dict]:
     """`static-best` (the (TP, CP) a user tunes once on these batches) and dhp at its best TP, a record per
-    batch each, TP priced with GPT-7B's terms at `--tp-efficiency` (`solver.static_best`)."""
+    batch each, TP priced with GPT-7B's terms at `--tp-efficiency` (`solver.static_best`, `tuning.tune_dhp`)."""
     base = dataclasses.replace(CostConfig.load(domain), tp_efficiency=args.tp_efficiency, **GPT7B_TP)
     best = {"static-best": tune_static(base, batches)[0], "dhp-best-tp": tune_dhp(base, batches)[0]}
     return [{"domain": domain, "workload": workload, "batch": k, "planner": name, "step_s": layout.steps[k],

@@ -34,13 +34,14 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from tuning import tune_dhp  # bench/tuning.py (this folder is the script's sys.path[0])
 
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model
 from megatron_dhp.plan.plan import PlanGroup
 from megatron_dhp.solver import Planner, PlannerContext, build_planner
 from megatron_dhp.solver.dhp import DhpPlanner
 from megatron_dhp.solver.static import StaticPlanner
-from megatron_dhp.solver.static_best import steps, tune_dhp, tune_static
+from megatron_dhp.solver.static_best import steps, tune_static
 from megatron_dhp.workload import LengthSource
 from megatron_dhp.workload.batches import truncate_sample
 from megatron_dhp.workload.sample import Batch

@@ -21,6 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from tuning import tune_dhp  # bench/tuning.py (this folder is the script's sys.path[0])
 
 from megatron_dhp.cost import CostConfig, simulate
 from megatron_dhp.cost.reference import ReferenceCostModel
@@ -28,7 +29,7 @@ from megatron_dhp.cost.tensor_parallel import per_position, tp_speedup
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.solver import run_planner
 from megatron_dhp.solver.dhp import DhpPlanner
-from megatron_dhp.solver.static_best import tp_degrees, tune_dhp
+from megatron_dhp.solver.static_best import tp_degrees
 from megatron_dhp.workload import LengthSource
 
 WORKLOADS = ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal")

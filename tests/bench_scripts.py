@@ -11,7 +11,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/`name`.py, imported under `name` (registered, since dataclasses look their module up by name)."""
+    """bench/`name`.py, imported under `name` (registered, since dataclasses look their module up by name),
+    with bench/ on the path as when the script runs, so that it imports its sibling modules (tuning.py)."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

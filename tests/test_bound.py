@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.bound import OVERHEAD_SHARES, best_lower_bound, coupled_lower_bound
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
@@ -101,6 +102,23 @@ def test_overhead_shares_are_dual_feasible(name):
         assert f(u).sum() <= 1 + 1e-9, (u, f(u))
     for exact in ([0.5, 0.5], [1 / 3, 2 / 3], [1 / 3, 1 / 3, 1 / 3], [0.25, 0.75], [1.0]):
         assert f(np.array(exact)).sum() <= 1 + 1e-9
+
+
+@settings(max_examples=15, deadline=None)
+@given(overrides=variants, seed=st.integers(0, 2**31 - 1), size=st.integers(1, 30))
+def test_auto_placement_bound_is_the_least_over_the_placements_that_hold_the_batch(overrides, seed, size):
+    """Under `auto` the best bound is the least over the concrete placements the planners may pick, and never
+    above any planner's plan (each planned under the placement it predicts fastest)."""
+    model = build_cost_model(replace(BASE, **{**overrides, "encoder_placement": "auto"}))
+    rng = random.Random(seed)
+    batch = random_batch(rng, model.domain.capacity, size)
+    n = model.domain.world_size
+    held = [m for m in map(model.with_placement, CONCRETE_PLACEMENTS) if m.footprint(batch.samples).min_degree().max() <= n]
+    assume(held)
+    bound = best_lower_bound(model, batch.samples)
+    assert bound == min(best_lower_bound(m, batch.samples) for m in held)
+    for plan in plans(batch, model, rng)[:-5]:  # the planners' (random plans are made for one placement)
+        assert bound <= simulate(plan, model).step_time_s * (1 + 1e-9), (plan.planner, plan.encoder_placement)
 
 
 def test_bound_is_tighter_where_the_longest_sample_needs_wide_groups():

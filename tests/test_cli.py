@@ -72,6 +72,58 @@ def test_simulate_table_json_and_plot(tmp_path, capsys):
     assert len(json.loads(js.read_text())["results"]["static"]) == 2
 
 
+@pytest.mark.parametrize("tp_terms", [{}, {"tp_efficiency": 0.5, "tp_comm_bytes_per_token": 5e7, "attention_heads": 32}],
+                         ids=["ideal-tp", "costly-tp"])
+def test_simulate_tuned_adds_the_tuned_static_layout_never_slower_than_static(tmp_path, capsys, gpt7b_config, tp_terms):
+    from dataclasses import replace
+
+    cost, plain, tuned = tmp_path / "cost.yaml", tmp_path / "plain.json", tmp_path / "tuned.json"
+    replace(gpt7b_config, **tp_terms).save(cost)
+    common = ["simulate", "--cost", cost, "--world-size", 16, "--global-batch", 64, "--batches", 2, "--planners", "dhp,static"]
+    assert run_cli([*common, "--json", plain], capsys)[0] == 0
+    code, stdout, _ = run_cli([*common, "--tuned", "--json", tuned], capsys)
+    text = " ".join(stdout.split())  # (rich wraps the lines)
+    assert code == 0 and "static-best" in text and "the static layout with the shortest mean step" in text
+    results = json.loads(tuned.read_text())["results"]
+    assert list(results) == ["dhp", "static", "static-best"]
+    best, static = results["static-best"], results["static"]
+    assert all("unsupported" not in r and r["summary"].startswith("static-best: ") for r in best)
+    mean = lambda rows: sum(r["step_time_s"] for r in rows) / len(rows)  # noqa: E731
+    assert mean(best) <= mean(static)
+    assert {r["tensor_parallel"] for r in best} == {1 if tp_terms else 8}  # TP free: the whole node; costly: none
+    # the existing rows are as without --tuned
+    before = json.loads(plain.read_text())["results"]
+    for name in ("dhp", "static"):
+        assert [(r["step_time_s"], r["lower_bound_s"]) for r in before[name]] == [(r["step_time_s"], r["lower_bound_s"]) for r in results[name]]
+    assert ("so TP is priced ideal" in text) == (not tp_terms)
+
+
+def test_simulate_reports_steps_against_the_best_bound(tmp_path, capsys, gpt7b_config):
+    """Without overlap a 2-rank sample that must run wide to end early costs more than the reference bound
+    charges: simulate's step / LB is over the coupled bound (`cost.bound.best_lower_bound`), the plan's
+    own record keeps the reference bound."""
+    from dataclasses import replace
+
+    from megatron_dhp.cost import build_cost_model
+    from megatron_dhp.cost.bound import best_lower_bound
+    from megatron_dhp.workload.sample import Batch, Sample
+
+    config = replace(gpt7b_config, world_size=16, overlap_comm=False)
+    cost, lengths, js, out = tmp_path / "cost.yaml", tmp_path / "l.json", tmp_path / "sim.json", tmp_path / "plan.json"
+    config.save(cost)
+    tokens = [2 * 8192] + [1000] * 39
+    lengths.write_text(json.dumps(tokens))
+    code, _, _ = run_cli(["simulate", "--cost", cost, "--lengths", lengths, "--global-batch", 40, "--batches", 1,
+                          "--planners", "dhp,static", "--json", js], capsys)  # the 40 lengths, reordered
+    model, batch = build_cost_model(config), Batch(tuple(Sample(i, t) for i, t in enumerate(tokens)))
+    best = best_lower_bound(model, batch.samples)
+    assert code == 0 and best > 1.05 * model.lower_bound(batch.samples)
+    for rows in json.loads(js.read_text())["results"].values():
+        assert rows[0]["lower_bound_s"] == pytest.approx(best) and rows[0]["ratio"] >= 1.0
+    assert run_cli(["plan", "--cost", cost, "--lengths", lengths, "--out", out], capsys)[0] == 0
+    assert json.loads(out.read_text())["lower_bound_s"] == pytest.approx(model.lower_bound(batch.samples))
+
+
 def test_dists_lists_every_distribution(capsys):
     code, stdout, _ = run_cli(["dists", "--samples", 2000], capsys)
     assert code == 0 and all(name in stdout for name in ("wlbllm", "lognormal-pareto", "bimodal", "giant", "multimodal"))
@@ -92,6 +144,7 @@ def test_dists_lists_every_distribution(capsys):
         (["plan", "--lengths", "{tmp}/ok.json", "--world-size", "0"], "world_size = 0 must be an integer >= 1"),
         (["plan", "--dist", "bimodal"], "needs --global-batch"),
         (["simulate", "--batches", "0"], "--batches 0 must be at least 1"),
+        (["simulate", "--tuned", "--pp", "2"], "--tuned tunes single-stage layouts; it cannot be combined with --pp 2"),
         (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/missing.json"], "rank speeds file .* does not exist"),
         (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/bad.json"], "rank speeds file .* is not valid JSON"),
         (["plan", "--lengths", "{tmp}/ok.json", "--rank-speeds", "{tmp}/speeds_obj.json"], "must hold a JSON list of numbers"),

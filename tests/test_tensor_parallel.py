@@ -86,8 +86,11 @@ def test_a_training_job_refuses_a_cost_model_with_tensor_parallelism(tmp_path):
 
 
 def test_static_best_is_never_slower_than_static_at_tp_1_and_tries_every_tp():
-    from megatron_dhp.solver.static_best import tp_degrees, tune_dhp, tune_static
+    from megatron_dhp.solver.static_best import tp_degrees, tune_static
     from megatron_dhp.workload import LengthSource
+    from tests.bench_scripts import load_bench
+
+    tune_dhp = load_bench("tuning").tune_dhp
 
     base = replace(BASE, tp_efficiency=0.9, tp_comm_bytes_per_token=GPT7B_TP_BYTES, attention_heads=32)
     assert tp_degrees(base) == [1, 2, 4, 8] and tp_degrees(replace(base, attention_heads=12)) == [1, 2, 4]

@@ -21,8 +21,9 @@ bound; the result is the largest. The lambda of multi-rank microbatches is left 
 
 T* is exact for the relaxation: each sample's cheapest area is a step function of T that falls at
 T = m + t(L, d) as slower, cheaper degrees become allowed, so the sum is evaluated at every such event.
-Memory and time are O(samples x N) (a few MB at 512 samples on 1,024 ranks), which is why the planners do
-not call it; benchmarks and tests do.
+Memory and time are O(samples x N) (a few MB and about 0.2 s at 512 samples on 1,024 ranks), which is why
+the planners do not call it: `megatron-dhp simulate` reports every plan's step against `best_lower_bound`,
+and the benchmarks and tests check plans against it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.workload.sample import Sample
 
@@ -157,5 +159,12 @@ def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
 
 
 def best_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
-    """The larger of `CostModel.lower_bound` and `coupled_lower_bound` (both valid)."""
+    """The larger of `CostModel.lower_bound` and `coupled_lower_bound` (both valid). Under encoder placement
+    `auto`, which plans under each concrete placement and keeps the fastest, the least of that over the
+    concrete placements whose memory holds the samples."""
+    if model.encoder_placement == "auto":  # (split alone where none holds them: its error names the sample)
+        n = model.domain.world_size
+        held = [m for m in map(model.with_placement, CONCRETE_PLACEMENTS)
+                if m.footprint(samples).min_degree().max(initial=1) <= n]
+        return min(best_lower_bound(m, samples) for m in held or [model.with_placement("split")])
     return max(model.lower_bound(samples), coupled_lower_bound(model, samples))
