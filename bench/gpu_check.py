@@ -1002,7 +1002,8 @@ def sync_site(error: BaseException) -> str:
 def _train_steps(opts: Options) -> list[Check]:
     """The one-rank job's part of `train_step_checks`: build, warm up, probe for host syncs, time."""
     from megatron_dhp.integration.dhp_config import DhpConfig
-    from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
+    from megatron_dhp.integration.job_spec import JobSpec
+    from megatron_dhp.integration.step_runtime import build_step_runtime
     from megatron_dhp.runtime.attention.core_attention import DynamicCPAttention
     from megatron_dhp.runtime.domain import DynamicDomain
     from megatron_dhp.runtime.step import run_step
@@ -1021,8 +1022,8 @@ def _train_steps(opts: Options) -> list[Check]:
     batch = Batch.from_lengths(lengths)
     domain = DynamicDomain.from_parallel_state()
     dhp = DhpConfig(max_tokens_per_rank=cap, adaptive=False, log_plans=False)
-    policy, cost = job_cost(dhp, domain)
-    runtime = build_step_runtime(dhp, domain, policy, cost, dataset_max_tokens=max(lengths))
+    # no model memory given: the one-rank job's cap stays as stated (its domain has no group family)
+    runtime = build_step_runtime(JobSpec.for_domain(dhp, domain, world_size=1), domain, dataset_max_tokens=max(lengths))
     probes = ("forward+backward", "attention forward + backward") + (("warn",) if DEVICE == "cuda" else ())
     total = STEP_WARMUP + len(probes) + measured
     batches = iter([local_slice(random_samples(batch, vocab_size=gpt.vocab_size, seed=k), domain.position, domain.size)

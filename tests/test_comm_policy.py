@@ -63,22 +63,26 @@ def test_bad_settings_are_clear_errors(kw, match):
 
 
 def test_communicator_memory_is_stated_and_taken_from_the_token_cap():
+    from megatron_dhp.integration.job_spec import JobSpec
+
     p = policy()
     assert p.communicators_per_rank == FAMILY.max_membership == 32
     assert p.memory_per_rank_mb == 32 * DEFAULT_COMMUNICATOR_MB
     assert f"at most 32 per rank (~{32 * DEFAULT_COMMUNICATOR_MB / 1024:.1f} GB" in p.summary()
     assert policy(comm="p2p").memory_per_rank_mb == 0.0
-    config = DhpConfig(max_tokens_per_rank=32768, communicator_mb=500.0, memory_mb_per_token=2.0)
-    assert config.token_cap(config.comm_policy(world_size=64, gpus_per_node=8)) == 32768 - 32 * 500 // 2
-    assert DhpConfig().token_cap(policy()) == DhpConfig().max_tokens_per_rank  # no model, no rate: unchanged
+
+    def cap(config, model=None, device="cuda"):
+        return JobSpec(config, 64, 8, device_type=device, model=model).caps.planner
+
     model = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)  # 4 MB per token
-    default = DhpConfig(max_tokens_per_rank=32768)
-    assert default.token_cap(policy(), model) == 32768 - round(32 * DEFAULT_COMMUNICATOR_MB / 4.0)  # by default
-    assert DhpConfig(max_tokens_per_rank=32768, memory_mb_per_token=0.0).token_cap(policy(), model) == 32768
-    assert config.token_cap(config.comm_policy(world_size=64, gpus_per_node=8), model) == 32768 - 32 * 500 // 2  # rate given
-    small = DhpConfig(max_tokens_per_rank=1024, memory_mb_per_token=1.0)
+    given = DhpConfig(max_tokens_per_rank=32768, communicator_mb=500.0, memory_mb_per_token=2.0)
+    assert cap(given) == cap(given, model) == 32768 - 32 * 500 // 2  # the given rate wins
+    assert cap(DhpConfig(max_tokens_per_rank=32768), model) == 32768 - round(32 * DEFAULT_COMMUNICATOR_MB / 4.0)
+    assert cap(DhpConfig(max_tokens_per_rank=32768)) == 32768  # no model, no rate: unchanged
+    assert cap(DhpConfig(max_tokens_per_rank=32768, memory_mb_per_token=0.0), model) == 32768
+    assert cap(given, model, device="cpu") == 32768  # a CPU job's communicators hold no GPU memory
     with pytest.raises(DhpError, match="lower max_groups_per_rank or raise max_tokens_per_rank"):
-        small.token_cap(small.comm_policy(world_size=64, gpus_per_node=8))
+        cap(DhpConfig(max_tokens_per_rank=1024, memory_mb_per_token=1.0))
 
 
 def test_gathered_keys_and_values_count_where_a_group_keeps_them():
@@ -90,22 +94,22 @@ def test_gathered_keys_and_values_count_where_a_group_keeps_them():
 
 
 def test_live_cost_model_counts_a_gpu_job_s_communicators_and_gathered_keys_and_values():
-    from megatron_dhp.integration.planning import live_cost_config
-    from megatron_dhp.integration.step_runtime import memory_summary
+    from megatron_dhp.integration.job_spec import JobSpec
 
     model = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)
-    config = DhpConfig(max_tokens_per_rank=32768)
-    p = config.comm_policy(world_size=64, gpus_per_node=8)
-    cost = live_cost_config(config, p, model)
+    spec = JobSpec(DhpConfig(max_tokens_per_rank=32768), 64, 8, device_type="cuda", model=model)
+    cost = spec.cost
     assert cost.max_tokens_per_rank == 32768 - round(32 * DEFAULT_COMMUNICATOR_MB / 4.0)
     assert cost.kv_memory_per_token == pytest.approx(1 / 32)
-    line = memory_summary(config, p, cost, model)
+    line = spec.memory_line()
     assert f"token cap {cost.max_tokens_per_rank} per rank" in line and "estimated from the model" in line
     assert "gathered keys and values count 0.0312" in line
-    ring = DhpConfig(max_tokens_per_rank=32768, comm="ring", memory_mb_per_token=0.0)
-    cpu = live_cost_config(ring, ring.comm_policy(world_size=64, gpus_per_node=8), model)
-    assert (cpu.max_tokens_per_rank, cpu.kv_memory_per_token) == (32768, 0.0)
-    assert live_cost_config(config, p).max_tokens_per_rank == 32768  # no model (a CPU job): as stated
+    ring = JobSpec(DhpConfig(max_tokens_per_rank=32768, comm="ring", memory_mb_per_token=0.0), 64, 8,
+                   device_type="cuda", model=model)
+    assert (ring.cost.max_tokens_per_rank, ring.cost.kv_memory_per_token) == (32768, 0.0)
+    cpu = JobSpec(DhpConfig(max_tokens_per_rank=32768), 64, 8, model=model)
+    assert (cpu.cost.max_tokens_per_rank, cpu.cost.kv_memory_per_token) == (32768, 0.0)  # a CPU job: as stated
+    assert "a CPU job's communicators hold no GPU memory" in cpu.memory_line()
 
 
 def test_profile_times_every_group_on_its_own_communicator():

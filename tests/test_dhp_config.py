@@ -6,7 +6,8 @@ import pytest
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.planning import JobPlanner, domain_node_size, live_cost_config
+from megatron_dhp.integration.job_spec import JobSpec
+from megatron_dhp.integration.planning import JobPlanner, domain_node_size
 from megatron_dhp.workload import Batch
 
 
@@ -42,8 +43,7 @@ def test_missing_file():
 
 
 def test_live_cost_config_takes_the_job_domain():
-    config = DhpConfig(max_tokens_per_rank=1024)
-    cost = live_cost_config(config, config.comm_policy(world_size=6, gpus_per_node=3))
+    cost = JobSpec(DhpConfig(max_tokens_per_rank=1024), 6, 3).cost
     assert (cost.world_size, cost.gpus_per_node, cost.max_tokens_per_rank) == (6, 3, 1024)
     assert cost.attn_s_per_token2 == 5.128e-9  # the rest from the gpt7b-64 preset
 
@@ -61,7 +61,7 @@ def test_node_size_counts_the_domains_ranks_on_a_node_of_gpus(monkeypatch):
 def test_prefetched_plan_equals_a_direct_one(overlap):
     config = DhpConfig(max_tokens_per_rank=2048, overlap_planning=overlap)
     policy = config.comm_policy(world_size=4, gpus_per_node=4)
-    planner = JobPlanner(config, live_cost_config(config, policy), policy)
+    planner = JobPlanner(config, JobSpec(config, 4, 4).cost, policy)
     batch, other = Batch.from_lengths([100, 3000, 50, 8000, 700]), Batch.from_lengths([5, 6])
     planner.prefetch(batch)
     ahead = planner.plan(batch)

@@ -77,12 +77,12 @@ def test_bad_tensor_parallelism_is_a_clear_error(overrides, message):
 
 def test_a_training_job_refuses_a_cost_model_with_tensor_parallelism(tmp_path):
     from megatron_dhp.integration.dhp_config import DhpConfig
-    from megatron_dhp.integration.planning import live_cost_config
+    from megatron_dhp.integration.job_spec import JobSpec
 
     path = tmp_path / "tp.yaml"
     replace(BASE, tensor_parallel=2).save(path)
     with pytest.raises(DhpError, match="prices simulated layouts; a job's TP is its own"):
-        live_cost_config(DhpConfig(cost=str(path)), policy=None)
+        JobSpec(DhpConfig(cost=str(path)), 4, 4)
 
 
 def test_static_best_is_never_slower_than_static_at_tp_1_and_tries_every_tp():

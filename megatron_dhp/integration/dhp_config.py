@@ -148,25 +148,11 @@ class DhpConfig:
                                    communicator_mb=self.communicator_mb)
 
     def mb_per_token(self, model: ModelMemory | None) -> float:
-        """The rate the communicators' memory turns into tokens: `memory_mb_per_token`, else the model's
-        activation MB per token when the job gives one (a GPU job), else 0 (not counted)."""
+        """The rate the communicators' memory turns into tokens (`job_spec.JobSpec.caps`): `memory_mb_per_token`,
+        else the model's activation MB per token when the job gives one, else 0 (not counted)."""
         if self.memory_mb_per_token is not None:
             return self.memory_mb_per_token
         return model.activation_mb if model is not None else 0.0
-
-    def token_cap(self, policy: CommPolicy, model: ModelMemory | None = None) -> int:
-        """The tokens per rank a microbatch may hold: max_tokens_per_rank, less the communicators' memory in
-        tokens at `mb_per_token`."""
-        rate = self.mb_per_token(model)
-        if not rate:
-            return self.max_tokens_per_rank
-        cap = self.max_tokens_per_rank - int(policy.memory_per_rank_mb / rate + 0.5)
-        if cap < 1:
-            raise DhpError(
-                f"the group family's {policy.communicators_per_rank} communicators per rank take "
-                f"{policy.memory_per_rank_mb:.0f} MB, more than max_tokens_per_rank = {self.max_tokens_per_rank} "
-                f"tokens of {rate:.3g} MB; lower max_groups_per_rank or raise max_tokens_per_rank")
-        return cap
 
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "dhp config") -> DhpConfig:

@@ -15,32 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from megatron_dhp.cost import CostConfig, CostModel, simulate
-from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.comm import CommPolicy
-from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.solver import PlannerContext, build_planner, run_planner
 from megatron_dhp.workload.sample import Batch
-
-
-def live_cost_config(config: DhpConfig, policy: CommPolicy, model: ModelMemory | None = None) -> CostConfig:
-    """The configured cost model with the live job's domain (the policy's size and node size, the token cap
-    its communicators leave) and the configured encoder placement; with the `model`'s memory (a GPU job), the
-    gathered keys and values counted when some group gathers them (`CommPolicy.gathers_kv`)."""
-    cost = CostConfig.load(config.cost)
-    if cost.tensor_parallel > 1:
-        raise DhpError(f"dhp.cost {config.cost!r} has tensor_parallel = {cost.tensor_parallel}, which prices simulated "
-                       "layouts; a job's TP is its own (train.tp, --tensor-model-parallel-size) and its cost model "
-                       "describes the domain's positions: use tensor_parallel 1 (`megatron-dhp profile` writes it)")
-    return cost.with_overrides(
-        world_size=policy.world_size, gpus_per_node=policy.gpus_per_node,
-        max_tokens_per_rank=config.token_cap(policy, model),
-        kv_memory_per_token=model.kv_memory_per_token if model is not None and policy.gathers_kv else None,
-        encoder_placement=config.encoder_placement,
-        rank_speeds=config.stated_speeds(policy.world_size, policy.gpus_per_node) or None,
-    )
 
 
 def domain_node_size(config: DhpConfig, global_ranks: Sequence[int], job_world_size: int) -> int:

@@ -68,8 +68,7 @@ class StepIterator:
         self.source = source
         """Megatron's loader iterator on the rank that reads it (`DhpRuntime.share_source`); None elsewhere."""
         self.runtime = runtime
-        self.engine = runtime.steps.engine(source=self._read, lookahead=lookahead, seq_multiple=runtime.seq_multiple,
-                                           aligned_slots=runtime.aligned_slots, equal_rows=runtime.equal_rows)
+        self.engine = runtime.steps.engine(source=self._read, lookahead=lookahead)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
 

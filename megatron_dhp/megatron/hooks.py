@@ -15,19 +15,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
+from megatron_dhp.integration.job_spec import JobSpec
+from megatron_dhp.integration.step_runtime import build_step_runtime
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
 from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.plan.memory import ModelMemory, longest_sample, ranks_cap_for
-from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
+from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.runtime.domain import DynamicDomain, host_groups
-from megatron_dhp.runtime.layer_spec import seq_multiple, with_dynamic_cp
+from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
-from megatron_dhp.runtime.slots import slot_rules
 
 
 @exits_on_dhp_error()
@@ -73,22 +70,20 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if stages > 1:
         check_pipeline(domain)
-    policy, cost = job_cost(config, domain, _model_memory(args, stages))
-    cap = _sample_cap(args.seq_length, domain, config, cost, stages, virtual)
+    spec = JobSpec.for_domain(
+        config, domain, world_size=dist.get_world_size(), tensor_parallel=args.tensor_model_parallel_size,
+        sequence_parallel=bool(args.sequence_parallel), pipeline_stages=stages, virtual_stages=virtual,
+        expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
+        moe_dispatcher=getattr(args, "moe_token_dispatcher_type", None),
+        fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)), model=_model_memory(args, stages))
+    cap = _sample_cap(args.seq_length, spec)
     share_group, share_source = _loader_sharing(domain)
-    aligned, equal_rows = slot_rules(parallel_state.get_expert_model_parallel_world_size(),
-                                     getattr(args, "moe_token_dispatcher_type", None),
-                                     fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)))
     runtime = DhpRuntime(
-        steps=build_step_runtime(config, domain, policy, cost, dataset_max_tokens=cap or args.seq_length,
-                                 pipeline_stages=stages, virtual_stages=virtual),
+        steps=build_step_runtime(spec, domain, dataset_max_tokens=cap or args.seq_length),
         share_group=share_group,
         share_source=share_source,
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
-        seq_multiple=seq_multiple(args),
-        aligned_slots=aligned,
-        equal_rows=equal_rows,
     )
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     wrapped = (
@@ -140,31 +135,20 @@ def _loader_sharing(domain: DynamicDomain) -> tuple[dist.ProcessGroup | None, in
     return group, source
 
 
-def _sample_cap(seq_length: int, domain: DynamicDomain, config: DhpConfig, cost: CostConfig, stages: int,
-                virtual: int = 1) -> int | None:
-    """Where to cut sequences: nowhere if the domain holds the longest one, its capacity with `truncate`.
-
-    The cost model's cap is the M the planner holds (`DhpConfig.token_cap`: max_tokens_per_rank, less the
-    communicators' memory when it is counted). Under pipeline parallelism a stage keeps up to P microbatches in
-    flight, so one holds M // P per rank (interleaved, M V // C: `plan.pipeline.pipeline_token_cap`); gathered
-    keys and values, where counted, take their share on every rank (`plan.memory.longest_sample`)."""
-    token_cap, kv = cost.max_tokens_per_rank, cost.kv_memory_per_token
-    capacity = longest_sample(pipeline_token_cap(token_cap, stages, virtual), domain.size, kv)
-    if seq_length <= capacity:
+def _sample_cap(seq_length: int, spec: JobSpec) -> int | None:
+    """Where to cut sequences: nowhere if the domain holds the longest one (`JobSpec.caps.longest_sample`), there
+    with `truncate`; else a `DhpError` naming the max_tokens_per_rank that would hold it."""
+    caps, kv = spec.caps, spec.kv_memory_per_token
+    if seq_length <= caps.longest_sample:
         return None
-    if config.truncate:
-        return capacity
+    if spec.config.truncate:
+        return caps.longest_sample
+    stages, virtual = spec.pipeline_stages, spec.virtual_stages
     at = "" if stages == 1 else f" // {stages} pipeline stages" if virtual == 1 else \
         f" at {stages} pipeline stages of {virtual} chunks"
     kept = f", its keys and values on every rank at kv_memory_per_token {kv:.3g}" if kv else ""
-    raised = _raised_cap(ranks_cap_for(seq_length, domain.size, kv), stages, virtual)
     raise DhpError(
-        f"--seq-length {seq_length} exceeds what the domain of {domain.size} ranks holds at max_tokens_per_rank "
-        f"{token_cap}{at} ({capacity} tokens{kept}); raise --dhp-max-tokens-per-rank to at least "
-        f"{raised + config.max_tokens_per_rank - token_cap} or set truncate: true"
+        f"--seq-length {seq_length} exceeds what the domain of {spec.domain_size} ranks holds at max_tokens_per_rank "
+        f"{caps.planner}{at} ({caps.longest_sample} tokens{kept}); raise --dhp-max-tokens-per-rank to at least "
+        f"{spec.stated_cap_for(seq_length)} or set truncate: true"
     )
-
-
-def _raised_cap(per_rank: int, stages: int, virtual: int) -> int:
-    """The least M whose per-microbatch cap is `per_rank` tokens."""
-    return -(-per_rank * in_flight_chunks(stages, virtual) // virtual)  # M V // C >= per_rank

@@ -30,12 +30,6 @@ class DhpRuntime:
     """Train each document of a loader row as its own sequence (Megatron's --reset-attention-mask)."""
     max_sample_tokens: int | None
     """Cut longer sequences to this many tokens (the domain's capacity, when `truncate` is set)."""
-    seq_multiple: int = 1
-    """Each sample's shard is padded to a multiple of this: the TP size under --sequence-parallel."""
-    aligned_slots: bool = False
-    """Every position runs the same slots (idle ones pad), so MoE's expert-parallel collectives pair up."""
-    equal_rows: bool = False
-    """The k-th slot holds the same rows on every position (MoE's allgather dispatcher gathers equal blocks)."""
 
     @property
     def config(self) -> DhpConfig:

@@ -24,15 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.step_runtime import build_step_runtime, job_cost
-from megatron_dhp.plan.memory import longest_sample
-from megatron_dhp.plan.pipeline import pipeline_token_cap
+from megatron_dhp.integration.job_spec import JobSpec
+from megatron_dhp.integration.step_runtime import build_step_runtime
 from megatron_dhp.plan.plan import Plan, rank_speeds_text
 from megatron_dhp.runtime.attention.comm import all_gather_single
 from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
-from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.step import reduce_gradients, run_step
 from megatron_dhp.runtime.step_data import StepInputs
@@ -105,12 +103,14 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.domain = DynamicDomain.from_parallel_state(timeout=timedelta(seconds=config.train.timeout_s))
-        policy, self.cost = job_cost(config.dhp, self.domain,
-                                     config.model.memory(tensor_parallel=config.train.tp, pipeline_stages=config.train.pp))
-        # under PP a microbatch holds M // P per rank (P in flight), so that is what a sample may fill, less its
-        # gathered keys and values where they are counted
-        capacity = longest_sample(pipeline_token_cap(self.cost.max_tokens_per_rank, config.train.pp, config.train.vpp),
-                                  self.domain.size, self.cost.kv_memory_per_token)
+        self.spec = JobSpec.for_domain(
+            config.dhp, self.domain, world_size=dist.get_world_size(), tensor_parallel=config.train.tp,
+            sequence_parallel=config.model.sequence_parallel, pipeline_stages=config.train.pp,
+            virtual_stages=config.train.vpp,
+            model=config.model.memory(tensor_parallel=config.train.tp, pipeline_stages=config.train.pp))
+        """The job's sizes and token cap: a sample may fill one microbatch of the whole domain (`TokenCaps`)."""
+        self.cost = self.spec.cost
+        capacity = self.spec.caps.longest_sample
         self.pipeline = TokenPipeline(config.data, vocab_size=config.model.vocab_size,
                                       capacity=capacity, truncate=config.dhp.truncate,
                                       vision=config.vision if config.vision.layers else None)
@@ -121,8 +121,7 @@ class Trainer:
         self.longest = longest
         """The run's longest sample: what Megatron's static CP is sized for (the static planner's CP)."""
         self.static_cp = static_cp_size(longest, self.cost.domain)
-        self.runtime = build_step_runtime(config.dhp, self.domain, policy, self.cost, dataset_max_tokens=longest,
-                                          pipeline_stages=config.train.pp, virtual_stages=config.train.vpp)
+        self.runtime = build_step_runtime(self.spec, self.domain, dataset_max_tokens=longest)
         if config.train.pp > 1:
             check_pipeline(self.domain)
         self.loss_ranks = _last_stage_domain()
@@ -172,8 +171,7 @@ class Trainer:
         run = self.config.train
         position, size = self.domain.position, self.domain.size
         batches = (self.pipeline.local_samples(k, position, size) for k in range(self.completed, run.steps))
-        engine = self.runtime.engine(source=lambda: next(batches, None), lookahead=True,
-                                     seq_multiple=seq_multiple(self.chunks[0].config))
+        engine = self.runtime.engine(source=lambda: next(batches, None), lookahead=True)
         try:
             while True:
                 start = time.perf_counter()

@@ -93,11 +93,9 @@ class GridTimer:
     def __init__(self, config: TrainConfig, grid: list[GridPoint]) -> None:
         import torch.distributed as dist
 
-        from megatron_dhp.integration.step_runtime import job_policy
+        from megatron_dhp.integration.job_spec import JobSpec
         from megatron_dhp.runtime.domain import DynamicDomain
-        from megatron_dhp.runtime.engine import StepEngine
         from megatron_dhp.runtime.group_pool import GroupPool
-        from megatron_dhp.runtime.layer_spec import seq_multiple
         from megatron_dhp.runtime.step_data import local_slice
         from megatron_dhp.training.model import build_model
 
@@ -105,10 +103,10 @@ class GridTimer:
         self.domain = DynamicDomain.from_parallel_state()
         self.model = build_model(config.model, seed=config.train.seed, layer_spec=config.dhp.layer_spec,
                                  vision=config.vision)
-        policy = job_policy(config.dhp, self.domain, dist.get_world_size()).for_profiling()
-        self.engine = StepEngine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
-                                 seq_multiple=seq_multiple(self.model.config), policy=policy,
-                                 backend=config.dhp.attention_backend)
+        spec = JobSpec.for_domain(config.dhp, self.domain, world_size=dist.get_world_size(),
+                                  tensor_parallel=config.train.tp, sequence_parallel=config.model.sequence_parallel)
+        self.engine = spec.engine(self.domain, GroupPool(self.domain, max_groups=config.dhp.max_groups),
+                                  policy=spec.policy.for_profiling())
         n, position = self.domain.size, self.domain.position
         self.steps = []
         for point in grid:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.launch.cpu_shim import backport_fsdp2_finish_grad_sync
 from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt_chunks, global_names
 from megatron_dhp.models.vlm import TinyVLM, TinyVLMConfig
@@ -25,12 +27,9 @@ from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
-from megatron_dhp.runtime.layer_spec import seq_multiple
 from megatron_dhp.runtime.pipeline import check_pipeline
 from megatron_dhp.runtime.slot_timer import SlotTimer
-from megatron_dhp.runtime.slots import slot_rules
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
 from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
@@ -152,12 +151,15 @@ class SelfCheck:
             chunk.module.zero_grad(set_to_none=True)  # FSDP2 keeps its gradients on the parameters
         local = local_slice(samples, self.domain.position, self.domain.size)
         config = self.chunks[0].config
-        aligned, equal_rows = slot_rules(config.expert_model_parallel_size, config.moe_token_dispatcher_type,
-                                         fully_sharded=self.fsdp)
         pipelined = self.pp_group.size() > 1
-        engine = StepEngine(self.domain, self.pool, seq_multiple=seq_multiple(config), aligned_slots=aligned,
-                            equal_rows=equal_rows, policy=self.policy(comm), backend=self.backend, pipelined=pipelined,
-                            timer=SlotTimer.for_job(self.domain.device, self.slowdowns))
+        n = self.domain.size
+        spec = JobSpec(DhpConfig(attention_backend=self.backend, comm=comm), n, n,
+                       tensor_parallel=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+                       pipeline_stages=self.pp_group.size(), virtual_stages=len(self.chunks),
+                       expert_parallel=config.expert_model_parallel_size,
+                       moe_dispatcher=config.moe_token_dispatcher_type, fully_sharded=self.fsdp)
+        engine = spec.engine(self.domain, self.pool, policy=self.policy(comm),
+                             timer=SlotTimer.for_job(self.domain.device, self.slowdowns))
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         step = run_step(engine, self.model, inputs)
         device = self.domain.device

@@ -277,7 +277,7 @@ def hooks_checks() -> dict:
                         u.train, None, None)
     sp = train.iterable.runtime
     out["sp"] = [u.compare(step, u.run(train)[1]) for step in range(2)]
-    out["sp_multiple"] = sp.seq_multiple
+    out["sp_multiple"] = train.iterable.engine.seq_multiple
     sp.steps.planner.close()
 
     # --- pipeline parallel 2: two stages of a domain of 2 through megatron-core's 1F1B; the last stage's
@@ -309,7 +309,7 @@ def hooks_checks() -> dict:
         train, _, _ = setup(megatron_args(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher),
                             e.train, None, None)
         ep2 = train.iterable.runtime
-        out["ep2_rules"][dispatcher] = (ep2.aligned_slots, ep2.equal_rows)
+        out["ep2_rules"][dispatcher] = (train.iterable.engine.aligned_slots, train.iterable.engine.equal_rows)
         ep2.steps.planner.close()
         hand = replace(ep2, steps=replace(ep2.steps, planner=HandPlanner(partial(idle_plan, n=4), partial(barrier_plan, n=4))))
         it = wrap_data_iterator(e.train, hand, lookahead=False)

@@ -86,20 +86,18 @@ def test_layer_spec_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys,
 def test_setup_refuses_a_seq_length_the_domain_cannot_hold_under_pp_in_one_line(capsys, monkeypatch, rank):
     """A new user's PP 2 run at --dhp-max-tokens-per-rank 32: 2 ranks hold 2 x 32 // 2 = 32 tokens, not 64;
     rank 0 says so in one line, every rank exits 2 (the domain and PP stubbed: no process group here)."""
-    from megatron_dhp.integration.planning import live_cost_config
     from megatron_dhp.megatron import arguments, hooks
 
-    def job_cost(config, domain, model):  # the job's policy and cost model on the stubbed 2-rank domain (a CPU's)
-        policy = config.comm_policy(world_size=domain.size, gpus_per_node=domain.size)
-        return policy, live_cost_config(config, policy)
-
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(hooks, "job_cost", job_cost)
     monkeypatch.setattr(arguments, "_SILENT_RANK_EXIT_DELAY_S", 0.0)
-    monkeypatch.setattr(hooks, "DynamicDomain", SimpleNamespace(from_parallel_state=lambda timeout: SimpleNamespace(size=2)))
+    domain = SimpleNamespace(size=2, global_ranks=(0, 1), device=torch.device("cpu"))
+    monkeypatch.setattr(hooks, "DynamicDomain", SimpleNamespace(from_parallel_state=lambda timeout: domain))
+    monkeypatch.setattr(hooks.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(hooks.parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(hooks.parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(hooks, "check_pipeline", lambda domain: None)
-    args = dhp_args(dhp_max_tokens_per_rank=32, seq_length=64, distributed_timeout_minutes=1, **LLAMA3_8B)
+    args = dhp_args(dhp_max_tokens_per_rank=32, seq_length=64, distributed_timeout_minutes=1, sequence_parallel=False,
+                    **LLAMA3_8B)
     printed = refused(capsys, lambda: hooks.setup(args, None, None, None))
     assert printed == ([] if rank == "1" else [
         "megatron-dhp: --seq-length 64 exceeds what the domain of 2 ranks holds at max_tokens_per_rank 32 // 2 "
@@ -295,19 +293,20 @@ def test_the_sequence_cap_leaves_room_for_gathered_keys_and_values():
     131,072-token sample (64 x 2,048 + 64 x 4,096 = 64 x 6,144 is too much), so the cap says so and what M holds it."""
     from dataclasses import replace
 
-    from megatron_dhp.cost import CostConfig
     from megatron_dhp.integration.dhp_config import DhpConfig
+    from megatron_dhp.integration.job_spec import JobSpec
     from megatron_dhp.megatron.hooks import _sample_cap
-    from megatron_dhp.plan.memory import longest_sample
+    from megatron_dhp.plan.memory import ModelMemory, longest_sample
 
-    domain = SimpleNamespace(size=64)
-    cost = replace(CostConfig.load("gpt7b-64"), world_size=64, max_tokens_per_rank=4096, kv_memory_per_token=1 / 32)
-    config = DhpConfig(max_tokens_per_rank=4096)
-    assert _sample_cap(87000, domain, config, cost, 1) is None
+    llama = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)
+    config = DhpConfig(max_tokens_per_rank=4096, memory_mb_per_token=0.0)  # communicators left out: keys alone
+    spec = JobSpec(config, 64, 8, device_type="cuda", model=llama)
+    assert spec.kv_memory_per_token == pytest.approx(1 / 32) and spec.caps.planner == 4096
+    assert _sample_cap(87000, spec) is None
     longest = longest_sample(4096, 64, 1 / 32)
-    assert 87000 <= longest < 131072
-    assert _sample_cap(131072, domain, DhpConfig(max_tokens_per_rank=4096, truncate=True), cost, 1) == longest
+    assert spec.caps.longest_sample == longest and 87000 <= longest < 131072
+    assert _sample_cap(131072, replace(spec, config=replace(config, truncate=True))) == longest
     with pytest.raises(DhpError, match=r"--seq-length 131072 exceeds .* \(\d+ tokens, its keys and values on every "
                                        r"rank at kv_memory_per_token 0.0312\); raise --dhp-max-tokens-per-rank to at "
                                        r"least 6144 or set truncate: true"):
-        _sample_cap(131072, domain, config, cost, 1)
+        _sample_cap(131072, spec)
