@@ -1193,10 +1193,10 @@ LOOP_WARMUP = 8
 
 
 def slot_timer_check() -> Check:
-    """The SlotTimer's CUDA events (read a step late, no synchronisation) against synchronised wall time."""
-    from megatron_dhp.runtime.slot_timer import SlotTimer
+    """The slot clock's CUDA events (read a step late, no synchronisation) against synchronised wall time."""
+    from megatron_dhp.closed_loop.slot_clock import SlotClock
 
-    timer = SlotTimer(torch.device(DEVICE))
+    timer = SlotClock(torch.device(DEVICE))
     a = torch.randn(4096, 4096, device=DEVICE)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -1206,7 +1206,7 @@ def slot_timer_check() -> Check:
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     timer.end_step("step")
-    _, slots = timer.take()
+    _, slots, _ = timer.take()
     events = slots[0][1]
     return compared("slot timer: CUDA events vs synchronised wall time", abs(events / wall - 1), LOOP_TOLERANCE,
                     "|events / wall - 1|", events_ms=events * 1e3, wall_ms=wall * 1e3)

@@ -2,7 +2,7 @@
 
 Two ways to slow one rank, each run twice on the same batches and weights (`dhp.adaptive` on, then off):
 
-* injection: `dhp.slow_ranks` holds every slot of rank 1 `--factor` times as long (`runtime.slot_timer`);
+* injection: `dhp.slow_ranks` holds every slot of rank 1 `--factor` times as long (`closed_loop.injection`);
 * contention: each rank pinned to its own core (`train.pin_cores`) and a busy process pinned to rank 1's
   core, so the OS shares that core between them, as a noisy neighbour shares a GPU.
 

@@ -1,4 +1,5 @@
-"""The closed loop: the speed estimator, the reports ranks make, the model the planner gets, the slot timer."""
+"""The closed loop (`megatron_dhp.closed_loop`): the speed estimator, the reports ranks make, the model the planner
+gets, the slot clock and the fault injection around it."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.closed_loop.injection import InjectedSlowdown, timer_for_job
+from megatron_dhp.closed_loop.loop import ClosedLoop
+from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit, TimeScales
+from megatron_dhp.closed_loop.slot_clock import SlotClock
+from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.cost.scale_fit import STATS, ScaleFit, TimeScales
-from megatron_dhp.cost.speed_estimator import SpeedEstimator
 from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.attention.comm import PeerRing
-from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -167,7 +169,7 @@ def test_a_slow_rank_leaves_the_fit_with_its_earlier_steps_once_it_is_known():
 
 
 def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once():
-    timer = SlotTimer(torch.device("cpu"), slowdown=3.0)
+    timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0, hold=False)
     inner = []
     with timer.slot((4, 7)):
         start = time.perf_counter()
@@ -179,6 +181,30 @@ def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once(
     assert timer.take() is None
 
 
+
+class Untouchable:
+    """A group whose every use fails: a timer that only measures never asks it anything."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the production clock used the group's {name}")
+
+
+def test_the_production_clock_only_measures_and_injection_is_put_on_only_when_slow_ranks_are_set(monkeypatch):
+    clock = timer_for_job(torch.device("cpu"), {})
+    assert type(clock) is SlotClock
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("the production clock slept"))
+    with clock.slot((3,), Untouchable()):
+        pass
+    clock.end_step("plan")
+    assert clock.take()[0] == "plan"
+    with pytest.raises(TypeError):
+        SlotClock(torch.device("cpu"), slowdown=2.0)  # no injection knob on the production path
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    slowed, holding = timer_for_job(torch.device("cpu"), {1: 3.0}), timer_for_job(torch.device("cpu"), {0: 3.0})
+    assert isinstance(slowed, InjectedSlowdown) and type(slowed.clock) is SlotClock
+    assert (slowed.slowdown, slowed.hold) == (3.0, True) and (holding.slowdown, holding.hold) == (1.0, True)
+
+
 WORK_S = 0.05
 
 
@@ -186,7 +212,7 @@ def injected_slot_seconds(hold: bool, ring: bool) -> float:
     """One slot of a two-rank group, rank 1 injected 3x; this rank's timed seconds (a `launch` worker)."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group([0, 1])
-    timer = SlotTimer(torch.device("cpu"), slowdown=3.0 if dist.get_rank() == 1 else 1.0, hold=hold)
+    timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0 if dist.get_rank() == 1 else 1.0, hold=hold)
     with timer.slot((0,), PeerRing.of_group(group) if ring else group):
         time.sleep(WORK_S)
     timer.end_step(None)

@@ -20,7 +20,7 @@ PAGES = sorted((REPO / "docs").glob("*.md"))
 README = REPO / "README.md"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 PATH = re.compile(r"`((?:megatron_dhp|tests|scripts|bench|configs|docs|csrc|patches|workload|plan|cost|solver|runtime|"
-                  r"testing|integration|training|cli)/[\w./-]+)`")
+                  r"testing|integration|training|cli|closed_loop)/[\w./-]+)`")
 """A path of this project (upstream Megatron-LM's files, `megatron/...`, and bare file names are not checked)."""
 
 

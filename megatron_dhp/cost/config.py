@@ -280,7 +280,7 @@ class CostConfig:
     def scaled(self, factor: float, attention: float | None = None) -> CostConfig:
         """Every time the model gives, times `factor`: each seconds coefficient multiplied, each bandwidth
         divided; with `attention`, the attention coefficients (a, e) by that instead (how the closed loop
-        corrects the model, `integration.closed_loop`)."""
+        corrects the model, `closed_loop.loop`)."""
         attention = factor if attention is None else attention
         if factor == attention == 1.0:
             return self

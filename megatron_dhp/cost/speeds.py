@@ -1,7 +1,7 @@
 """Rank speeds a user states up front: a JSON file of one relative speed per rank, or per node in a config.
 
 A speed is relative to the rank the cost model's coefficients describe (1.0); a throttled or older GPU is
-below 1. `Domain.rank_speeds` holds them; `integration.closed_loop` measures them during training instead.
+below 1. `Domain.rank_speeds` holds them; the closed loop (`closed_loop`) measures them during training instead.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
-from megatron_dhp.cost.speed_estimator import SpeedEstimator
 from megatron_dhp.cost.speeds import expand_speeds, parse_slowdowns
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
@@ -78,7 +78,7 @@ class DhpConfig:
     """Cut samples longer than the whole domain holds (in the data pipeline) instead of stopping with an error."""
     adaptive: bool = True
     """Closed-loop planning: every rank times its slots, and the planner learns each rank's speed and the
-    cost model's correction (two factors and sigma) from them (`integration.closed_loop`), so slow ranks get
+    cost model's correction (two factors and sigma) from them (`closed_loop`), so slow ranks get
     less work and predicted step times follow the machine. Plans stay exact whatever the speeds; off: plan
     with the stated speeds."""
     adaptive_window: int = 5

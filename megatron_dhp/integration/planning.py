@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
+from megatron_dhp.closed_loop.loop import ClosedLoop
 from megatron_dhp.cost import CostConfig, CostModel, simulate
-from megatron_dhp.integration.closed_loop import ClosedLoop
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.plan import Plan

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron_dhp.closed_loop.injection import timer_for_job
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.job_spec import JobSpec
@@ -24,7 +25,6 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import SampleSource, StepEngine
 from megatron_dhp.runtime.fused import kernels_status
 from megatron_dhp.runtime.group_pool import GroupPool, nccl_sharing
-from megatron_dhp.runtime.slot_timer import SlotTimer
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StepRuntime:
         every slot (slowed as injected), reporting to the planner's closed loop when adaptive."""
         timed = self.config.adaptive or bool(self.config.slowdowns)  # nobody reads the timings otherwise
         return self.spec.engine(self.domain, self.pool, planning=self.planner, source=source, lookahead=lookahead,
-                                timer=SlotTimer.for_job(self.domain.device, self.config.slowdowns) if timed else None,
+                                timer=timer_for_job(self.domain.device, self.config.slowdowns) if timed else None,
                                 feedback=self.planner.loop if self.config.adaptive else None)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+from megatron_dhp.closed_loop.injection import timer_for_job
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.launch.cpu_shim import backport_fsdp2_finish_grad_sync
@@ -29,7 +30,6 @@ from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.pipeline import check_pipeline
-from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import TokenSample, local_slice
 from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
@@ -90,7 +90,7 @@ class SelfCheck:
                  slowdowns: Mapping[int, float] | None = None, virtual: int = 1, fsdp: bool = False) -> None:
         """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
         `slowdowns`: global rank -> factor, each of those ranks holds its slots that many times as long, and
-        every rank its groups for them (`runtime.slot_timer`); `virtual`: model
+        every rank its groups for them (`closed_loop.injection`); `virtual`: model
         chunks per pipeline stage (interleaved 1F1B); `fsdp`: megatron-core's torch FSDP2 wrapper over the
         domain instead of its DDP (gradients summed, not averaged, as the per-token rule needs)."""
         from megatron.core import parallel_state
@@ -159,7 +159,7 @@ class SelfCheck:
                        expert_parallel=config.expert_model_parallel_size,
                        moe_dispatcher=config.moe_token_dispatcher_type, fully_sharded=self.fsdp)
         engine = spec.engine(self.domain, self.pool, policy=self.policy(comm),
-                             timer=SlotTimer.for_job(self.domain.device, self.slowdowns))
+                             timer=timer_for_job(self.domain.device, self.slowdowns))
         inputs = engine.prepare(local, replace(plan, encoder_placement=placement))
         step = run_step(engine, self.model, inputs)
         device = self.domain.device

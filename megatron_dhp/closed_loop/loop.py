@@ -1,12 +1,12 @@
-"""The closed loop: plans that follow the ranks as they run, from what each rank measured.
+"""The closed loop's deciding: the model plans use, from what each rank measured.
 
-Each rank times its slots (`runtime.slot_timer`); after a step it compares them with what the configured
+Each rank times its slots (`closed_loop.slot_clock`); after a step it compares them with what the configured
 cost model predicts for them at speed 1 and reports one ratio, rho = measured / predicted of its fastest
 group (a multi-rank group's slot also holds the wait for its slowest member, so a rank's own speed shows in
 the group where it waited least), with the least-squares statistics of its slots against the model's
 attention and other seconds. The report rides with the next step's length gather, so every rank takes in
-every report and holds the same estimate: each rank's speed (`cost.speed_estimator`) and two factors on the
-model's own coefficients (`cost.scale_fit`). The planner plans each step on the configured model so
+every report and holds the same estimate: each rank's speed (`closed_loop.speed_estimator`) and two factors on
+the model's own coefficients (`closed_loop.scale_fit`). The planner plans each step on the configured model so
 corrected, with those speeds: slow ranks get less work, and predicted step times converge on measured ones
 without a separate `profile` run.
 
@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit
+from megatron_dhp.closed_loop.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
-from megatron_dhp.cost.scale_fit import STATS, ScaleFit
-from megatron_dhp.cost.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.plan.plan import Plan, rank_speeds_text
 
 FIT_WINDOWS = 4

@@ -1,6 +1,6 @@
 """Rank speeds, estimated from what each rank measured against what was predicted.
 
-Every step each rank reports rho = measured / predicted seconds of its slots (`integration.closed_loop`
+Every step each rank reports rho = measured / predicted seconds of its slots (`closed_loop.loop`
 forms it), the prediction taken at speed 1 under the configured coefficients. A rank that is twice as slow
 reports about 2; a model whose coefficients are 3x too small makes every rank report about 3. So:
 
@@ -42,7 +42,7 @@ class SpeedEstimate:
     """Relative speed per domain position (1.0 where a rank is within the hysteresis of typical)."""
     time_scale: float
     """kappa: measured over predicted of the fast ranks, the level the speeds are relative to (the model's own
-    correction is `cost.scale_fit`'s)."""
+    correction is `closed_loop.scale_fit`'s)."""
     steps: int
     """Reports taken in so far."""
     measured: tuple[float, ...] = ()

@@ -2,7 +2,7 @@
 
 Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the
 slot's measured seconds, A the model's attention seconds of the slot (a sum L^2 / d over its samples) and R
-the rest of its predicted seconds. The sums ride with the length gather (`integration.closed_loop`);
+the rest of its predicted seconds. The sums ride with the length gather (`closed_loop.loop`);
 `ScaleFit` keeps each rank's over the last `window` steps and solves the 2 x 2 normal equations over the
 ranks running at the typical speed (`counted`), each rank's y brought to speed 1 by its *current* speed
 estimate: a rank found slow leaves the fit, the steps it measured before it was known to be slow included
