@@ -46,7 +46,7 @@ def run(tree: Path, iters: int, flags: list[str]) -> dict:
     log = out.stdout + out.stderr
     if out.returncode:
         raise SystemExit(f"error: pretrain_gpt.py failed ({' '.join(flags)}):\n{log[-3000:]}")
-    slow = re.findall(r"closed loop: slow ranks ([^|]*)\|", log)
+    slow = re.findall(r"closed loop: slow ([^|]*)\|", log)
     return {"ms": [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)],
             "losses": [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", log)],
             "slow_ranks_last": slow[-1].strip() if slow else ""}

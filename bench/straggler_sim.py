@@ -14,7 +14,7 @@ repeats exactly):
                clipped to [0.4, 1.0], from 1.0), and two ranks held at 0.5 from a quarter of the trace on, one
                recovering at half of it and one at three quarters. A fresh batch per step (index = step - 1);
                dhp plans with the previous step's speeds (the closed loop's one step of lag), rounded to
-               powers of 1 + `--speed-grid` as measured speeds would be reported; every plan is priced under
+               powers of 1 + `--speed-grid` as the closed loop reports measured speeds (its grid by default); every plan is priced under
                the current exact speeds. dhp-nolag, dhp planned with the current (rounded) speeds, shows
                what the lag costs.
 
@@ -57,6 +57,7 @@ from rich.table import Table
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.plan.rank_speeds import SPEED_GRID, on_speed_grid
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
@@ -110,11 +111,11 @@ def drift_trace(n: int, steps: int, seed: int) -> np.ndarray:
 
 
 def on_grid(speeds: np.ndarray, grid: float) -> np.ndarray:
-    """`speeds` rounded to the nearest power of 1 + `grid` (0: as they are), as a closed loop would report them."""
+    """`speeds` rounded to the nearest power of 1 + `grid` (0: as they are), as the closed loop reports them at the
+    default `grid` (`plan.rank_speeds.on_speed_grid`)."""
     if not grid:
         return speeds
-    step = np.log1p(grid)
-    return np.minimum(np.exp(np.round(np.log(speeds) / step) * step), 1.0)
+    return np.minimum(on_speed_grid(speeds, grid=1 + grid), 1.0)
 
 
 def cell_units(scenario: str, n: int, gpn: int, args: argparse.Namespace) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
@@ -263,9 +264,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--drift-steps", type=int, default=200, help="steps of the drift trace (default 200)")
     parser.add_argument("--drift-steps-large", type=int, default=5,
                         help=f"from {LARGE_RANKS} ranks on, plan this many of the trace's steps, evenly spaced (default 5)")
-    parser.add_argument("--speed-grid", type=float, default=0.02, metavar="G",
-                        help="drift: dhp plans with the speeds rounded to powers of 1 + G (default 0.02; 0: the "
-                             "exact speeds, whose solve is O(samples x distinct speeds): seconds a step at N = 256)")
+    parser.add_argument("--speed-grid", type=float, default=round(SPEED_GRID - 1, 9), metavar="G",
+                        help=f"drift: dhp plans with the speeds rounded to powers of 1 + G (default "
+                             f"{SPEED_GRID - 1:g}, the closed loop's grid; 0: the exact speeds, whose solve is "
+                             "O(samples x distinct speeds): seconds a step at N = 256)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"default {','.join(SCENARIOS)}")
     parser.add_argument("--dist", default="wlbllm", help="length distribution (default wlbllm)")
     parser.add_argument("--cost", default="gpt7b-64", help="cost preset or YAML; its world size is overridden (default gpt7b-64)")

@@ -21,11 +21,14 @@ from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.launch.ranks import launch
+from megatron_dhp.plan.rank_speeds import on_speed_grid, rank_speeds_text, slow_ranks, slow_ranks_text
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.workload import LengthSource
 
 BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)
+HALF = float(on_speed_grid(0.5))
+"""A rank measured at half speed, as the loop publishes it: 1.02^-35, the speed grid's nearest point."""
 
 
 def noisy(rng, truth, noise=0.05):
@@ -50,7 +53,7 @@ def test_estimator_ignores_one_outlier_step_and_gives_work_back_on_recovery():
     for _ in range(5):
         est.update([1.0, 1.0, 2.0, 1.0])
     settled = est.estimate.speeds
-    assert settled == (1.0, 1.0, 0.5, 1.0)
+    assert settled == (1.0, 1.0, HALF, 1.0)
     assert est.update([1.0, 3.0, 2.0, 1.0]).speeds == settled  # one slow step of rank 1: the median holds
     for _ in range(3):  # rank 2 recovers: once most of its window is fast again it is back at 1
         estimate = est.update([1.0, 1.0, 1.0, 1.0])
@@ -71,6 +74,33 @@ def test_missing_reports_keep_what_was_known():
     with pytest.raises(DhpError, match="2 speed reports for a domain of 3 ranks"):
         est.update([1.0, 1.0])
 
+
+
+@pytest.mark.parametrize("measured", [0.45, 0.47, 0.5, 0.62, 0.7, 0.83])
+def test_the_loop_publishes_speeds_on_the_grid_the_bounds_price_on(measured):
+    # One grid: a published speed is a level of the bounds as it is (they round up only what is off the grid).
+    est = SpeedEstimator(2)
+    for _ in range(3):
+        published = est.update([1.0, 1.0 / measured]).speeds[1]
+    assert published == float(on_speed_grid(measured)) and abs(published / measured - 1) <= 0.01
+    levels = CostConfig.load("gpt7b-64").with_overrides(world_size=2, rank_speeds=(1.0, published)).domain.speed_levels()
+    assert levels == [(1.0, 1, 1), (published, 2, 2)]
+
+
+@pytest.mark.parametrize("speeds, slow", [
+    ((1.0,) * 14 + (0.95, 0.5), [15]),  # 0.95 is within 0.9 of the fastest: not slow anywhere
+    ((2.0,) * 14 + (1.9, 1.0), [15]),  # stated speeds above 1: 1.0 is slow beside 2.0
+    ((1.0,) * 16, []),
+])
+def test_one_rule_and_one_wording_name_a_slow_rank_in_the_plan_the_estimate_and_the_loop(speeds, slow):
+    expected = [(r, speeds[r]) for r in slow]
+    plan = plan_of(build_cost_model(BASE.with_overrides(rank_speeds=speeds)))
+    loop = ClosedLoop(BASE, adaptive=False, stated=speeds)
+    assert slow_ranks(speeds) == plan.slow_ranks() == loop.estimate.slow_ranks() == expected
+    text = slow_ranks_text(speeds)
+    assert text == (f"slow {rank_speeds_text(expected)}" if slow else "")
+    assert (text in plan.summary() and f"closed loop: {text} |" in loop.summary()) if slow else (
+        "slow" not in plan.summary() and "closed loop: no slow ranks |" in loop.summary())
 
 def plan_of(model, size=64, index=0):
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=size, seed=0, index=index, capacity=model.domain.capacity)
@@ -117,8 +147,9 @@ def test_every_rank_derives_the_same_plan_from_the_same_reports():
             loop.observe(reports)
     a, b = (plan_of(loop.model()) for loop in loops)
     assert a.fingerprint() == b.fingerprint() and a.rank_speeds == b.rank_speeds
-    assert a.rank_speeds[15] == 0.5 and loops[0].fit.scales == TimeScales(1.2, 1.2)
-    assert "slow ranks r15@0.50" in loops[0].summary() and "pred 1.000s meas 1.000s" in loops[0].summary()
+    assert a.rank_speeds[15] == HALF and loops[0].fit.scales == TimeScales(1.2, 1.2)
+    assert "closed loop: slow r15@0.50 |" in loops[0].summary() and "pred 1.000s meas 1.000s" in loops[0].summary()
+    assert "| slow r15@0.50 |" in a.summary()  # the plan's line names it with the same words
 
 
 def test_the_loops_model_is_the_configured_one_with_its_fitted_factors():
@@ -136,12 +167,12 @@ def test_the_loops_model_is_the_configured_one_with_its_fitted_factors():
 
 
 def test_plans_use_published_speeds_and_predictions_the_measured_ones():
-    # Rank 15 measured 2.1x as slow: plans see it at the published 0.5 (rounded, held by the hysteresis so
-    # they stay steady), the step's prediction at 1 / 2.1 (what was measured).
+    # Rank 15 measured 2.1x as slow: plans see it at the published 1.02^-37 = 0.481 (the speed grid's nearest
+    # point, held by the hysteresis so they stay steady), the step's prediction at 1 / 2.1 (what was measured).
     loop = ClosedLoop(BASE)
     for _ in range(3):
         loop.observe([(1.0,)] * 15 + [(2.1,)])
-    assert loop.model().domain.rank_speeds[15] == 0.5
+    assert loop.model().domain.rank_speeds[15] == pytest.approx(1.02 ** -37, rel=1e-12)
     assert loop.predictor().domain.rank_speeds[15] == pytest.approx(1 / 2.1, rel=1e-5)
     assert loop.model() is loop.model() and loop.predictor() is not loop.model()
 
@@ -164,7 +195,7 @@ def test_a_slow_rank_leaves_the_fit_with_its_earlier_steps_once_it_is_known():
         loop.observe([(1.0, 1.0, 1.0, *row(1.0))] * 3 + [(2.0, 1.0, 1.0, *row(2.0))])
         if step == 1:
             assert loop.fit.scales.rest > 3.5  # rank 3 still counted at speed 1
-    assert loop.estimate.speeds == (1.0, 1.0, 1.0, 0.5)
+    assert loop.estimate.speeds == (1.0, 1.0, 1.0, HALF)
     assert loop.fit.scales == TimeScales(pytest.approx(2.0), pytest.approx(3.0))
 
 

@@ -9,5 +9,6 @@ deciding     `loop`             `ClosedLoop`: each rank's report, every rank's r
                                 engine's `runtime.engine.Feedback`)
 
 Its estimating and deciding modules are planning code (numbers only, no process group: `tests/test_layering.py`);
-the measuring ones touch torch and the process groups. docs/closed-loop.md walks through the loop.
+the measuring ones touch torch and the process groups. The rules every part shares about rank speeds (their one
+grid, what a slow rank is, how logs name one) are `plan.rank_speeds`'s. docs/closed-loop.md walks through the loop.
 """

@@ -27,7 +27,8 @@ import numpy as np
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
-from megatron_dhp.plan.plan import Plan, rank_speeds_text
+from megatron_dhp.plan.plan import Plan
+from megatron_dhp.plan.rank_speeds import slow_ranks_text
 
 FIT_WINDOWS = 4
 """The model's factors are fitted over this many speed windows of steps."""
@@ -149,8 +150,10 @@ class ClosedLoop:
             if self._timed > COLD_STEPS:
                 rows = [r[3:] if ok else (math.nan,) * STATS for r, ok in zip(reports, complete)]
                 before = self.fit.scales
-                # each typical rank's seconds at speed 1 by its speed as now measured (slow ranks left out)
-                after = self.fit.update(rows, speeds, counted=[v >= 1.0 for v in estimate.speeds])
+                # each rank's seconds at speed 1 by its speed as now measured (slow ranks left out)
+                slow = {r for r, _ in estimate.slow_ranks()}
+                counted = [r not in slow for r in range(len(estimate.speeds))]
+                after = self.fit.update(rows, speeds, counted=counted)
                 if max(abs(after.attention / before.attention - 1), abs(after.rest / before.rest - 1)) > self.hysteresis:
                     self._gaps.clear()  # measured against a model that far off, the excess says little of sigma
                 self._gaps.append(span - step)  # sigma: the slowest rank's span beyond the step without sigma
@@ -158,13 +161,14 @@ class ClosedLoop:
             self.last_step = (step + self._sigma, span)
 
     def summary(self) -> str:
-        """One line: the slow ranks, the model's fitted factors and the last reported step."""
+        """One line: the slow ranks (`plan.rank_speeds.slow_ranks_text`), the model's fitted factors and the last
+        reported step."""
         estimate = self.estimate
-        slow = rank_speeds_text(estimate.slow_ranks()) or "none"
+        slow = slow_ranks_text(estimate.speeds) or "no slow ranks"
         scales = self.fit.scales
         last = "" if self.last_step is None else (f" | last reported step: pred {self.last_step[0]:.3f}s meas "
                                                    f"{self.last_step[1]:.3f}s")
-        return (f"closed loop: slow ranks {slow} | model x{scales.attention:.2f} attention, x{scales.rest:.2f} rest "
+        return (f"closed loop: {slow} | model x{scales.attention:.2f} attention, x{scales.rest:.2f} rest "
                 f"| {estimate.steps} steps measured{last}")
 
     def _slot_predictions(self, plan: Plan, position: int) -> dict[tuple[int, ...], tuple[int, float, float]]:

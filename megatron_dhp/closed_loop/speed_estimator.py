@@ -8,7 +8,8 @@ reports about 2; a model whose coefficients are 3x too small makes every rank re
   report on (the first steps run with cold caches);
 * the time scale kappa: the median of those over the fast ranks, the ones within `hysteresis` of the
   fastest (speed 1 is a healthy rank of this machine: the newer generation of a mixed cluster);
-* each rank's raw speed kappa / rho_r, rounded to `SPEED_STEP`; published only when it moved more than
+* each rank's raw speed kappa / rho_r, at the nearest point of the one speed grid (powers of 1.02,
+  `plan.rank_speeds`: the grid the bounds price on); published only when it moved more than
   `hysteresis` from the published one, so noise within that band never re-plans, while a real straggler
   (or a recovery) is published as soon as its median moves.
 
@@ -25,11 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.rank_speeds import on_speed_grid, slow_ranks
 
-SPEED_STEP = 0.05
-"""Published speeds are multiples of this: at most 20 distinct speeds, since `dhp`'s bins never mix speeds
-and each distinct speed is a class its fill scans (256 ranks, 2,048 samples: 249 distinct speeds took 0.17 s
-to plan, rounded to 11 0.09 s; docs/results.md)."""
 MIN_REPORTS = 3
 """A rank's speed is estimated once it has reported this many steps (or the whole window, if shorter)."""
 
@@ -55,9 +53,9 @@ class SpeedEstimate:
         """`measured`, or `speeds` where none were measured yet."""
         return self.measured or self.speeds
 
-    def slow_ranks(self, below: float = 1.0) -> list[tuple[int, float]]:
-        """(position, speed) of the ranks published below `below`, slowest first."""
-        return sorted(((r, v) for r, v in enumerate(self.speeds) if v < below), key=lambda rv: (rv[1], rv[0]))
+    def slow_ranks(self) -> list[tuple[int, float]]:
+        """(position, speed) of the ranks published slow (`plan.rank_speeds.slow_ranks`), slowest first."""
+        return slow_ranks(self.speeds)
 
 
 class SpeedEstimator:
@@ -114,4 +112,4 @@ class SpeedEstimator:
             return 1.0
         if abs(new / old - 1.0) <= self.hysteresis:
             return old
-        return 1.0 if abs(new - 1.0) <= self.hysteresis else round(round(new / SPEED_STEP) * SPEED_STEP, 6)
+        return 1.0 if abs(new - 1.0) <= self.hysteresis else float(on_speed_grid(new))

@@ -16,6 +16,7 @@ import yaml
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
+from megatron_dhp.plan.rank_speeds import on_speed_grid
 from megatron_dhp.presets import resolve_preset
 
 COST_KINDS = ("reference", "profiled")
@@ -38,8 +39,6 @@ SECONDS_KEYS = ("attn_s_per_token2", "linear_s_per_token", "microbatch_overhead_
 """The coefficients in seconds (`CostConfig.scaled` multiplies them)."""
 ATTENTION_KEYS = ("attn_s_per_token2", "enc_attn_s_per_token2")
 """The quadratic ones, which `CostConfig.scaled` may scale apart."""
-SPEED_GRID = 1.02
-"""Bounds price groups of ranks at speeds rounded up to powers of this (`Domain.speed_levels`)."""
 
 
 def check_speeds(speeds: tuple[float, ...], world_size: int) -> None:
@@ -86,11 +85,9 @@ class Domain:
 
     def speed_levels(self) -> list[tuple[float, int, int]]:
         """(v, a, b): the fastest group of d ranks, a <= d <= b, computes at most at speed v, the d-th fastest
-        rank's speed rounded up to `SPEED_GRID` (so there are few levels; rounding up keeps bounds valid)."""
-        grid = np.log(SPEED_GRID)
-        ranked = np.sort(self.speeds)[::-1]
-        levels = np.exp(np.ceil(np.round(np.log(ranked) / grid, 9)) * grid)
-        levels = np.where(np.isclose(ranked, levels, rtol=1e-12), ranked, levels)  # exact where it is on the grid
+        rank's speed rounded up to the speed grid (`plan.rank_speeds.SPEED_GRID`: few levels, and a speed the
+        closed loop published is on it exactly; rounding up keeps bounds valid)."""
+        levels = on_speed_grid(np.sort(self.speeds)[::-1], up=True)
         out: list[tuple[float, int, int]] = []
         for d, v in enumerate(levels.tolist(), start=1):
             if out and out[-1][0] == v:

@@ -17,19 +17,16 @@ from megatron_dhp.config_io import load_json_file
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.plan.pipeline import in_flight_peak, pipeline_slots, slot_tokens_per_rank
+from megatron_dhp.plan.rank_speeds import (
+    rank_speeds_text,  # noqa: F401 - the train loop's step line imports it here
+    slow_ranks,
+    slow_ranks_text,
+)
 from megatron_dhp.workload.sample import Sample
 
 SCHEMA = "megatron-dhp/plan/v1"
-SLOW_BELOW = 0.9
-"""`Plan.slow_ranks` names ranks below this fraction of the fastest one's speed."""
 SUMMARY_SLOW = 4
 """The summary line names at most this many slow ranks."""
-
-
-def rank_speeds_text(ranks: Sequence[tuple[int, float]], most: int | None = None) -> str:
-    """(position, speed) pairs as the logs name them, `r3@0.50 r7@0.71`; at most `most` of them, then `...`."""
-    shown = " ".join(f"r{r}@{v:.2f}" for r, v in ranks[:most])
-    return shown + (" ..." if most is not None and len(ranks) > most else "")
 
 
 class PlanError(DhpError):
@@ -154,9 +151,9 @@ class Plan:
         if self.encoder_placement != "split":
             parts.append(f"encoder {self.encoder_placement}")
         parts.append(f"{self.num_microbatches} mb")
-        slow = self.slow_ranks()
+        slow = slow_ranks_text(self.rank_speeds, most=SUMMARY_SLOW)
         if slow:
-            parts.append("slow " + rank_speeds_text(slow, most=SUMMARY_SLOW))
+            parts.append(slow)
         if self.predicted_step_time_s is not None:
             pred = f"pred {self.predicted_step_time_s:.3f}s"
             if self.lower_bound_s:
@@ -166,10 +163,9 @@ class Plan:
             parts.append(f"solve {self.solve_time_ms:.1f} ms")
         return f"{self.planner}: " + " | ".join(parts)
 
-    def slow_ranks(self, below: float = SLOW_BELOW) -> list[tuple[int, float]]:
-        """(position, speed) of the ranks priced below `below` times the fastest, slowest first."""
-        top = max(self.rank_speeds, default=1.0)
-        return sorted(((r, v) for r, v in enumerate(self.rank_speeds) if v < below * top), key=lambda rv: (rv[1], rv[0]))
+    def slow_ranks(self) -> list[tuple[int, float]]:
+        """(position, speed) of the ranks the plan prices as slow (`plan.rank_speeds.slow_ranks`), slowest first."""
+        return slow_ranks(self.rank_speeds)
 
     # ------------------------------------------------------------------ invariants
     def validate(self, max_tokens_per_rank: int | None = None) -> None:
