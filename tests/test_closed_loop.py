@@ -16,7 +16,7 @@ from megatron_dhp.closed_loop.loop import ClosedLoop
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit, TimeScales
 from megatron_dhp.closed_loop.slot_clock import SlotClock
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import CostConfig, ReferenceCostModel, build_cost_model, simulate
 from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
@@ -126,6 +126,24 @@ def test_report_is_measured_over_predicted_of_the_ranks_fastest_group():
     assert len(stats) == STATS and stats[0] + stats[2] > 0
     assert loop.report(plan, position, [], 0.0) == ()
 
+
+
+def test_the_loop_asks_the_cost_model_for_each_slots_attention(monkeypatch):
+    # A slot's attention seconds come from `CostModel.attention_time`, not from the coefficients: a model that
+    # prices no attention leaves the fit's attention statistics at 0, one that prices half as much quarters A^2.
+    plan = plan_of(build_cost_model(BASE), size=256)
+    position = max(range(16), key=lambda r: len(plan.groups_of_rank(r)))
+    timeline = simulate(plan, build_cost_model(BASE))
+    slots = [(mb, s) for span in timeline.spans if position in plan.groups[span.group_index].ranks
+             for mb, s in zip(plan.groups[span.group_index].microbatches, span.microbatch_s)]
+    asked = ReferenceCostModel.attention_time
+    _, _, _, aa, ar, rr, ay, _ = ClosedLoop(BASE).report(plan, position, slots, 1.0)
+    assert aa > 0 and ay > 0
+    monkeypatch.setattr(ReferenceCostModel, "attention_time", lambda self, samples, d: np.zeros(len(samples)))
+    none = ClosedLoop(BASE).report(plan, position, slots, 1.0)
+    assert none[3] == none[4] == none[6] == 0 and none[5] > rr
+    monkeypatch.setattr(ReferenceCostModel, "attention_time", lambda self, samples, d: 0.5 * asked(self, samples, d))
+    assert ClosedLoop(BASE).report(plan, position, slots, 1.0)[3] == pytest.approx(aa / 4)
 
 def test_sigma_is_the_slowest_spans_excess_over_the_plans_step():
     loop = ClosedLoop(BASE)

@@ -125,6 +125,20 @@ def test_sample_time_per_placement(mm_config, placement, expected):
     assert table[0, 0] == pytest.approx(expected)
 
 
+
+@pytest.mark.parametrize(("placement", "expected"), [
+    ("split", (A * 4096**2 + E * 3 * 1024**2) / 4),
+    ("replicate", A * 4096**2 / 4 + E * 3 * 1024**2),
+    ("global", A * 4096**2 / 4),
+])
+def test_attention_time_is_the_quadratic_part_of_sample_time_that_the_group_runs(mm_config, placement, expected):
+    # What the closed loop asks a model for (`CostModel.attention_time`): the part `scaled`'s attention factor grows.
+    model = model_for(mm_config, placement)
+    assert model.attention_time([SAMPLE], 4)[0] == pytest.approx(expected)
+    tripled = model_for(mm_config.scaled(1.0, attention=3.0), placement)
+    times = [m.sample_time(np.array([4096.0]), m.sample_work([SAMPLE]), 4, True)[0] for m in (model, tripled)]
+    assert times[1] - times[0] == pytest.approx(2 * expected)
+
 def test_replicate_keeps_the_fixed_part_through_planner_slices(mm_config):
     model = model_for(mm_config, "replicate")
     samples = [Sample(0, 100), SAMPLE]

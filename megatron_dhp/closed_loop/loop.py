@@ -172,15 +172,15 @@ class ClosedLoop:
                 f"| {estimate.steps} steps measured{last}")
 
     def _slot_predictions(self, plan: Plan, position: int) -> dict[tuple[int, ...], tuple[int, float, float]]:
-        """(group index, predicted seconds at speed 1, its attention part a sum L^2 / d) of each microbatch
-        `position` runs, by its sample ids."""
-        timeline = simulate(plan, self._nominal)
-        a = self.base.attn_s_per_token2
+        """(group index, predicted seconds at speed 1, its attention part as the model prices it,
+        `CostModel.attention_time`) of each microbatch `position` runs, by its sample ids."""
+        model = self._nominal.with_placement(plan.encoder_placement)
+        timeline = simulate(plan, model)
         out = {}
         for span in timeline.spans:
             group = plan.groups[span.group_index]
             if position in group.ranks:
                 for mb, seconds in zip(group.microbatches, span.microbatch_s):
-                    attention = a * sum(plan.sample(i).tokens ** 2 for i in mb) / group.size
+                    attention = float(model.attention_time([plan.sample(i) for i in mb], group.size).sum())
                     out[tuple(sorted(mb))] = (span.group_index, seconds, min(attention, seconds))
         return out

@@ -1,17 +1,18 @@
 """The cost model's own correction: how much longer than predicted attention and everything else really take.
 
-Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the
-slot's measured seconds, A the model's attention seconds of the slot (a sum L^2 / d over its samples) and R
-the rest of its predicted seconds. The sums ride with the length gather (`closed_loop.loop`);
-`ScaleFit` keeps each rank's over the last `window` steps and solves the 2 x 2 normal equations over the
-ranks that are not slow (`counted`, `plan.rank_speeds.slow_ranks`), each rank's y brought to speed 1 by its
-*current* speed estimate: a rank found slow leaves the fit, the steps it measured before it was known to be slow included
-(without that, its early steps inflated both factors for a whole window), and so does the noise of its
-speed (a core shared with a busy process gives its rank 40-60 % from step to step, which the speed
-estimate smooths and its slots' seconds do not: fitted through it, the attention factor swung by a third).
-Two factors, not one, because a preset priced for another model or GPU is off by different amounts in its
-quadratic and its linear terms: one factor fits short-sample steps or long-sample ones, not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for
-both. A factor is published when it moves more than `SCALE_STEP`.
+Each step every rank sums, over its timed slots, the least-squares statistics of y = k_A A + k_R R, y the slot's
+measured seconds, A the model's attention seconds of the slot (`CostModel.attention_time`: a sum L^2 / d over
+its samples, and the encoder's where the group runs it) and R the rest of its predicted seconds. The sums ride
+with the length gather (`closed_loop.loop`); `ScaleFit` keeps each rank's over the last `window` steps and
+solves the 2 x 2 normal equations over the ranks that are not slow (`counted`, `plan.rank_speeds.slow_ranks`),
+each rank's y brought to speed 1 by its *current* speed estimate: a rank found slow leaves the fit, the steps it
+measured before it was known to be slow included (without that, its early steps inflated both factors for a
+whole window), and so does the noise of its speed (a core shared with a busy process gives its rank 40-60 % from
+step to step, which the speed estimate smooths and its slots' seconds do not: fitted through it, the attention
+factor swung by a third). Two factors, not one, because a preset priced for another model or GPU is off by
+different amounts in its quadratic and its linear terms: one factor fits short-sample steps or long-sample ones,
+not both. Where the slots cannot tell the terms apart (all samples alike) it fits one factor for both. A factor
+is published when it moves more than `SCALE_STEP`.
 """
 
 from __future__ import annotations

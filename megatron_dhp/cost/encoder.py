@@ -34,20 +34,21 @@ FORWARD_SHARE = 1.0 / 3.0
 all a frozen encoder runs, and what `global` runs before the first microbatch."""
 
 
-def block_work(config: CostConfig, blocks: np.ndarray) -> np.ndarray:
-    """Forward+backward seconds of encoder blocks on one rank: e b^2 + f b each."""
-    return config.enc_attn_s_per_token2 * blocks**2 + config.enc_linear_s_per_token * blocks
+def block_work(config: CostConfig, blocks: np.ndarray, *, linear: bool = True) -> np.ndarray:
+    """Forward+backward seconds of encoder blocks on one rank: e b^2 + f b each (without `linear`: e b^2)."""
+    return config.enc_attn_s_per_token2 * blocks**2 + (config.enc_linear_s_per_token * blocks if linear else 0.0)
 
 
-def sample_encoder_work(config: CostConfig, samples: Sequence[Sample]) -> np.ndarray:
-    """Each sample's encoder seconds on one rank, summed per block (frozen: the forward only)."""
+def sample_encoder_work(config: CostConfig, samples: Sequence[Sample], *, linear: bool = True) -> np.ndarray:
+    """Each sample's encoder seconds on one rank, summed per block (frozen: the forward only); without `linear`
+    its attention only (e b^2)."""
     counts = np.fromiter((sum(len(item.blocks) for item in s.images) for s in samples), dtype=np.int64,
                          count=len(samples))
-    if not counts.any() or not (config.enc_attn_s_per_token2 or config.enc_linear_s_per_token):
+    if not counts.any() or not (config.enc_attn_s_per_token2 or (linear and config.enc_linear_s_per_token)):
         return np.zeros(len(samples))
     blocks = np.fromiter(chain.from_iterable(item.blocks for s in samples for item in s.images),
                          dtype=np.float64, count=int(counts.sum()))
-    work = np.bincount(np.repeat(np.arange(len(samples)), counts), weights=block_work(config, blocks),
+    work = np.bincount(np.repeat(np.arange(len(samples)), counts), weights=block_work(config, blocks, linear=linear),
                        minlength=len(samples))
     return work * FORWARD_SHARE if config.encoder_frozen else work
 

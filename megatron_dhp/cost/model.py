@@ -42,6 +42,12 @@ class CostModel(Protocol):
         `bound`: a lower bound on it."""
         ...
 
+    def attention_time(self, samples: Sequence[Sample], degree: np.ndarray | int) -> np.ndarray:
+        """Seconds of each sample's attention inside its group of `degree` ranks at speed 1: the quadratic part
+        of `sample_time` (the LLM's, and the encoder's where the group runs it; broadcasts like `encoder_time`),
+        which `CostConfig.scaled` may scale apart and the closed loop fits a factor of its own to."""
+        ...
+
     def sample_work(self, samples: Sequence[Sample]) -> np.ndarray:
         """Per-sample figure the time methods take back (in the reference model, compute seconds on one rank)."""
         ...

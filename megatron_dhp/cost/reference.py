@@ -79,6 +79,16 @@ class ReferenceCostModel:
         encoder = sample_encoder_work(self.config, samples)
         return encoder if self._pricing == "replicate" else encoder / degree
 
+    def attention_time(self, samples: Sequence[Sample], degree: np.ndarray | int) -> np.ndarray:
+        """a L^2 / d, plus the encoder's e sum_blocks B^2 as the placement puts it in the group (split: / d;
+        replicate: whole; global: outside the groups, none): the terms `CostConfig.scaled` scales by `attention`."""
+        tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
+        attention = self.config.attn_s_per_token2 * tokens**2 / degree
+        if self._pricing == "global":
+            return attention
+        encoder = sample_encoder_work(self.config, samples, linear=False)
+        return attention + (encoder if self._pricing == "replicate" else encoder / degree)
+
     def encoder_phase(self, samples: Sequence[Sample], *, bound: bool = False) -> EncoderPhase:
         """The step-level encoder time outside the groups (`global`; zero otherwise); `bound`: a lower bound."""
         return global_phase(self.config, samples, bound=bound) if self._pricing == "global" else EncoderPhase()
