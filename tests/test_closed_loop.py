@@ -3,8 +3,10 @@ gets, the slot clock and the fault injection around it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,11 +21,15 @@ from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
 from megatron_dhp.cost import CostConfig, ReferenceCostModel, build_cost_model, simulate
 from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
+from megatron_dhp.integration import step_runtime
 from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.job_spec import JobSpec
+from megatron_dhp.integration.step_runtime import build_step_runtime
 from megatron_dhp.launch.ranks import launch
 from megatron_dhp.plan.rank_speeds import on_speed_grid, rank_speeds_text, slow_ranks, slow_ranks_text
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.training.config import RunConfig, TrainConfig
 from megatron_dhp.workload import LengthSource
 
 BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)
@@ -317,3 +323,43 @@ def test_scale_fit_takes_one_factor_where_two_would_split_tenfold():
     assert (stats[3] * stats[2] - stats[4] * stats[1]) / det > 20  # what the two-factor solve gives
     fit = ScaleFit().update(stats)
     assert fit.attention == fit.rest == pytest.approx(2.0, rel=0.01)
+
+
+# ---------------------------------------------------------------------- under pipeline parallelism: off, and said
+UNTIMED = "megatron-core's 1F1B runs the slots under pipeline parallelism, and megatron-dhp does not time them"
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: JobSpec(DhpConfig(slow_ranks=("1:2.0",)), 4, 4, pipeline_stages=2),
+     "slow_ranks 1:2.0 with pipeline_stages 2: "),
+    (lambda: TrainConfig(train=RunConfig(pp=2, nproc=4), dhp=DhpConfig(slow_ranks=("1:2.0", "3:1.5"))),
+     "dhp.slow_ranks 1:2.0 3:1.5 with train.pp 2: "),
+])
+def test_fault_injection_under_pipeline_parallelism_is_refused_in_one_line(build, message):
+    with pytest.raises(DhpError) as e:
+        build()
+    assert str(e.value).startswith(message + UNTIMED) and "\n" not in str(e.value)
+    assert JobSpec(DhpConfig(slow_ranks=("1:2.0",)), 4, 4).config.slowdowns == {1: 2.0}  # without PP: injected
+
+
+def test_under_pipeline_parallelism_the_loop_is_off_times_nothing_and_says_why_at_start_up(monkeypatch, caplog):
+    monkeypatch.setattr(step_runtime, "GroupPool", lambda domain, **kw: SimpleNamespace(family=kw["family"]))
+    monkeypatch.setattr(step_runtime, "kernels_status", lambda device: "kernels")
+    monkeypatch.setattr(step_runtime.dist, "get_rank", lambda: 0)
+    domain = SimpleNamespace(device=torch.device("cpu"))
+    for adaptive in (True, False):
+        for stages in (1, 2):
+            spec = JobSpec(DhpConfig(adaptive=adaptive), 4, 4, pipeline_stages=stages)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger=step_runtime.__name__):
+                runtime = build_step_runtime(spec, domain, dataset_max_tokens=None)
+            loop, engine = runtime.planner.loop, runtime.engine()
+            runs = adaptive and stages == 1
+            assert loop.adaptive is runs and (engine.timer is not None) is runs and (engine.feedback is loop) is runs
+            said = [r.getMessage() for r in caplog.records if "adaptive is off" in r.getMessage()]
+            assert said == ([f"dhp: adaptive is off under pipeline parallelism (2 stages): {UNTIMED}, so plans use "
+                             "the stated speeds and the configured cost model"] if adaptive and stages == 2 else [])
+    # and an off loop learns nothing from what it is shown
+    loop = ClosedLoop(BASE, pipeline_stages=2)
+    loop.observe([(2.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, 2.0)] * 16)
+    assert loop.estimate.steps == 0 and loop.fit.scales == TimeScales()

@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+from megatron_dhp.closed_loop.injection import check_injection
 from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
                               plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()), args.vpp,
                               args.fsdp)
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
+    check_injection(options.slow_ranks, args.pp, given="--slow-rank", stages="--pp")  # untimed under 1F1B
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(options)
     if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):

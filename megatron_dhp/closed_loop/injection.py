@@ -7,20 +7,37 @@ slot for the group's last member, as a throttled GPU holds its group inside the 
 others would leave during the wait): a token passes around the group's ring size - 1 times. Both happen inside
 the clock's slot, so the clock measures them as it would a throttled GPU. On a GPU a slowed rank synchronises
 each slot to measure its own work: tests and benchmarks only.
+
+Under pipeline parallelism megatron-core's 1F1B runs the slots untimed, so an injected slowdown would slow nothing
+and the loop would learn nothing from it: `check_injection` refuses it, for every entry point (the trainer's
+config and `JobSpec`, `selftest`; Megatron-LM's refusals table says it with `INJECTION_UNDER_PP`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_dhp.closed_loop.slot_clock import SlotClock
+from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.comm import PeerRing, start_shift
-from megatron_dhp.runtime.slot_timer import SlotTimer
+from megatron_dhp.runtime.slot_timer import UNTIMED_UNDER_PP, SlotTimer
+
+INJECTION_UNDER_PP = f"{UNTIMED_UNDER_PP}, so an injected slowdown would slow nothing"
+"""Why `slow_ranks` is refused with pipeline_stages > 1 (the middle of every such refusal)."""
+
+
+def check_injection(slow_ranks: Sequence[str], pipeline_stages: int, *, given: str = "slow_ranks",
+                    stages: str = "pipeline_stages") -> None:
+    """A one-line `DhpError` when `slow_ranks` (the `RANK:FACTOR` items) would be injected under pipeline
+    parallelism; `given` and `stages` name the two settings as the entry point's user sets them."""
+    if slow_ranks and pipeline_stages > 1:
+        raise DhpError(f"{given} {' '.join(slow_ranks)} with {stages} {pipeline_stages}: {INJECTION_UNDER_PP}; drop "
+                       f"{given}, or inject with {stages} 1")
 
 
 class InjectedSlowdown:

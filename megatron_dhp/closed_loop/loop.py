@@ -29,6 +29,7 @@ from megatron_dhp.closed_loop.speed_estimator import SpeedEstimate, SpeedEstimat
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.plan.rank_speeds import slow_ranks_text
+from megatron_dhp.runtime.slot_timer import UNTIMED_UNDER_PP
 
 FIT_WINDOWS = 4
 """The model's factors are fitted over this many speed windows of steps."""
@@ -44,11 +45,16 @@ class ClosedLoop:
     """Measured slots in, the model the planner plans with out (a `runtime.engine.Feedback`)."""
 
     def __init__(self, cost: CostConfig, *, adaptive: bool = True, window: int = 5, hysteresis: float = 0.1,
-                 stated: tuple[float, ...] = ()) -> None:
+                 stated: tuple[float, ...] = (), pipeline_stages: int = 1) -> None:
         self.base = cost.with_overrides(rank_speeds=())
         """The configured coefficients at speed 1: what every report is measured against."""
-        self.adaptive = adaptive
-        """Whether reports move the estimate (off: the stated speeds and the configured coefficients stay)."""
+        self.adaptive = adaptive and pipeline_stages == 1
+        """Whether reports move the estimate (off: the stated speeds and the configured coefficients stay). Off
+        under pipeline parallelism, whatever was asked: its slots are not timed (`UNTIMED_UNDER_PP`)."""
+        self.off_note = (f"adaptive is off under pipeline parallelism ({pipeline_stages} stages): {UNTIMED_UNDER_PP}, "
+                         "so plans use the stated speeds and the configured cost model"
+                         if adaptive and not self.adaptive else None)
+        """The start-up line that says why an `adaptive` job's loop is off (None where it runs or was not asked)."""
         self._nominal = build_cost_model(self.base)
         self.estimator = SpeedEstimator(cost.world_size, window=window, hysteresis=hysteresis,
                                         initial=stated or cost.rank_speeds)

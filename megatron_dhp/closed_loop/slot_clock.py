@@ -6,7 +6,8 @@ the step. A slot of a multi-rank group includes waiting inside it for the group'
 why the deciding side takes each rank's fastest group as its own speed (`closed_loop.loop`).
 
 The clock only measures. Fault injection (`slow_ranks`) is a wrapper around it that a job puts on only when
-it injects (`closed_loop.injection`).
+it injects (`closed_loop.injection`). Under pipeline parallelism nothing is timed
+(`runtime.slot_timer.UNTIMED_UNDER_PP`).
 """
 
 from __future__ import annotations

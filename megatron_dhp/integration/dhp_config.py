@@ -80,7 +80,8 @@ class DhpConfig:
     """Closed-loop planning: every rank times its slots, and the planner learns each rank's speed and the
     cost model's correction (two factors and sigma) from them (`closed_loop`), so slow ranks get
     less work and predicted step times follow the machine. Plans stay exact whatever the speeds; off: plan
-    with the stated speeds."""
+    with the stated speeds. Off under pipeline parallelism, whose 1F1B slots are not timed (a start-up line
+    says so)."""
     adaptive_window: int = 5
     """Steps each rank's speed is the median over (one outlier step moves no median)."""
     adaptive_hysteresis: float = 0.1
@@ -93,7 +94,8 @@ class DhpConfig:
     """The same per node of gpus_per_node domain ranks (not with rank_speeds)."""
     slow_ranks: tuple[str, ...] = ()
     """Fault injection for tests and benchmarks: `RANK:FACTOR` makes that global rank hold each of its slots
-    FACTOR times as long (it waits after the slot's compute, like a throttled GPU), changing no result."""
+    FACTOR times as long (it waits after the slot's compute, like a throttled GPU), changing no result. Refused
+    under pipeline parallelism, whose 1F1B slots are not timed."""
 
     def __post_init__(self) -> None:
         from megatron_dhp.solver import PLANNERS

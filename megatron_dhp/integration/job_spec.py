@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+from megatron_dhp.closed_loop.injection import check_injection
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.cost.tensor_parallel import token_cap as budget_token_cap
 from megatron_dhp.errors import DhpError
@@ -83,6 +84,7 @@ class JobSpec:
         if self.virtual_stages > 1 and self.pipeline_stages < 2:
             raise DhpError(f"virtual_stages = {self.virtual_stages} interleaves pipeline stages: it needs "
                            f"pipeline_stages >= 2, not {self.pipeline_stages}")
+        check_injection(self.config.slow_ranks, self.pipeline_stages)
         self.caps  # noqa: B018 - a cap the job cannot hold is an error now, not at the first step
 
     @classmethod

@@ -45,8 +45,9 @@ class JobPlanner:
         self.virtual_stages = virtual_stages
         """Model chunks per stage: interleaved 1F1B when > 1."""
         self.loop = ClosedLoop(cost, adaptive=config.adaptive, window=config.adaptive_window,
-                               hysteresis=config.adaptive_hysteresis)
-        """The speeds and model correction each plan uses (`closed_loop`), the engine's `Feedback` when adaptive."""
+                               hysteresis=config.adaptive_hysteresis, pipeline_stages=pipeline_stages)
+        """The speeds and model correction each plan uses (`closed_loop`), the engine's `Feedback` when it is
+        adaptive (`ClosedLoop.adaptive`: asked for, and no pipeline parallelism)."""
         self.planner = build_planner(
             config.planner, PlannerContext(dataset_max_tokens=dataset_max_tokens, time_limit_s=config.time_limit_s))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dhp-plan") if config.overlap_planning else None

@@ -56,18 +56,22 @@ class StepRuntime:
         return self.spec.cost
 
     def engine(self, *, source: SampleSource | None = None, lookahead: bool = False) -> StepEngine:
-        """A step engine over this runtime (`JobSpec.engine`); when adaptive or slowed by `slow_ranks` it times
-        every slot (slowed as injected), reporting to the planner's closed loop when adaptive."""
-        timed = self.config.adaptive or bool(self.config.slowdowns)  # nobody reads the timings otherwise
+        """A step engine over this runtime (`JobSpec.engine`); when its closed loop is adaptive (`adaptive`, and
+        no pipeline parallelism: `ClosedLoop.adaptive`) or `slow_ranks` slows a rank (refused under pipeline
+        parallelism, `JobSpec`), it times every slot, slowed as injected (`closed_loop.injection.timer_for_job`),
+        reporting to the planner's closed loop when adaptive."""
+        adaptive = self.planner.loop.adaptive
+        timed = adaptive or bool(self.config.slowdowns)  # nobody reads the timings otherwise
         return self.spec.engine(self.domain, self.pool, planning=self.planner, source=source, lookahead=lookahead,
                                 timer=timer_for_job(self.domain.device, self.config.slowdowns) if timed else None,
-                                feedback=self.planner.loop if self.config.adaptive else None)
+                                feedback=self.planner.loop if adaptive else None)
 
 
 def build_step_runtime(spec: JobSpec, domain: DynamicDomain, *, dataset_max_tokens: int | None) -> StepRuntime:
     """The planner and the group pool (collective: every rank creates the policy's start-up groups in one order,
     on CUDA each split from the default communicator and connected here, `distributed.bind_default_group`).
-    Rank 0 logs the policy's, the token cap's and the kernels' lines."""
+    Rank 0 logs the policy's, the token cap's and the kernels' lines, and why the closed loop is off where the
+    job asked for it under pipeline parallelism (`ClosedLoop.off_note`)."""
     config, policy = spec.config, spec.policy
     planner = JobPlanner(config, spec.cost, policy, dataset_max_tokens=dataset_max_tokens,
                          pipeline_stages=spec.pipeline_stages, virtual_stages=spec.virtual_stages)
@@ -82,4 +86,6 @@ def build_step_runtime(spec: JobSpec, domain: DynamicDomain, *, dataset_max_toke
         sharing = nccl_sharing()
         if sharing is not None and policy.startup_groups:
             logger.info("dhp: %s", sharing)
+        if planner.loop.off_note is not None:
+            logger.info("dhp: %s", planner.loop.off_note)
     return StepRuntime(spec, domain, planner, pool, kernels)

@@ -67,9 +67,11 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--dhp-adaptive", action=argparse.BooleanOptionalAction, default=None,
                        help="Closed-loop planning: learn each rank's speed and the cost model's correction from "
                        "timed slots, and give slow ranks less work (default on; --no-dhp-adaptive: plan with the "
-                       "stated speeds only).")
+                       "stated speeds only). Off under pipeline parallelism, whose 1F1B slots are not timed; the "
+                       "start-up log says so.")
     group.add_argument("--dhp-slow-rank", action="append", default=None, metavar="RANK:FACTOR",
-                       help="Fault injection: global rank RANK holds each slot FACTOR times as long (repeatable).")
+                       help="Fault injection: global rank RANK holds each slot FACTOR times as long (repeatable; "
+                       "refused with --pipeline-model-parallel-size > 1, whose slots are not timed).")
     return parser
 
 

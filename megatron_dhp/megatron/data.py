@@ -88,7 +88,7 @@ class StepIterator:
             p2p = self.engine.groups_on_p2p(inputs.plan)
             p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
             loop = self.runtime.steps.planner.loop
-            measured = f" | {loop.summary()}" if self.runtime.config.adaptive and loop is not None else ""
+            measured = f" | {loop.summary()}" if loop is not None and loop.adaptive else ""
             logger.info("dhp plan: %s | %s%s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p, measured)
         return inputs
 

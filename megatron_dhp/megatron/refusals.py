@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_dhp.closed_loop.injection import INJECTION_UNDER_PP
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.runtime.attention.te import te_unsupported
 
@@ -152,6 +153,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "TransformerEngine's userbuffers are sized once from `--seq-length` x `--micro-batch-size`, and a "
             "dynamic microbatch has other row counts every step",
             "drop `--tp-comm-overlap`"),
+    Refusal("`--dhp-slow-rank` with `--pipeline-model-parallel-size` > 1",
+            lambda a, c: " ".join(c.slow_ranks) if c.slow_ranks and a.pipeline_model_parallel_size > 1 else None,
+            "--dhp-slow-rank {value} with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+            INJECTION_UNDER_PP,
+            "drop `--dhp-slow-rank` (the closed loop, `--dhp-adaptive`, is off under pipeline parallelism too and "
+            "says so at start-up)"),
     Refusal("`layer_spec: te` with `--dhp-comm`",
             lambda a, c: c.layer_spec == "te" and a.dhp_comm,
             "--dhp-comm {value} with layer_spec te",

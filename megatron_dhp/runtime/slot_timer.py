@@ -3,7 +3,8 @@ closed loop that implements it (`closed_loop.slot_clock.SlotClock` measures; `cl
 where `slow_ranks` injects a slowdown; `closed_loop.injection.timer_for_job` picks).
 
 The walk runs each slot inside `slot` and closes the step with `end_step`; the next length gather takes the
-finished step (`take`) and hands it to the closed loop's `Feedback` (`runtime.engine`).
+finished step (`take`) and hands it to the closed loop's `Feedback` (`runtime.engine`). Under pipeline
+parallelism megatron-core's 1F1B runs the slots, and they are not timed (`UNTIMED_UNDER_PP`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from megatron_dhp.runtime.attention.comm import PeerRing
+
+UNTIMED_UNDER_PP = "megatron-core's 1F1B runs the slots under pipeline parallelism, and megatron-dhp does not time them"
+"""Why nothing is measured with pipeline_stages > 1 (`runtime.engine.StepEngine.run`: the walk, whose slots a
+timer times, is not what runs the step there): the closed loop is off (`closed_loop.loop.ClosedLoop.off_note`)
+and fault injection is refused (`closed_loop.injection.check_injection`)."""
 
 
 class SlotTimer(Protocol):

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from megatron_dhp.closed_loop.injection import check_injection
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, to_mapping
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
@@ -194,6 +195,7 @@ class TrainConfig:
         if self.train.vpp > 1 and self.model.num_layers % chunks:
             raise DhpError(f"model.num_layers = {self.model.num_layers} must be a multiple of train.pp x train.vpp = "
                            f"{self.train.pp} x {self.train.vpp}: each chunk holds the same number of layers")
+        check_injection(self.dhp.slow_ranks, self.train.pp, given="dhp.slow_ranks", stages="train.pp")
 
     @classmethod
     def from_dict(cls, obj: object, *, source: str = "train config") -> TrainConfig:

@@ -101,6 +101,9 @@ def test_flags_override_the_yaml(tmp_path):
         ([], dict(attention_dropout=0.1), "--attention-dropout 0.1 with layer_spec local"),
         ([], dict(fp8="hybrid"), "--fp8-format hybrid with --dhp.*multiple of 8 or 16.*drop --fp8-format"),
         ([], dict(tp_comm_overlap=True), "--tp-comm-overlap with --dhp.*userbuffers"),
+        (["--dhp-slow-rank", "1:2.0"], dict(pipeline_model_parallel_size=2),
+         "--dhp-slow-rank 1:2.0 with --pipeline-model-parallel-size 2: megatron-core's 1F1B runs the slots under "
+         "pipeline parallelism, and megatron-dhp does not time them.*drop --dhp-slow-rank"),
         (["--dhp-planner", "magic"], {}, "planner 'magic' is unknown; choose one of dhp, static"),
         (["--dhp-max-tokens-per-rank", "0"], {}, "max_tokens_per_rank = 0 must be >= 1"),
         (["--dhp-cost", "nope"], {}, "cost config 'nope' is neither a file nor a preset"),

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--fsdp", "--pp", "2"], "--fsdp shards a dense text model over the domain: it needs --tp 1, --pp 1"),
         (["--fsdp", "--model", "moe"], "(got --tp 1, --pp 1, --model moe, --mtp 0)"),
         (["--vpp", "2", "--pp", "2", "--model", "vlm"], "(got --pp 2, --model vlm, --mtp 0)"),
+        (["--slow-rank", "1:2.0", "--pp", "2"], "--slow-rank 1:2.0 with --pp 2: megatron-core's 1F1B runs the slots"),
     ],
 )
 def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
