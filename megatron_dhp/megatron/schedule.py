@@ -62,29 +62,16 @@ def dhp_forward_backward(
     config = get_model_config(chunks[0])
     work = _MegatronWork(forward_step_func, model, config, collect_non_loss_data, first_val_step, forward_only,
                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    if steps.engine.pipelined:  # megatron-core's 1F1B, which times and finalizes the step itself
-        return steps.engine.run(inputs, work)
-    if len(chunks) > 1:
+    if len(chunks) > 1 and not steps.engine.pipelined:
         raise DhpError(f"{len(chunks)} model chunks without pipeline parallelism: virtual pipelining needs "
                        "--pipeline-model-parallel-size 2 or more")
-
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     overlap = None
-    if config.no_sync_func is not None and not forward_only:
+    if config.no_sync_func is not None and not forward_only and len(chunks) == 1:
         overlap = OverlappedReduction(no_sync=config.no_sync_func, start=model.start_grad_sync)
-    steps.engine.run(inputs, work, overlap=overlap)
-
-    if config.finalize_model_grads_func is not None and not forward_only:
-        config.finalize_model_grads_func(
-            [model],
-            work.total_tokens if config.calculate_per_token_loss else None,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
-        )
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    return work.store
+    # the walk then `work.finish` (megatron's finalize_model_grads), or megatron-core's 1F1B, which finalizes
+    # the step itself and returns its loss reports
+    reports = steps.engine.run(inputs, work, overlap=overlap)
+    return reports if steps.engine.pipelined else work.store
 
 
 class _MegatronWork:
@@ -109,6 +96,8 @@ class _MegatronWork:
         self.total_tokens = torch.zeros([], dtype=torch.int, device=_device())
 
     def forward(self, slot: Slot) -> torch.Tensor:
+        if slot.index == 0 and self.config.timers is not None:  # the walk's; 1F1B times itself
+            self.config.timers("forward-backward", log_level=1).start(barrier=self.config.barrier_with_L1_time)
         output, num_tokens = schedules.forward_step(
             self.forward_step,
             iter([slot]),
@@ -132,6 +121,17 @@ class _MegatronWork:
             schedules.backward_step(None, output, None, get_model_type(self.model), self.config)
         else:
             schedules.backward_step(None, output, None, self.config)
+
+    def finish(self) -> None:
+        """megatron's `finalize_model_grads` with the step's loss tokens, as its schedules call it after the last
+        backward (not in evaluation)."""
+        config = self.config
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            config.finalize_model_grads_func([self.model], self.total_tokens if config.calculate_per_token_loss else None,
+                                             pg_collection=self.schedule_options["pg_collection"],
+                                             force_all_reduce=self.schedule_options["force_all_reduce"])
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
 
 
 def _device() -> torch.device:

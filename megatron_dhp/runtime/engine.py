@@ -141,6 +141,11 @@ class MicrobatchWork(Protocol):
         function the last stage applies to it."""
         ...
 
+    def finish(self) -> None:
+        """Finish the step's gradients after the walk (reduce them over the domain, as megatron-core's
+        `finalize_model_grads`; nothing in evaluation). Under 1F1B the schedule finalizes them itself."""
+        ...
+
 
 @dataclass(frozen=True)
 class OverlappedReduction:
@@ -215,6 +220,9 @@ class StepEngine:
         self.plan_wait_s = 0.0
         """Seconds the last step waited for its plan, solve and broadcast (near 0 when planning overlapped the
         step before)."""
+        self.finish_s = 0.0
+        """Seconds the last step's `run` spent finishing its gradients after the walk (0 under 1F1B, which
+        finishes inside the schedule)."""
         self._ahead: _Pending | None = None
 
     def next(self) -> StepInputs | None:
@@ -241,13 +249,17 @@ class StepEngine:
         return self._dispatch(current, plan, read_ahead=False)
 
     def run(self, inputs: StepInputs, work: MicrobatchWork, *, overlap: OverlappedReduction | None = None) -> list:
-        """Run this rank's part of the step: megatron-core's 1F1B over its slots when `pipelined` (which
-        finalizes the gradients with the model config's `finalize_model_grads_func`; returns 1F1B's loss
-        reports), else the walk (`walk`; returns []). Collective."""
+        """Run this rank's part of the step and finish its gradients: megatron-core's 1F1B over its slots when
+        `pipelined` (which finalizes them with the model config's `finalize_model_grads_func`; returns 1F1B's
+        loss reports), else the walk (`walk`) then `work.finish()` (returns []). Collective."""
+        self.finish_s = 0.0
         if self.pipelined:
             check_chunks(inputs.plan, work.model)
             return run_1f1b(work.forward_step, self.pipeline_slots(inputs), work.model, **work.schedule_options)
         self.walk(inputs, work, overlap=overlap)
+        start = time.perf_counter()
+        work.finish()
+        self.finish_s = time.perf_counter() - start
         return []
 
     def pipeline_slots(self, inputs: StepInputs) -> list[Slot]:

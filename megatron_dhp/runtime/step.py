@@ -113,6 +113,11 @@ class _LossSum:
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.global_loss_tokens).backward()
 
+    def finish(self) -> None:
+        """A megatron DDP model's gradients reduced over the domain (`reduce_gradients`)."""
+        if hasattr(self.model, "finish_grad_sync"):
+            reduce_gradients(self.model)
+
 
 class VisionLanguageModel(Protocol):
     """What a step with images needs of the model (`models.vlm.TinyVLM` has it)."""
@@ -135,10 +140,12 @@ class _ImageLossSum(_LossSum):
 
     def __init__(self, model: torch.nn.Module, vlm: VisionLanguageModel, global_loss_tokens: int,
                  received: torch.Tensor, microbatches: tuple[MicrobatchInputs, ...],
-                 rows: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> None:
+                 rows: tuple[tuple[torch.Tensor, torch.Tensor], ...], encoder_backward: Callable[[], None]) -> None:
         super().__init__(model, global_loss_tokens)
         self.vlm = vlm
         self.received = received
+        self.encoder_backward = encoder_backward
+        """Returns the received rows' gradients to their encoders and runs the encoder's backward."""
         device = received.device
         self.rows = {id(mb): (slots.to(device), r.to(device)) for mb, (slots, r) in zip(microbatches, rows)}
         self.no_rows = (torch.empty(0, dtype=torch.int64, device=device),) * 2
@@ -151,22 +158,20 @@ class _ImageLossSum(_LossSum):
                                 self.received[rows])
         return forward_thd(self.vlm.language, mb, slot.context, decoder_input=merged)
 
+    def finish(self) -> None:
+        """The encoder's backward first, so that its gradients are reduced with the language model's."""
+        self.encoder_backward()
+        super().finish()
 
-def run_step(
-    engine: StepEngine,
-    model: torch.nn.Module,
-    inputs: StepInputs,
-    *,
-    grad_sync: bool = True,
-) -> StepResult:
-    """Forward and backward this rank's microbatches of a prepared step, then reduce gradients over the domain.
+
+def run_step(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> StepResult:
+    """Forward and backward this rank's microbatches of a prepared step; the engine then finishes the gradients.
 
     Gradients accumulate into the model (zero them before the step, as Megatron's train step does). With a
-    megatron `DistributedDataParallel` model the domain-wide reduction runs here (`reduce_gradients`)
-    unless `grad_sync` is False, which leaves it to the caller (the train loop times it apart from the
-    forward and backward the plan predicts). Under PP (`engine.pipelined`; `model` is this rank's megatron
-    DDP stage, interleaved the list of its chunks) 1F1B finalizes the gradients itself and only the last
-    stage computes the loss and tokens.
+    megatron `DistributedDataParallel` model the domain-wide reduction runs after the walk (`_LossSum.finish`;
+    `engine.finish_s` is how long it took). Under PP (`engine.pipelined`; `model` is this rank's megatron DDP
+    stage, interleaved the list of its chunks) 1F1B finalizes the gradients itself through the model config,
+    which this sets, and only the last stage computes the loss and tokens.
     """
     chunks = model if isinstance(model, list) else [model]
     config = getattr(chunks[0], "config", None)
@@ -191,8 +196,6 @@ def run_step(
         engine.run(inputs, work)
     else:
         work = _run_with_images(engine, model, inputs)
-    if grad_sync and hasattr(model, "finish_grad_sync"):
-        reduce_gradients(model)
     return work.result(inputs)
 
 
@@ -213,19 +216,24 @@ def scale_aux_losses(global_loss_tokens: int, device: torch.device) -> None:
 
 def _run_with_images(engine: StepEngine, model: torch.nn.Module, inputs: StepInputs) -> _LossSum:
     """The step of a multimodal batch (`runtime.vision`): encode this rank's images, send their rows, walk the
-    microbatches, return the rows' gradients and run the encoder's backward once."""
+    microbatches; the work's finish returns the rows' gradients and runs the encoder's backward once before the
+    gradients are reduced."""
     vision = inputs.vision
     vlm: VisionLanguageModel = model.module if hasattr(model, "finish_grad_sync") else model
     encoded = vlm.encode(vision.pixels.to(next(vlm.parameters()).device))
     send_rows = vision.send_rows.to(encoded.device)
     received = all_to_all_rows(encoded.detach()[send_rows], vision.send_counts, vision.recv_counts, engine.domain)
     received.requires_grad_(True)
-    work = _ImageLossSum(model, vlm, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows)
+
+    def encoder_backward() -> None:
+        grad = received.grad if received.grad is not None else torch.zeros_like(received)
+        back = all_to_all_rows(grad, vision.recv_counts, vision.send_counts, engine.domain)
+        if encoded.requires_grad:
+            encoded.backward(torch.zeros_like(encoded).index_add_(0, send_rows, back.to(encoded.device)))
+
+    work = _ImageLossSum(model, vlm, inputs.num_loss_tokens, received, inputs.microbatches, vision.microbatch_rows,
+                         encoder_backward)
     engine.run(inputs, work)
-    grad = received.grad if received.grad is not None else torch.zeros_like(received)
-    back = all_to_all_rows(grad, vision.recv_counts, vision.send_counts, engine.domain)
-    if encoded.requires_grad:
-        encoded.backward(torch.zeros_like(encoded).index_add_(0, send_rows, back.to(encoded.device)))
     return work
 
 

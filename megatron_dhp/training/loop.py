@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 
 import torch
@@ -32,7 +32,7 @@ from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import StepEngine
 from megatron_dhp.runtime.pipeline import check_pipeline
-from megatron_dhp.runtime.step import reduce_gradients, run_step
+from megatron_dhp.runtime.step import run_step
 from megatron_dhp.runtime.step_data import StepInputs
 from megatron_dhp.solver import static_cp_size
 from megatron_dhp.training.checkpoint import Checkpointer
@@ -95,6 +95,24 @@ class StepRecord:
 
 
 StepCallback = Callable[[StepRecord], None]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank reports of a step: gathered as a row per rank, summed over the loss ranks (loss, tokens) and
+    taken at the slowest rank (times) or any rank (a stop signal)."""
+
+    loss_sum: float
+    num_tokens: float
+    measured_s: float
+    """Its forward and backward: what the plan predicts."""
+    sync_s: float
+    """Its gradient reduction after the walk (0 under 1F1B, which reduces inside)."""
+    optimizer_s: float
+    plan_wait_s: float
+    wall_s: float
+    stop_signal: float
+    """The signal (`SIGTERM`) this rank caught during the step, 0 if none: the run saves and stops after it."""
 
 
 class Trainer:
@@ -199,38 +217,36 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         dist.barrier(group=self.domain.group)
         t0 = time.perf_counter()
-        result = run_step(engine, self.model, inputs, grad_sync=False)
-        t1 = time.perf_counter()
-        if not engine.pipelined:  # under PP megatron-core's finalize_model_grads reduced the gradients inside
-            reduce_gradients(self.model)
+        result = run_step(engine, self.model, inputs)  # the engine finishes the gradients (inside 1F1B under PP)
         t2 = time.perf_counter()
+        t1 = t2 - engine.finish_s  # the walk's end: what the plan predicts is forward and backward
         ok, grad_norm, _ = self.optimizer.step()
         t3 = time.perf_counter()
         step = self.completed
         if not ok:
             raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
         self.completed = step + 1
-        mine = [result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s, t3 - start,
-                self.stop.signal]
+        mine = RankReport(result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s,
+                          t3 - start, self.stop.signal)
         return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens, engine.groups_on_p2p(plan))
 
-    def _record(self, plan: Plan, mine: list[float], step: int, lr: float, grad_norm: float | None,
+    def _record(self, plan: Plan, mine: RankReport, step: int, lr: float, grad_norm: float | None,
                 loss_tokens: int, groups_p2p: int) -> StepRecord:
         """Sum the losses over the last stage's domain, take the slowest rank's times over the world. Collective."""
         world = dist.get_world_size()
         group, device = self.domain.control_plane(world=True)  # read on the host: gloo beside NCCL
-        local = torch.tensor(mine, dtype=torch.float64, device=device)
+        local = torch.tensor(astuple(mine), dtype=torch.float64, device=device)
         table = local.new_empty(world * local.numel())
         all_gather_single(table, local, group=group)
         table = table.view(world, -1).cpu()
-        ours = table[list(self.loss_ranks)]
-        times = table[:, 2:].max(dim=0).values.tolist()
-        num_tokens = int(ours[:, 1].sum())
+        ours = RankReport(*table[list(self.loss_ranks)].sum(dim=0).tolist())  # the batch's loss and tokens
+        slowest = RankReport(*table.max(dim=0).values.tolist())  # the slowest rank's times, any rank's signal
+        num_tokens = int(ours.num_tokens)
         assert num_tokens == sum(s.tokens for s in plan.samples), "every token of the batch runs exactly once"
         sizes = Counter(g.size for g in plan.groups)
         return StepRecord(
             step=step,
-            loss=float(ours[:, 0].sum()) / loss_tokens,
+            loss=ours.loss_sum / loss_tokens,
             grad_norm=float(grad_norm or 0.0),
             lr=float(lr),
             num_samples=len(plan.samples),
@@ -240,13 +256,13 @@ class Trainer:
             groups_p2p=groups_p2p,
             num_microbatches=plan.num_microbatches,
             predicted_s=float(plan.predicted_step_time_s or 0.0),
-            measured_s=times[0],
-            sync_s=times[1],
-            optimizer_s=times[2],
-            plan_wait_s=times[3],
-            wall_s=times[4],
+            measured_s=slowest.measured_s,
+            sync_s=slowest.sync_s,
+            optimizer_s=slowest.optimizer_s,
+            plan_wait_s=slowest.plan_wait_s,
+            wall_s=slowest.wall_s,
             slow_ranks=rank_speeds_text(plan.slow_ranks()),
-            stopped_by=signal_name(int(times[5])) if times[5] else "",
+            stopped_by=signal_name(int(slowest.stop_signal)) if slowest.stop_signal else "",
         )
 
 

@@ -35,6 +35,9 @@ class Recorder:
     def backward(self, output):
         self.log.append(("B", output, self.held))
 
+    def finish(self):
+        self.log.append(("finish",))
+
     def overlap(self) -> OverlappedReduction:
         @contextlib.contextmanager
         def no_sync():
@@ -63,12 +66,14 @@ def _inputs(*sample_ids: int) -> StepInputs:
 
 
 def test_walk_runs_each_slot_forward_then_backward_and_overlaps_only_the_last():
+    """...and then the engine finishes the step's gradients itself (`MicrobatchWork.finish`), after the walk."""
     work = Recorder()
     _engine().run(_inputs(0, 1, 2), work, overlap=work.overlap())
     assert work.log == [
         ("F", (0,), 0, 3, True), ("B", 0, True),
         ("F", (1,), 1, 3, True), ("B", 1, True),
         ("F", (2,), 2, 3, False), ("B", 2, False),  # outside no_sync: its backward starts the reduction
+        ("finish",),
     ]
 
 
@@ -76,7 +81,7 @@ def test_an_idle_position_runs_one_idle_slot():
     work = Recorder()
     inputs = _inputs(0)
     _engine("ring", position=1).run(StepInputs(inputs.plan, (), 4, 4), work)
-    assert work.log == [("F", (-1,), 0, 1, False), ("B", 0, False)]
+    assert work.log == [("F", (-1,), 0, 1, False), ("B", 0, False), ("finish",)]
 
 
 def test_p2p_holds_the_reduction_back_until_the_walk_is_done():
@@ -84,7 +89,8 @@ def test_p2p_holds_the_reduction_back_until_the_walk_is_done():
     order only if the reduction starts after every microbatch."""
     work = Recorder()
     _engine("p2p").run(_inputs(0, 1), work, overlap=work.overlap())
-    assert work.log == [("F", (0,), 0, 2, True), ("B", 0, True), ("F", (1,), 1, 2, True), ("B", 1, True), ("start",)]
+    assert work.log == [("F", (0,), 0, 2, True), ("B", 0, True), ("F", (1,), 1, 2, True), ("B", 1, True), ("start",),
+                        ("finish",)]
 
 
 def test_p2p_slot_gets_a_peer_ring_on_the_domain_and_never_asks_the_pool():
@@ -127,7 +133,7 @@ def test_a_reduction_overlapping_a_group_a_peer_outlasts_waits_for_the_walk(monk
     monkeypatch.setattr(engine.pool, "get", lambda ranks: SimpleNamespace(size=lambda: len(ranks), rank=lambda: 0))
     work = Recorder()
     engine.run(inputs, work, overlap=work.overlap())
-    assert work.log == [("F", (0,), 0, 1, True), ("B", 0, True), ("start",)]
+    assert work.log == [("F", (0,), 0, 1, True), ("B", 0, True), ("start",), ("finish",)]
 
 
 def test_the_last_backward_rule_over_random_plans_walked_and_pipelined():
