@@ -200,18 +200,18 @@ def test_last_slots_are_the_last_entries_of_the_slot_lists_built_in_full():
 
 
 @pytest.mark.parametrize("speeds", [(), (0.5,) + (1.0,) * 15], ids=["nominal", "a slow rank"])
-def test_every_planner_s_plans_keep_the_overlap_the_last_backward_rule_allows(speeds):
+def test_every_planner_s_plans_keep_the_overlap_the_last_backward_rule_allows(speeds, gpt7b_config):
     """The rule defers the reduction only for plans that need it: every planner's plans of long-tailed batches on
     16 ranks, with and without a slow rank, walked and under 1F1B, end each group on every member together."""
     from dataclasses import replace
 
     import numpy as np
 
-    from megatron_dhp.cost import CostConfig, build_cost_model
+    from megatron_dhp.cost import build_cost_model
     from megatron_dhp.runtime.slots import last_backward_shared
     from megatron_dhp.solver import build_planner, run_planner
 
-    model = build_cost_model(replace(CostConfig.load("gpt7b-64"), world_size=16, max_tokens_per_rank=8192,
+    model = build_cost_model(replace(gpt7b_config, world_size=16, max_tokens_per_rank=8192,
                                      rank_speeds=speeds))
     for seed in range(2):
         rng = np.random.default_rng(seed)

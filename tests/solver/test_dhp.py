@@ -254,17 +254,16 @@ def test_dhp_never_plans_worse_than_static_cp_on_a_batch_one_video_dominates(mon
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s > 1.3 * static
 
 
-def test_dhp_is_never_behind_static_cp_at_a_larger_cp_than_the_batch_needs(monkeypatch):
+def test_dhp_is_never_behind_static_cp_at_a_larger_cp_than_the_batch_needs(monkeypatch, gpt7b_config):
     # The DHP paper's burst (one 128K sample among 127 short ones) on 16 positions of 32K tokens, inter-node
     # at 12.5 GB/s: the whole domain as one group runs everything in one microbatch (1.002x the bound), and
     # static CP 16 finds it; dhp's own drafts put the burst alone first (1.3 % slower). Static's layouts at
     # every CP from the batch's smallest up to N are its fallback now.
     from dataclasses import replace
 
-    from megatron_dhp.cost import CostConfig
     from megatron_dhp.solver.static import StaticPlanner
 
-    cost = replace(CostConfig.load("gpt7b-64"), world_size=16, gpus_per_node=4, max_tokens_per_rank=32768,
+    cost = replace(gpt7b_config, world_size=16, gpus_per_node=4, max_tokens_per_rank=32768,
                    attn_s_per_token2=1.96e-9, linear_s_per_token=6.3e-5, comm_bytes_per_token=4.1e4,
                    intra_node_bytes_per_s=56e9, inter_node_bytes_per_s=12.5e9)
     model = build_cost_model(cost)
@@ -295,14 +294,12 @@ def test_wide_groups_of_a_node_or_less_may_straddle_nodes_without_a_family():
     assert sorted(g.ranks[0] for g in plan.groups if g.size == 6) == [0, 6, 12, 18]
 
 
-def test_wide_samples_fill_columns_to_a_limit_under_the_replicate_placement(monkeypatch):
+def test_wide_samples_fill_columns_to_a_limit_under_the_replicate_placement(monkeypatch, gpt7b_config):
     # gpt7b-64's multimodal batch with every encoder replicated on its group: ~31 long videos that need 5-7
     # ranks for ~15 s each are most of the work. Placed widest first where each ends earliest, the family's
     # one such window per node took 4 per node and overshot (dhp 1.22 x LB, 0.7 % behind fcp-ref); filling
     # nodes up to a bisected limit (`multifit`) packs them at 1.18 x LB, 2.5 % ahead of fcp-ref.
-    from megatron_dhp.cost import CostConfig
-
-    model = build_cost_model(CostConfig.load("gpt7b-64").with_overrides(encoder_placement="replicate"))
+    model = build_cost_model(gpt7b_config.with_overrides(encoder_placement="replicate"))
     batch = LengthSource.from_args(dist="multimodal").draw(global_batch=512, seed=0, index=0, capacity=model.domain.capacity)
     dhp = run_planner(build_planner("dhp"), batch, model)
     fcp = run_planner(build_planner("fcp-ref"), batch, model)
@@ -312,14 +309,13 @@ def test_wide_samples_fill_columns_to_a_limit_under_the_replicate_placement(monk
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s >= 1.03 * dhp.predicted_step_time_s
 
 
-def test_wide_samples_of_each_degree_get_columns_of_their_own_under_the_replicate_placement(monkeypatch):
+def test_wide_samples_of_each_degree_get_columns_of_their_own_under_the_replicate_placement(monkeypatch, gpt7b_config):
     # The same batch: 5-, 6- and 7-rank videos placed on one skyline block each other's family tilings
     # (a 6-wide column at 6 - 11 holds no 5-rank window), and ranks idle at the end (1.054 x LB). In columns
     # of their own degree, each filled to a bisected height (`columns`), they end within 1 % of the bound.
-    from megatron_dhp.cost import CostConfig
     from megatron_dhp.cost.bound import best_lower_bound
 
-    model = build_cost_model(CostConfig.load("gpt7b-64").with_overrides(encoder_placement="replicate"))
+    model = build_cost_model(gpt7b_config.with_overrides(encoder_placement="replicate"))
     batch = LengthSource.from_args(dist="multimodal").draw(global_batch=512, seed=0, index=0, capacity=model.domain.capacity)
     bound = best_lower_bound(model, batch.samples)
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s <= 1.01 * bound

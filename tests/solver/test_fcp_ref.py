@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import build_cost_model, simulate
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.solver.fcp_ref import Bin, allocate_degrees, bfd_pack, degree_table, split_rounds
@@ -99,14 +99,11 @@ def test_max_cp_degree_caps_and_reports():
         planner.solve(Batch.from_lengths([3 * 8192]), model_for(8))
 
 
-def _with_lambda(n: int, gpus_per_node: int, **extras) -> CostConfig:
-    return dataclasses.replace(CostConfig.load("gpt7b-64"), world_size=n, gpus_per_node=gpus_per_node, **extras)
-
-
-def test_the_dp_prices_a_group_as_the_simulator_does():
+def test_the_dp_prices_a_group_as_the_simulator_does(gpt7b_config):
     """With s and lambda set, the DP's makespan of the degrees it picks is the simulated step (one round, one
     node: the DP's placement guess is then exact)."""
-    cfg = _with_lambda(8, 8, sample_overhead_s=0.01, cp_microbatch_overhead_s=0.3)
+    cfg = dataclasses.replace(gpt7b_config, world_size=8, gpus_per_node=8, sample_overhead_s=0.01,
+                              cp_microbatch_overhead_s=0.3)
     model = build_cost_model(cfg)
     batch = Batch.from_lengths([20000, 9000, 5000, 3000, 700, 6000])
     footprint = model.footprint(batch.samples)
@@ -124,13 +121,14 @@ def test_the_dp_prices_a_group_as_the_simulator_does():
     assert plan.predicted_step_time_s == pytest.approx(reference_eval.step_time(cfg.to_dict(), plan.to_dict()), rel=1e-12)
 
 
-def test_a_multi_rank_latency_keeps_a_bin_on_one_rank():
+def test_a_multi_rank_latency_keeps_a_bin_on_one_rank(gpt7b_config):
     """Two 5000-token bins on 4 ranks: without lambda, 2 + 2 ranks is fastest; with lambda = 1 s, splitting
     both pays it twice over and 1 + 3 is faster under the simulator, so the DP must pick that."""
     batch = Batch.from_lengths([5000, 5000])
-    plain = run_planner(build_planner("fcp-ref"), batch, build_cost_model(_with_lambda(4, 4)))
+    base = dataclasses.replace(gpt7b_config, world_size=4, gpus_per_node=4)
+    plain = run_planner(build_planner("fcp-ref"), batch, build_cost_model(base))
     assert sorted(g.size for g in plain.groups) == [2, 2]
-    model = build_cost_model(_with_lambda(4, 4, cp_microbatch_overhead_s=1.0))
+    model = build_cost_model(dataclasses.replace(base, cp_microbatch_overhead_s=1.0))
     plan = run_planner(build_planner("fcp-ref"), batch, model)
     assert sorted(g.size for g in plan.groups) == [1, 3]
     halves = simulate(plain, model).step_time_s

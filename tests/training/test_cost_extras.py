@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import build_cost_model, simulate
 from megatron_dhp.cost.fit import GridPoint
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.random_plan import random_plan
@@ -22,15 +22,15 @@ from tests import reference_eval
 from tests.cost_defaults import assert_defaults_change_nothing
 
 
-def test_zero_extras_leave_every_reference_number_unchanged(tmp_path):
-    reference = CostConfig.load("gpt7b-64")
+def test_zero_extras_leave_every_reference_number_unchanged(tmp_path, gpt7b_config):
+    reference = gpt7b_config
     explicit = replace(reference, sample_overhead_s=0.0, cp_microbatch_overhead_s=0.0, step_overhead_s=0.0)
     assert_defaults_change_nothing(reference, explicit, ("sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s"),
                                    tmp_path)
 
 
-def test_extras_add_exactly_their_time():
-    base = replace(CostConfig.load("gpt7b-64"), world_size=4, gpus_per_node=4)
+def test_extras_add_exactly_their_time(gpt7b_config):
+    base = replace(gpt7b_config, world_size=4, gpus_per_node=4)
     extra = replace(base, sample_overhead_s=0.01, cp_microbatch_overhead_s=0.5)
     m0, m1 = build_cost_model(base), build_cost_model(extra)
     samples = Batch.from_lengths([1000, 3000]).samples
@@ -38,8 +38,8 @@ def test_extras_add_exactly_their_time():
     assert m1.microbatch_time(samples, [0, 1]) == pytest.approx(m0.microbatch_time(samples, [0, 1]) + 0.02 + 0.5)
 
 
-def test_step_overhead_adds_exactly_sigma_to_every_step_and_to_the_bound():
-    base = replace(CostConfig.load("tiny-gpt-cpu"), world_size=4, gpus_per_node=4, step_overhead_s=0.0)
+def test_step_overhead_adds_exactly_sigma_to_every_step_and_to_the_bound(tiny_cpu_config):
+    base = replace(tiny_cpu_config, world_size=4, gpus_per_node=4, step_overhead_s=0.0)
     slow = replace(base, step_overhead_s=0.004)
     batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=32, seed=1, capacity=4 * 512)
     batch = Batch.from_lengths([max(1, L // 32) for L in batch.lengths])
@@ -53,10 +53,10 @@ def test_step_overhead_adds_exactly_sigma_to_every_step_and_to_the_bound():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_lower_bound_stays_valid_with_the_extras(seed):
+def test_lower_bound_stays_valid_with_the_extras(seed, tiny_cpu_config):
     rng = random.Random(seed)
     n = rng.choice([2, 3, 4, 8])
-    cost = replace(CostConfig.load("tiny-gpt-cpu"), world_size=n, gpus_per_node=rng.choice([1, 2, n]),
+    cost = replace(tiny_cpu_config, world_size=n, gpus_per_node=rng.choice([1, 2, n]),
                    sample_overhead_s=rng.choice([0.0, 0.003, 0.02]), cp_microbatch_overhead_s=rng.choice([0.0, 0.015, 0.2]),
                    comm_bytes_per_token=rng.choice([0.0, 2e4]), step_overhead_s=rng.choice([0.0, 0.005]))
     model = build_cost_model(cost)
@@ -98,8 +98,8 @@ def test_a_data_point_runs_its_exact_lengths_like_a_uniform_point():
     assert microbatches(point) == [[100, 8, 40]] * 3 and microbatches(GridPoint(64, 1, 2)) == [[64, 64]] * 3
 
 
-def test_the_calibration_summary_counts_the_steps_predicted_within_15_percent():
-    cost = replace(CostConfig.load("tiny-gpt-cpu"), step_overhead_s=0.003)
+def test_the_calibration_summary_counts_the_steps_predicted_within_15_percent(tiny_cpu_config):
+    cost = replace(tiny_cpu_config, step_overhead_s=0.003)
     steps = (("static", 3, 0.100, 0.100), ("dhp", 3, 0.100, 0.200), ("static", 4, 0.114, 0.100))
     assert ProfileReport([], [], [], cost, steps).calibration_summary() == (
         "step overhead sigma 3.00 ms; 2/3 calibration steps (static and dhp) predicted within 15%")

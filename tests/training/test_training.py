@@ -17,6 +17,8 @@ from megatron_dhp.training.profile import fit_report
 from megatron_dhp.training.timing import CALIBRATION_WARMUP
 from tests.training import workers
 
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks, the two commands in-process included
+
 RELATIVE = 1e-5
 """fp32: loss curves under different plans (different summation orders) agree to this relative error."""
 
