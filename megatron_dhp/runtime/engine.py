@@ -88,7 +88,7 @@ class PlanSource(Protocol):
 
 
 class Feedback(Protocol):
-    """The closed loop's planning side (`integration.closed_loop.ClosedLoop`): turns this rank's measured slots
+    """The closed loop's planning side (`closed_loop.loop.ClosedLoop`): turns this rank's measured slots
     into its report, and takes every rank's reports in. The engine calls both on every rank."""
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
