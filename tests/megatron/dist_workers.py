@@ -14,6 +14,7 @@ import warnings
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -172,8 +173,8 @@ class Harness:
 class HandPlanner:
     """A stand-in for `JobPlanner` returning plans no planner here produces: `makers[k](batch)` at step k."""
 
-    loop = None
-    """No closed loop: the hand-made plans ignore the timings."""
+    loop = SimpleNamespace(adaptive=False)
+    """A closed loop that is off: the hand-made plans ignore the timings."""
 
     def __init__(self, *makers) -> None:
         self.makers = list(makers)
