@@ -10,23 +10,20 @@ oracle on the same documents: loss and every gradient.
 from __future__ import annotations
 
 import argparse
-import warnings
 from dataclasses import replace
-from datetime import timedelta
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.step_data import TokenSample
 from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
 from megatron_dhp.verify.selfcheck import TOLERANCE, full_grad
 from megatron_dhp.workload.sample import Batch
+from tests.ranks import start_cpu_rank
 
 SEQ_LENGTH = 24
 MICRO_BATCH = 2
@@ -214,7 +211,6 @@ def idle_plan(batch: Batch, n: int) -> Plan:
 
 def hooks_checks() -> dict:
     """4 ranks: TP 1 (domain of 4), then TP 2 and PP 2 (two domains of 2 each) in the same processes."""
-    warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -222,8 +218,7 @@ def hooks_checks() -> dict:
     from megatron_dhp.megatron import setup
     from megatron_dhp.megatron.data import wrap_data_iterator
 
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=1, timeout=timedelta(seconds=90))
+    start_cpu_rank(timeout_s=90)
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
     out: dict = {"rank": dist.get_rank()}
 

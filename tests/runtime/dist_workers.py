@@ -6,7 +6,6 @@ the returned values.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from datetime import timedelta
 from unittest import mock
@@ -15,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.plan.comm import COMM_VARIANTS, DOMAIN_COMMS
 from megatron_dhp.plan.plan import Plan, PlanGroup
@@ -27,6 +25,7 @@ from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from megatron_dhp.workload.sample import Batch
+from tests.ranks import start_cpu_rank
 
 LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)
 SAMPLE_SEED = 11
@@ -34,14 +33,6 @@ SAMPLE_SEED = 11
 
 def batch() -> Batch:
     return Batch.from_lengths(LENGTHS)
-
-
-def start_cpu_rank(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int = 1) -> None:
-    """What every spawned CPU rank of these tests does first: quiet warnings, the CPU shim, the process groups."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                     virtual_pipeline=virtual_pipeline, timeout=timedelta(seconds=60))
 
 
 def plans_of_four() -> dict[str, Plan]:

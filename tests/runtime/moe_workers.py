@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
-from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 from megatron_dhp.models.gpt import TinyGPTConfig, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import SAMPLE_SEED, batch
 
 MOE = TinyGPTConfig(num_experts=4)
@@ -85,9 +82,7 @@ def one_sample_per_microbatch() -> Plan:
 
 def expert_parallel_checks() -> dict:
     """EP 2 on 4 ranks: alltoall and allgather exactness per plan, the load-balancing loss."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(expert_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(expert_parallel=2)
     check = SelfCheck(config=MOE, seed=3)
     samples = random_samples(batch(), vocab_size=MOE.vocab_size, seed=SAMPLE_SEED)
     out: dict = {"ep": check.model.config.expert_model_parallel_size,
@@ -109,9 +104,7 @@ def expert_parallel_checks() -> dict:
 
 def allgather_checks(tensor_parallel: int = 1) -> dict:
     """EP 2 with the allgather dispatcher over a domain of 2 (2 ranks; with TP 2 and SP, 4 ranks)."""
-    warnings.filterwarnings("ignore")
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=tensor_parallel, expert_parallel=2, timeout=timedelta(seconds=60))
+    start_cpu_rank(tensor_parallel=tensor_parallel, expert_parallel=2)
     check = SelfCheck(config=replace(ALLGATHER, sequence_parallel=tensor_parallel > 1), seed=5)
     samples = random_samples(batch(), vocab_size=MOE.vocab_size, seed=SAMPLE_SEED)
     config = check.model.config

@@ -13,7 +13,8 @@ from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
-from tests.runtime.dist_workers import SAMPLE_SEED, batch, start_cpu_rank
+from tests.ranks import start_cpu_rank
+from tests.runtime.dist_workers import SAMPLE_SEED, batch
 
 
 def plans_of_two() -> dict[str, Plan]:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 from megatron_dhp.models.vlm import TinyVLMConfig, random_vlm_samples
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.runtime.collectives import gather_batch
-from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.verify.selfcheck import SelfCheck
+from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import batch, plans_of_four
 
 SEED = 11
@@ -21,8 +20,7 @@ SEED = 11
 def vlm_checks() -> dict:
     """Every plan of four ranks (groups of 1-4, non-contiguous, idle rank, barrier) under every encoder
     placement and comm variant, against one process; and the vision tower's gradient, to show it trained."""
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=1)
+    start_cpu_rank()
     config = TinyVLMConfig()
     check = SelfCheck(vlm=config, seed=SEED)
     samples = random_vlm_samples(batch(), config, seed=SEED)
@@ -49,8 +47,7 @@ def tile_independence() -> tuple[float, float]:
     from megatron_dhp.models.vlm import TinyVLM
     from megatron_dhp.verify.reference import single_rank_groups
 
-    apply_cpu_compat()
-    init_distributed(tensor_parallel=1)
+    start_cpu_rank()
     config = TinyVLMConfig()
     model = TinyVLM(config, language_spec=get_gpt_layer_local_spec(), pg_collection=single_rank_groups())
     pixels = torch.randn(2, 3, config.tower.tile_px, config.tower.tile_px, generator=torch.Generator().manual_seed(0))
