@@ -189,7 +189,7 @@ class StepEngine:
             raise DhpError("equal slot rows need aligned slots (StepEngine(aligned_slots=True))")
         self.domain = domain
         self.pool = pool
-        """Where the step's groups are created; None only moves tokens (`dispatch`), nothing can run."""
+        """Where the step's groups are created; None only moves tokens (`testing.dispatch`), nothing can run."""
         self.policy = policy
         """How each group talks and whether a step creates any (None: the engine only moves tokens)."""
         self.backend = backend
@@ -374,11 +374,3 @@ def check_chunks(plan: Plan, model: torch.nn.Module | list[torch.nn.Module]) -> 
                        f"the model runs {chunks} at {stages}; plan with virtual_stages={chunks}"
                        + (f" and pipeline_stages={stages}" if chunks > 1 else ""))
 
-
-def dispatch(local: Sequence[TokenSample], domain: DynamicDomain, *, plan: Plan | None = None,
-             planner: PlanSource | None = None) -> StepInputs:
-    """This rank's inputs of one step (given plan, or planned by `planner` on rank 0), creating no groups:
-    what a caller that only looks at the moved tokens needs. Collective."""
-    if (plan is None) == (planner is None):
-        raise DhpError("dispatch needs exactly one of plan= or planner=")
-    return StepEngine(domain, planning=planner).prepare(local, plan)

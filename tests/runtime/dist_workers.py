@@ -20,9 +20,9 @@ from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime import collectives
 from megatron_dhp.runtime.distributed import init_distributed
 from megatron_dhp.runtime.domain import ControlPlane, host_groups
-from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
+from megatron_dhp.testing.dispatch import dispatch
 from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from megatron_dhp.workload.sample import Batch
 from tests.ranks import start_cpu_rank

@@ -10,8 +10,8 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.step_data import local_slice
+from megatron_dhp.testing.dispatch import dispatch
 from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
 from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import SAMPLE_SEED, batch

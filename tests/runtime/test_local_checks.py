@@ -9,9 +9,9 @@ import torch.distributed as dist
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.domain import DynamicDomain
-from megatron_dhp.runtime.engine import dispatch
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import TokenSample
+from megatron_dhp.testing.dispatch import dispatch
 from megatron_dhp.workload.sample import Sample
 
 
