@@ -16,6 +16,7 @@ import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model
 from megatron_dhp.launch.ranks import launch
+from tests.configs import GPT7B
 
 
 def _codes(code: types.CodeType):
@@ -59,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gpt7b_config() -> CostConfig:
-    return CostConfig.load("gpt7b-64")
+    return GPT7B
 
 
 @pytest.fixture(scope="session")

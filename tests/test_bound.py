@@ -10,15 +10,16 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import build_cost_model, simulate
 from megatron_dhp.cost.bound import OVERHEAD_SHARES, best_lower_bound, coupled_lower_bound
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
+from tests.configs import GPT7B
 
-BASE = CostConfig.load("gpt7b-64")
+BASE = GPT7B
 
 # Small domains with a small M, so that samples need several ranks and the planners see every regime.
 variants = st.fixed_dictionaries({

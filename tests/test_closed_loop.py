@@ -18,7 +18,7 @@ from megatron_dhp.closed_loop.loop import ClosedLoop
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit, TimeScales
 from megatron_dhp.closed_loop.slot_clock import SlotClock
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
-from megatron_dhp.cost import CostConfig, ReferenceCostModel, build_cost_model, simulate
+from megatron_dhp.cost import ReferenceCostModel, build_cost_model, simulate
 from megatron_dhp.cost.speeds import expand_speeds
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration import step_runtime
@@ -31,8 +31,9 @@ from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.training.config import RunConfig, TrainConfig
 from megatron_dhp.workload import LengthSource
+from tests.configs import GPT7B
 
-BASE = CostConfig.load("gpt7b-64").with_overrides(world_size=16)
+BASE = GPT7B.with_overrides(world_size=16)
 HALF = float(on_speed_grid(0.5))
 """A rank measured at half speed, as the loop publishes it: 1.02^-35, the speed grid's nearest point."""
 
@@ -89,7 +90,7 @@ def test_the_loop_publishes_speeds_on_the_grid_the_bounds_price_on(measured):
     for _ in range(3):
         published = est.update([1.0, 1.0 / measured]).speeds[1]
     assert published == float(on_speed_grid(measured)) and abs(published / measured - 1) <= 0.01
-    levels = CostConfig.load("gpt7b-64").with_overrides(world_size=2, rank_speeds=(1.0, published)).domain.speed_levels()
+    levels = GPT7B.with_overrides(world_size=2, rank_speeds=(1.0, published)).domain.speed_levels()
     assert levels == [(1.0, 1, 1), (published, 2, 2)]
 
 

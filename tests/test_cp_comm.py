@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.workload.sample import Sample
+from tests.configs import GPT7B
 from tests.test_bound import assert_best_bound_holds
 
-BASE = CostConfig.load("gpt7b-64")
+BASE = GPT7B
 ULYSSES_BYTES = 4 * 2 * 4096 * 2 * 32
 """4 all-to-alls (q, k, v, out) each way of one token's bf16 hidden state, 32 layers."""
 

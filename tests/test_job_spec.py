@@ -6,13 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.plan.memory import ModelMemory, longest_sample
 from megatron_dhp.plan.pipeline import pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
+from tests.configs import GPT7B
 
 LLAMA = ModelMemory.of_gpt(hidden=4096, ffn_hidden=14336, layers=32, kv_channels=1024)  # 4 MB per token, g 1/32
 
@@ -23,7 +24,7 @@ def test_the_token_cap_chain_runs_in_one_order_and_the_planner_holds_its_end(tmp
     budget applied, so building it does not derive M again (it did: 4,096 became the budget's M at model build
     while the data checks kept 4,096)."""
     path = tmp_path / "budget.yaml"
-    replace(CostConfig.load("gpt7b-64"), memory_budget_bytes=80e9, model_state_bytes=0.0,
+    replace(GPT7B, memory_budget_bytes=80e9, model_state_bytes=0.0,
             activation_bytes_per_token=2e6).save(path)
     config = DhpConfig(max_tokens_per_rank=4096, cost=str(path))
     spec = JobSpec(config, 64, 8, pipeline_stages=2, device_type="cuda", model=LLAMA)

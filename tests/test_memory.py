@@ -19,6 +19,7 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import Batch, Sample, VisualItem
+from tests.configs import GPT7B
 
 W = 0.25
 SAMPLES = (
@@ -137,7 +138,7 @@ def _video_batch(seed: int, size: int = 40) -> Batch:
 @pytest.fixture(scope="module")
 def small() -> CostConfig:
     """16 ranks of 4,096 tokens (8 per node), gpt7b's coefficients, encoder activations at w = 0.25."""
-    return replace(CostConfig.load("gpt7b-64"), world_size=16, max_tokens_per_rank=4096, enc_memory_per_token=W,
+    return replace(GPT7B, world_size=16, max_tokens_per_rank=4096, enc_memory_per_token=W,
                    enc_a2a_bytes_per_token=16384.0)
 
 

@@ -20,9 +20,10 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import LengthSource
+from tests.configs import GPT7B
 from tests.test_bound import random_batch, variants
 
-BASE = CostConfig.load("gpt7b-64")
+BASE = GPT7B
 
 
 def with_speeds(config: CostConfig, speeds) -> CostConfig:

@@ -11,14 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.cost import build_cost_model, simulate
 from megatron_dhp.cost.tensor_parallel import fit_tensor_parallel, per_position
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.workload.sample import Sample
+from tests.configs import GPT7B
 from tests.test_bound import assert_best_bound_holds, random_batch
 
-BASE = CostConfig.load("gpt7b-64")
+BASE = GPT7B
 GPT7B_TP_BYTES = 8 * 4096 * 2 * 32
 """All-gathers and reduce-scatters of one token's bf16 activations, 4 per layer each way, 32 layers of 4096."""
 

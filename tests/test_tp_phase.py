@@ -10,13 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import build_cost_model
 from megatron_dhp.workload.sample import Sample
 from tests.bench_scripts import load_bench
+from tests.configs import GPT7B
 from tests.test_bound import assert_best_bound_holds
 
 tp_phase = load_bench("tp_phase")
-CONFIG = replace(CostConfig.load("gpt7b-64"), world_size=16, tp_efficiency=0.9, **tp_phase.GPT7B)
+CONFIG = replace(GPT7B, world_size=16, tp_efficiency=0.9, **tp_phase.GPT7B)
 
 
 @pytest.mark.parametrize("reshard", [False, True])

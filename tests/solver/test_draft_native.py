@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.solver import build_planner, run_planner
@@ -36,6 +36,7 @@ from megatron_dhp.solver.dhp.layout import (
     native_choose_window,
 )
 from megatron_dhp.workload import LengthSource
+from tests.configs import GPT7B
 from tests.solver.test_dhp import problems
 
 needs_native = pytest.mark.skipif(native.draft is None, reason="the C extension was not built (no C compiler)")
@@ -287,7 +288,7 @@ VARIANTS = ({}, {"overlap_comm": False}, {"gpus_per_node": 4}, {"max_tokens_per_
 def test_same_plans_on_the_benchmark_batches(variant, dist):
     # The solver bench's 512 samples on 64 ranks: more samples and drafts per search (rebuilds, multifit,
     # columns, holes) than the random batches above reach.
-    model = build_cost_model(CostConfig.load("gpt7b-64").with_overrides(**variant))
+    model = build_cost_model(GPT7B.with_overrides(**variant))
     batch = LengthSource.from_args(dist=dist).draw(global_batch=512, seed=0, index=1, capacity=model.domain.capacity)
     compiled, python = both_ways(plan_or_refusal, batch, model)
     assert compiled == python

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from megatron_dhp.cli import main
-from megatron_dhp.cost.config import CostConfig, Domain
+from megatron_dhp.cost.config import Domain
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.training.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from tests.configs import GPT7B
 
 
 def test_demo_config_loads_by_name_and_round_trips():
@@ -51,7 +52,7 @@ def test_bad_values_name_the_key_and_the_fix(obj, match):
 
 
 @pytest.mark.parametrize("config", [
-    CostConfig.load("gpt7b-64"), Domain(8, 8, 1024), DhpConfig(), ModelConfig(), DataConfig(), RunConfig(), TrainConfig(),
+    GPT7B, Domain(8, 8, 1024), DhpConfig(), ModelConfig(), DataConfig(), RunConfig(), TrainConfig(),
 ], ids=lambda c: type(c).__name__)
 def test_every_config_checks_the_type_of_every_key_on_construction(config):
     # from_mapping leaves types to the dataclass: a config that skipped check_fields would take any YAML value
