@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from megatron_dhp.launch.cpu_shim import apply_cpu_compat
 from megatron_dhp.runtime.distributed import init_distributed
 
@@ -17,3 +19,10 @@ def start_cpu_rank(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, virt
     init_distributed(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                      virtual_pipeline=virtual_pipeline, expert_parallel=expert_parallel,
                      timeout=timedelta(seconds=timeout_s))
+
+
+def start_gloo_rank(*, timeout_s: float = 60) -> None:
+    """Quiet warnings and join the world over gloo, without megatron's parallel state: for workers that test
+    collectives and attention on plain groups."""
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +31,7 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.training.config import RunConfig, TrainConfig
 from megatron_dhp.workload import LengthSource
 from tests.configs import GPT7B
+from tests.ranks import start_gloo_rank
 
 BASE = GPT7B.with_overrides(world_size=16)
 HALF = float(on_speed_grid(0.5))
@@ -266,7 +266,7 @@ WORK_S = 0.05
 
 def injected_slot_seconds(hold: bool, ring: bool) -> float:
     """One slot of a two-rank group, rank 1 injected 3x; this rank's timed seconds (a `launch` worker)."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    start_gloo_rank()
     group = dist.new_group([0, 1])
     timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0 if dist.get_rank() == 1 else 1.0, hold=hold)
     with timer.slot((0,), PeerRing.of_group(group) if ring else group):

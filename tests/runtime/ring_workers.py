@@ -7,7 +7,6 @@ process start-up each.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,14 +17,14 @@ from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
 from megatron_dhp.runtime.fused import zigzag_pack
 from megatron_dhp.runtime.layout import MicrobatchLayout
+from tests.ranks import start_gloo_rank
 
 HEAD_DIM = 8
 
 
 def _groups(sizes: tuple[int, ...]) -> Iterator[tuple[int, dist.ProcessGroup]]:
     """(d, the group of ranks 0..d-1) for each d this rank belongs to; every rank creates every group."""
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo")
+    start_gloo_rank()
     groups = [(d, dist.new_group(list(range(d)))) for d in sizes]
     for d, group in groups:
         if dist.get_rank() < d:

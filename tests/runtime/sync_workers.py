@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
@@ -13,6 +11,7 @@ from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
 from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.testing.host_sync import HostSyncError, NoHostSync, OpCount, opaque
+from tests.ranks import start_gloo_rank
 
 COMMS = ("allgather", "ring", "ulysses", "p2p")
 
@@ -29,11 +28,10 @@ def layers_without_host_sync(lengths: tuple[int, ...], many: tuple[int, ...]) ->
     """Per (group size, comm, backend): None, or the first host-syncing operation of two layers' forward and
     backward (the CPU's `auto`) or forward (`flex`); and per (group size, comm): the operators one flex layer
     issues on `lengths[:1]`-sized one sample and on `many` samples of the same total."""
-    warnings.filterwarnings("ignore")
     from torch.nn.attention.flex_attention import flex_attention
 
     flex._flex = lambda cuda: opaque(flex_attention)  # torch compiles flex's eager path, which no mode may watch
-    dist.init_process_group("gloo")
+    start_gloo_rank()
     groups = {d: dist.new_group(list(range(d))) for d in (2, 3, 4)}
     rank, out = dist.get_rank(), {}
     for d in (1, 2, 3, 4):
