@@ -84,7 +84,7 @@ class StepIterator:
         inputs = self.engine.next()
         if inputs is None:
             raise StopIteration
-        if self.runtime.config.log_plans and dist.get_rank() == 0:
+        if self.runtime.steps.config.log_plans and dist.get_rank() == 0:
             p2p = self.engine.groups_on_p2p(inputs.plan)
             p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
             loop = self.runtime.steps.planner.loop
@@ -113,7 +113,7 @@ class StepIterator:
         found = _share_over_model_parallel(found, self.runtime)
         if found is None:
             return None
-        domain, cap = self.runtime.domain, self.runtime.max_sample_tokens
+        domain, cap = self.runtime.steps.domain, self.runtime.max_sample_tokens
         # ids unique over the domain without a collective: k-th sequence of position p is k * N + p
         return [_token_sample(k * domain.size + domain.position, seq, cap) for k, seq in enumerate(found)]
 
@@ -127,7 +127,7 @@ def _share_over_model_parallel(found: list[Sequence] | None, runtime: DhpRuntime
     """The reading rank's sequences on every rank of its model-parallel group (one header, lengths and rows)."""
     if runtime.share_group is None:
         return found
-    device = runtime.domain.device if dist.get_backend(runtime.share_group) == "nccl" else torch.device("cpu")
+    device = runtime.steps.domain.device if dist.get_backend(runtime.share_group) == "nccl" else torch.device("cpu")
     header = torch.tensor([-1 if found is None else len(found)], dtype=torch.int64, device=device)
     dist.broadcast(header, runtime.share_source, group=runtime.share_group)
     count = int(header)

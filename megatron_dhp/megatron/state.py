@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.step_runtime import StepRuntime
-from megatron_dhp.runtime.domain import DynamicDomain
 
 
 @dataclass(frozen=True)
@@ -30,13 +28,3 @@ class DhpRuntime:
     """Train each document of a loader row as its own sequence (Megatron's --reset-attention-mask)."""
     max_sample_tokens: int | None
     """Cut longer sequences to this many tokens (the domain's capacity, when `truncate` is set)."""
-
-    @property
-    def config(self) -> DhpConfig:
-        """The run's settings."""
-        return self.steps.config
-
-    @property
-    def domain(self) -> DynamicDomain:
-        """This rank's dynamic domain."""
-        return self.steps.domain

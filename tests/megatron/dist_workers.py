@@ -147,7 +147,7 @@ class Harness:
         )
         # under PP only the last stage reports losses
         total = torch.stack([r["lm loss"] for r in reports]).sum(0).double() if reports else torch.zeros(2).double()
-        dist.all_reduce(total, group=data_iterator.iterable.runtime.domain.group)
+        dist.all_reduce(total, group=data_iterator.iterable.runtime.steps.domain.group)
         dist.all_reduce(total, group=self.pp_group)
         return reports, float(total[0] / total[1])
 
@@ -247,7 +247,7 @@ def hooks_checks() -> dict:
     # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
     # by barriers, so it runs under no_sync and its reduction must be started after them.
     runtime.steps.planner.close()
-    n = runtime.domain.size
+    n = runtime.steps.domain.size
     g = Harness(seed=4, overlap_grad_reduce=True, steps=range(3, 5))
     hand = replace(runtime, steps=replace(runtime.steps, planner=HandPlanner(partial(idle_plan, n=n), partial(barrier_plan, n=n))))
     it = wrap_data_iterator(g.train, hand, lookahead=False)
@@ -263,7 +263,7 @@ def hooks_checks() -> dict:
     train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2),
                         t.train, None, None)
     tp2 = train.iterable.runtime
-    out["tp2_domain"] = tp2.domain.global_ranks
+    out["tp2_domain"] = tp2.steps.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
     tp2.steps.planner.close()
 
@@ -284,7 +284,7 @@ def hooks_checks() -> dict:
     q = Harness(seed=6)
     train, valid, _ = setup(megatron_args(dhp_max_tokens_per_rank=24), q.train, q.valid, None)
     pp2 = train.iterable.runtime
-    out["pp2_domain"] = (pp2.domain.global_ranks, train.iterable.source is not None)
+    out["pp2_domain"] = (pp2.steps.domain.global_ranks, train.iterable.source is not None)
     out["pp2"] = []
     for step in range(2):
         reports, loss = q.run(train)
