@@ -27,7 +27,6 @@ setup(
                            extra_compile_args=["-O2", "-ffp-contract=off"], optional=True)],
     data_files=[
         ("share/megatron-dhp/configs", [str(p) for p in sorted(Path("configs").glob("*.yaml"))]),
-        ("share/megatron-dhp/patches", [str(p) for p in sorted(Path("patches").glob("*.patch"))]),
     ],
     install_requires=[
         # Bounded so that a CPU machine with the local torch 2.13 CPU wheel does not pull a CUDA build.

@@ -1,7 +1,7 @@
-"""The folders megatron-dhp ships (`configs/`, `patches/`) and the YAML presets found in `configs/` by name.
+"""The folders megatron-dhp ships (`configs/`) and the YAML presets found in `configs/` by name.
 
 A source checkout has them beside the package; `pip install` puts them under `share/megatron-dhp/`. Every
-place that reads a shipped file (cost presets, train configs, Megatron-LM patches) looks them up here.
+place that reads a shipped file (cost presets, train configs) looks them up here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Add megatron-dhp's hooks to a Megatron-LM checkout (core_v0.16.1 or core_v0.19.0); safe to run twice.
+# Add megatron-dhp's hooks to a Megatron-LM checkout (core_v0.16.1 through main and dev); safe to run twice.
 #   scripts/apply_patches.sh /path/to/Megatron-LM            # apply
 #   scripts/apply_patches.sh /path/to/Megatron-LM --check    # only report
 #   scripts/apply_patches.sh /path/to/Megatron-LM --revert   # remove again

@@ -81,5 +81,14 @@ def accept_is_loading() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
-    answer_cuda_on_cpu()
-    runpy.run_path("pretrain_gpt.py", run_name="__main__")
+    # MEGATRON_DHP_HOOKS=import: the launcher's in-memory hooks (python -m megatron_dhp.megatron.run) on an
+    # unpatched checkout, installed before anything imports megatron.training
+    if os.environ.get("MEGATRON_DHP_HOOKS") == "import":
+        from megatron_dhp.megatron.run import install, run_script
+
+        placements = install("pretrain_gpt.py")
+        answer_cuda_on_cpu()
+        run_script("pretrain_gpt.py", placements)
+    else:
+        answer_cuda_on_cpu()
+        runpy.run_path("pretrain_gpt.py", run_name="__main__")

@@ -1,11 +1,12 @@
-"""Megatron-LM integration: the calls a patched Megatron-LM checkout makes into megatron-dhp.
+"""Megatron-LM integration: the calls a hooked Megatron-LM checkout makes into megatron-dhp.
 
-In the order a run meets them (file names of the upstream checkout; `patches/` holds one patch per tag):
+In the order a run meets them (file names of the upstream checkout; `sites.py` finds where each goes,
+`patching.py` writes them, `run.py` makes them in memory at import):
 
-- `with_dhp_args` (pretrain_gpt.py): the `--dhp*` flags, as Megatron's extra_args_provider.
-- `validate_dhp_args` (right after Megatron's own validate_args): combinations that cannot work, raised as
+- `with_dhp_args` (arguments.py, parse_args): the `--dhp*` flags, beside the script's extra_args_provider.
+- `validate_dhp_args` (the end of Megatron's own validate_args): combinations that cannot work, raised as
   `DhpError`; `refuse_or_config` prints them once (rank 0) and exits 2 on every rank instead.
-- `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19's pretrain_gpt.py): attention and RoPE
+- `layer_spec` (gpt_builders.py; `layer_spec_provider` in 0.19+'s pretrain_gpt.py): attention and RoPE
   over each microbatch's dynamic group.
 - `setup` (training.py, pretrain, once the data iterators exist): domain, group pool, planner, and the data
   iterators as iterators of planned steps (kept inside Megatron's RerunDataIterator) that carry them to

@@ -76,11 +76,15 @@ def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def with_dhp_args(other: ArgsProvider | None = None) -> ArgsProvider:
-    """An extra_args_provider that adds the megatron-dhp flags after `other`'s (e.g. ModelOpt's)."""
+    """An extra_args_provider that adds the megatron-dhp flags after `other`'s (e.g. ModelOpt's); `other` itself
+    where it adds them already (a script that passes `with_dhp_args` to a hooked `parse_args`)."""
+    if getattr(other, "adds_dhp_args", False):
+        return other
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return add_dhp_args(other(parser) if other is not None else parser)
 
+    provider.adds_dhp_args = True
     return provider
 
 

@@ -1,9 +1,10 @@
 """megatron-dhp on real Megatron-LM checkouts: the patches, the launch script's flags, CPU training runs.
 
-Point MEGATRON_LM_DIR at a pristine checkout of a supported tag or at a folder holding several (or set
-MEGATRON_LM_DIR_0_16_1 / MEGATRON_LM_DIR_0_19_0); without one a test skips. Every test works on a copy,
-never on the given tree. What imports `megatron.training` runs in a subprocess with the copy first on
-PYTHONPATH, and skips where it cannot import (0.16.1 imports on Python 3.11; 0.19 needs Python 3.12).
+Point MEGATRON_LM_DIR at a pristine checkout or at a folder holding several, or set MEGATRON_LM_DIR_<LABEL> per
+checkout (MEGATRON_LM_DIR_0_16_1, MEGATRON_LM_DIR_main, ...); without one a test skips. Every test works on a
+copy, never on the given tree. What imports `megatron.training` runs in a subprocess with the copy first on
+PYTHONPATH (so its own megatron.core), and skips where it cannot import (0.16 and 0.17 import on Python 3.11,
+0.18 onwards need 3.12). MEGATRON_LM_TRAIN=LABEL,... limits the training runs to those checkouts.
 """
 
 from __future__ import annotations
@@ -23,34 +24,38 @@ import pytest
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.launch.ranks import free_port
-from megatron_dhp.megatron.patching import SUPPORTED_TAGS, apply, detect, patch_file, patched_files
+from megatron_dhp.megatron import sites
+from megatron_dhp.megatron.patching import apply, detect, diff
 from megatron_dhp.testing.megatron_recipe import tiny_gpt_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def upstream_trees() -> dict[str, Path]:
-    """Supported tag -> a checkout of it, from the environment."""
-    candidates = [os.environ.get(f"MEGATRON_LM_DIR_{t.removeprefix('core_v').replace('.', '_')}") for t in SUPPORTED_TAGS]
+    """Label (`0.16.1`, `main`, ...) -> a Megatron-LM checkout, from the environment."""
+    found: dict[str, Path] = {}
+    for key, value in sorted(os.environ.items()):
+        if key.startswith("MEGATRON_LM_DIR_"):
+            found[key.removeprefix("MEGATRON_LM_DIR_").replace("_", ".")] = Path(value)
     root = os.environ.get("MEGATRON_LM_DIR")
     if root:
-        candidates += [root, *(str(p) for p in sorted(Path(root).iterdir()) if p.is_dir())] if Path(root).is_dir() else [root]
-    found: dict[str, Path] = {}
-    for c in filter(None, candidates):
-        try:
-            found.setdefault(detect(c).tag, Path(c))
-        except DhpError:
-            continue
+        for c in [Path(root), *(sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else [])]:
+            try:
+                found.setdefault(detect(c).version, c)
+            except DhpError:
+                continue
     return found
 
 
 TREES = upstream_trees()
+LABELS = list(TREES) or ["0.16.1"]
+TRAINED = [label for label in LABELS if label in os.environ.get("MEGATRON_LM_TRAIN", ",".join(LABELS)).split(",")]
 
 
-def tree_of(tag: str) -> Path:
-    if tag not in TREES:
-        pytest.skip(f"no Megatron-LM {tag} checkout: set MEGATRON_LM_DIR (or MEGATRON_LM_DIR_{tag[6:].replace('.', '_')})")
-    return TREES[tag]
+def tree_of(label: str) -> Path:
+    if label not in TREES:
+        pytest.skip(f"no Megatron-LM {label} checkout: set MEGATRON_LM_DIR (or MEGATRON_LM_DIR_{label.replace('.', '_')})")
+    return TREES[label]
 
 
 def copy_of(tree: Path, dest: Path, files: list[str] | None = None) -> Path:
@@ -75,38 +80,34 @@ def require_megatron_training(tree: Path) -> None:
         pytest.skip(f"megatron.training of {tree} does not import here: {probe.stderr.strip().splitlines()[-1]}")
 
 
-@pytest.mark.parametrize("tag", SUPPORTED_TAGS)
-def test_patch_applies_to_a_pristine_tree_idempotently_and_reverts(tag, tmp_path):
-    tree = tree_of(tag)
-    files = patched_files(patch_file(tag))
+@pytest.mark.parametrize("label", LABELS)
+def test_hooks_go_into_a_pristine_tree_idempotently_and_revert(label, tmp_path):
+    """Every site found by its code; applied twice, reverted to the original bytes; --diff is the same edit."""
+    tree = tree_of(label)
+    files = [f for f in sites.SITE_FILES if (tree / f).is_file()]
     copy = copy_of(tree, tmp_path / "mlm", files)
     originals = {f: (copy / f).read_text() for f in files}
     check = apply(copy, check=True)
-    if "already applied" in check:
-        pytest.fail(f"{tree} is already patched; point MEGATRON_LM_DIR at a pristine checkout of {tag}")
-    assert check.endswith("applies cleanly")
-    assert apply(copy).endswith(f"applied ({len(files)} files)")
-    assert apply(copy).endswith("already applied, nothing to do")
+    if "already in place" in check:
+        pytest.fail(f"{tree} already has megatron-dhp's hooks; point MEGATRON_LM_DIR at a pristine checkout")
+    assert "applies cleanly (7 hooks" in check
+    patch = tmp_path / "dhp.patch"
+    patch.write_text(diff(copy))
+    assert "applied (7 hooks" in apply(copy)
+    assert apply(copy).endswith("hooks already in place, nothing to do")
+    hooked = {f: (copy / f).read_text() for f in files}
     for f in files:
-        assert "megatron_dhp" in (copy / f).read_text() or "dhp." in (copy / f).read_text()
         py_compile.compile(str(copy / f), doraise=True)
-    assert apply(copy, revert=True).endswith(f"reverted ({len(files)} files)")
+    assert sorted(n for t in hooked.values() for n in sites.applied_sites(t)) == sorted(s.name for s in sites.SITES)
+    assert "reverted (7 hooks" in apply(copy, revert=True)
     assert {f: (copy / f).read_text() for f in files} == originals
-
-
-@pytest.mark.parametrize("tag", SUPPORTED_TAGS)
-def test_patch_conflict_on_a_changed_file(tag, tmp_path):
-    copy = copy_of(tree_of(tag), tmp_path / "mlm", patched_files(patch_file(tag)))
-    script = copy / "pretrain_gpt.py"
-    script.write_text(script.read_text().replace("from model_provider import model_provider",
-                                                 "from model_provider import model_provider  # local edit"))
-    with pytest.raises(DhpError, match=rf"pretrain_gpt\.py differs from Megatron-LM {re.escape(tag)}"):
-        apply(copy)
+    subprocess.run(["git", "apply", str(patch)], cwd=copy, check=True, capture_output=True)
+    assert {f: (copy / f).read_text() for f in files} == hooked
 
 
 def test_launch_script_flags_pass_megatron_lm_validation(tmp_path):
     """The flags of scripts/pretrain_gpt_dhp.sh through Megatron-LM's parser, validate_args and ours."""
-    tree = tree_of("core_v0.16.1")
+    tree = tree_of("0.16.1")
     require_megatron_training(tree)
     env = dict(os.environ, DRY_RUN="1", MEGATRON_LM=str(tree), DATA_PATH="/data/x", TOKENIZER_MODEL="t",
                CHECKPOINT_DIR=str(tmp_path), NNODES="4")
@@ -141,7 +142,7 @@ def test_upstream_llama3_8b_example_passes_with_dhp_added_in_bf16(tp, tmp_path):
     flags as its torchrun receives them, plus --dhp: its fp8 is refused in one line (dynamic microbatches'
     row counts are not the multiples of 8 or 16 TransformerEngine's fp8 GEMMs need); without --fp8-format
     (bf16) Megatron-LM's validation and megatron-dhp's accept every other flag."""
-    tree = tree_of("core_v0.16.1")
+    tree = tree_of("0.16.1")
     require_megatron_training(tree)
     argv = recipe_argv(tree, "examples/llama/train_llama3_8b_h100_fp8.sh", tmp_path, edit=("TP_SIZE=1", f"TP_SIZE={tp}"))
     assert "--sequence-parallel" in argv and "--use-distributed-optimizer" in argv and "--fp8-format" in argv
@@ -175,7 +176,7 @@ def test_upstream_mixtral_example_passes_with_dhp_and_per_token_loss(tmp_path):
     grouped GEMM, the distributed optimizer): with --dhp added, the one problem is per-token loss, named with
     its fix; with it, both validations accept the run (grouped GEMM's compute-capability check stubbed: a GPU
     query)."""
-    tree = tree_of("core_v0.16.1")
+    tree = tree_of("0.16.1")
     require_megatron_training(tree)
     argv = recipe_argv(tree, "examples/mixtral/train_mixtral_8x7b_distributed.sh", tmp_path, SLURM_NNODES="4")
     assert {"--expert-model-parallel-size", "--moe-grouped-gemm", "--use-distributed-optimizer"} <= set(argv)
@@ -193,23 +194,29 @@ DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask"]
 DHP = ["--dhp", "--dhp-max-tokens-per-rank", "32", "--dhp-log-plans", "--no-create-attention-mask-in-dataloader"]
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_TAGS)
-def patched(request, tmp_path_factory) -> Path:
-    """A full copy of a supported checkout with the patch applied and megatron-core's compiled dataset helper
-    (0.16.1 trains under Python 3.11, 0.19.0 under 3.12, each with its megatron-core installed)."""
-    tag = request.param
-    tree = tree_of(tag)
+def trainable(label: str, tmp_path_factory) -> Path:
+    """A full copy of a checkout with megatron-core's compiled dataset helper, where this Python can train it:
+    megatron-core of the same MAJOR.MINOR installed (its helper) and the checkout's megatron.training imports."""
+    tree = tree_of(label)
     import megatron.core.datasets as installed
     import megatron.core.package_info as installed_version
 
     helper = next(Path(installed.__file__).parent.glob("helpers_cpp*.so"), None)
-    if helper is None or installed_version.__version__ != tag.removeprefix("core_v"):
-        pytest.skip(f"needs megatron-core {tag.removeprefix('core_v')} installed with its compiled dataset helper")
+    series = detect(tree).version.rsplit(".", 1)[0]
+    if helper is None or installed_version.__version__.rsplit(".", 1)[0] != series:
+        pytest.skip(f"training Megatron-LM {label} needs megatron-core {series}.x installed with its compiled dataset helper")
     require_megatron_training(tree)
-    copy = copy_of(tree, tmp_path_factory.mktemp("patched") / "mlm")
-    apply(copy)
+    copy = copy_of(tree, tmp_path_factory.mktemp("mlm") / "mlm")
     # a fresh mtime: Megatron's Makefile rebuilds the helper (which needs pybind11) when helpers.cpp is newer
     shutil.copy(helper, copy / "megatron" / "core" / "datasets" / helper.name)
+    return copy
+
+
+@pytest.fixture(scope="module", params=TRAINED)
+def patched(request, tmp_path_factory) -> Path:
+    """A trainable copy of each checkout, hooked by apply-patches."""
+    copy = trainable(request.param, tmp_path_factory)
+    apply(copy)
     return copy
 
 
@@ -223,10 +230,11 @@ def cpu_command(tree: Path, flags: list[str]) -> tuple[list[str], dict[str, str]
                      "CUDA_DEVICE_MAX_CONNECTIONS": connections}
 
 
-def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False) -> tuple[list[float], int | str]:
+def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False, **env: str) -> tuple[list[float], int | str]:
     """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged (or,
     with `full_log`, the whole log)."""
-    command, env = cpu_command(tree, flags)
+    command, base = cpu_command(tree, flags)
+    env = {**base, **env}
     out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     log = out.stdout + out.stderr
@@ -281,6 +289,25 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert_same_training(dhp, upstream, extra)
+
+
+@pytest.fixture(scope="module", params=TRAINED)
+def unpatched(request, tmp_path_factory) -> Path:
+    """A trainable copy of each checkout, left as it is."""
+    return trainable(request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize("run", ["tp1-documents", "pp2-documents"])
+def test_the_launcher_trains_an_unpatched_checkout_like_upstream(unpatched, run):
+    """python -m megatron_dhp.megatron.run (here through the CPU shim's MEGATRON_DHP_HOOKS=import): the same
+    hooks made in memory as the modules import, the checkout untouched, the losses upstream's."""
+    extra, dhp_extra = RUNS[run]
+    before = {f: (unpatched / f).read_text() for f in sites.SITE_FILES if (unpatched / f).is_file()}
+    upstream, _ = train_on_cpu(unpatched, [*TINY, *extra])
+    dhp, plans = train_on_cpu(unpatched, [*TINY, *extra, *DHP, *dhp_extra], MEGATRON_DHP_HOOKS="import")
+    assert plans == 6 and len(upstream) == 6
+    assert_same_training(dhp, upstream, extra)
+    assert {f: (unpatched / f).read_text() for f in before} == before
 
 
 def assert_same_training(got: list[float], want: list[float], flags: list[str]) -> None:
