@@ -178,11 +178,12 @@ def _find(tree: ast.Module, text: str, anchor: Anchor) -> ast.stmt | None:
     body = _scope_body(tree, anchor.scope)
     if body is None:
         return None
+    lines = text.splitlines()
     for top in body:
         for statement in _simple_statements(top):
             if _is_docstring(statement):
                 continue
-            source = ast.get_source_segment(text, statement) or ""
+            source = "\n".join(lines[statement.lineno - 1:statement.end_lineno])[statement.col_offset:]
             if re.search(anchor.code, source, flags=re.MULTILINE):
                 return top if anchor.lift else statement
     return None
