@@ -105,9 +105,10 @@ def test_hooks_go_into_a_pristine_tree_idempotently_and_revert(label, tmp_path):
     assert {f: (copy / f).read_text() for f in files} == hooked
 
 
-def test_launch_script_flags_pass_megatron_lm_validation(tmp_path):
+@pytest.mark.parametrize("label", LABELS)
+def test_launch_script_flags_pass_megatron_lm_validation(label, tmp_path):
     """The flags of scripts/pretrain_gpt_dhp.sh through Megatron-LM's parser, validate_args and ours."""
-    tree = tree_of("0.16.1")
+    tree = tree_of(label)
     require_megatron_training(tree)
     env = dict(os.environ, DRY_RUN="1", MEGATRON_LM=str(tree), DATA_PATH="/data/x", TOKENIZER_MODEL="t",
                CHECKPOINT_DIR=str(tmp_path), NNODES="4")
