@@ -4,8 +4,9 @@
 # Every training step megatron-dhp splits each TP coordinate's data-parallel ranks into context-parallel
 # groups of any size, sized to that step's documents; TP stays 2 and the static CP size stays 1.
 #
-# Once:  scripts/apply_patches.sh /path/to/Megatron-LM      (core_v0.16.1 or core_v0.19.0 checkout)
-#        pip install -e /path/to/megatron-dhp               (or put it on PYTHONPATH)
+# Once:  pip install -e /path/to/megatron-dhp               (or put it on PYTHONPATH)
+#        scripts/apply_patches.sh /path/to/Megatron-LM      (any core_v0.16.1 .. main, dev checkout), or
+#        DHP_HOOKS=import: leave the checkout unpatched, the launcher hooks it in memory
 # Then on every node (same command, its own NODE_RANK):
 #   NNODES=8 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM=/path/to/Megatron-LM \
 #   DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=meta-llama/Meta-Llama-3-8B \
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 DHP_ROOT=$(cd "$(dirname "$0")/.." && pwd)
-: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout patched with scripts/apply_patches.sh}"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (hooked by scripts/apply_patches.sh, or DHP_HOOKS=import)}"
 : "${DATA_PATH:?set DATA_PATH to a Megatron .bin/.idx prefix}"
 : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a Hugging Face tokenizer name or path}"
 : "${CHECKPOINT_DIR:?set CHECKPOINT_DIR for checkpoints and logs}"
@@ -99,8 +100,10 @@ OUTPUT_ARGS=(
   --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --tensorboard-dir "$CHECKPOINT_DIR/tensorboard"
 )
 
+# DHP_HOOKS=import: python -m megatron_dhp.megatron.run makes the hooks in memory as Megatron-LM imports
+if [[ "${DHP_HOOKS:-}" == import ]]; then ENTRY=(-m megatron_dhp.megatron.run pretrain_gpt.py); else ENTRY=(pretrain_gpt.py); fi
 COMMAND=(
-  torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py
+  torchrun "${DISTRIBUTED_ARGS[@]}" "${ENTRY[@]}"
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${DHP_ARGS[@]}"
   "${OUTPUT_ARGS[@]}" "$@"
 )

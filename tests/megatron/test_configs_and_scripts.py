@@ -59,6 +59,14 @@ def test_launch_script_is_a_complete_dhp_command():
     assert dhp_config_from_args(args).layer_spec == "te"
 
 
+def test_launch_script_runs_pretrain_gpt_through_the_launcher_with_dhp_hooks_import():
+    plain = launch_command()
+    hooked = launch_command(DHP_HOOKS="import")
+    at = plain.index("pretrain_gpt.py")
+    assert hooked[:at] == plain[:at] and hooked[at:at + 3] == ["-m", "megatron_dhp.megatron.run", "pretrain_gpt.py"]
+    assert hooked[at + 3:] == plain[at + 1:]
+
+
 def test_launch_script_names_what_is_missing():
     out = subprocess.run([str(REPO / "scripts" / "pretrain_gpt_dhp.sh")], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "MEGATRON_LM"})
