@@ -58,6 +58,7 @@ class Site:
     """One call into megatron_dhp.megatron, with the anchors it may sit at (first found wins)."""
 
     name: str
+    """Its name in the marker line, the refusals and the docs."""
     why: str
     """What the call does, for the docs and the marker line."""
     block: str
@@ -115,8 +116,10 @@ class Placement:
 
     site: Site
     anchor: Anchor
+    """The first of the site's anchors the file has."""
     line: int
     lines: tuple[str, ...]
+    """The marker line and the block, indented as the anchor statement."""
 
 
 def locate(sources: dict[str, str]) -> list[Placement]:
