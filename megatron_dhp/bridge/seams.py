@@ -1,0 +1,77 @@
+"""Bridge's `pretrain(config, forward_step)` with megatron-dhp at Bridge's own seams.
+
+For the length of the call, and only then:
+
+- the model provider's `transformer_layer_spec` resolves Bridge's choice and puts megatron-dhp's attention and RoPE
+  over each microbatch's group into it (`megatron.layer_spec_provider`);
+- `setup` (as `megatron.bridge.training.pretrain` calls it) returns the data iterators as iterators of planned
+  steps (`megatron.setup`: domain, group pool, planner);
+- `get_forward_backward_func` of `train.py` and `eval.py` returns megatron-dhp's schedule
+  (`megatron.dhp_forward_backward`), which runs the plan's microbatches, and under pipeline parallelism
+  megatron-core's own 1F1B over them, as it does for Megatron-LM.
+
+Each seam is a name Bridge's module looked up at import; the originals are back when `pretrain` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from megatron_dhp.bridge.args import validate
+from megatron_dhp.bridge.config import dhp_of
+
+
+def pretrain(config: Any, forward_step_func: Callable, callbacks: Any = None) -> None:
+    """Bridge's `pretrain` with dynamic hybrid parallelism (`config` wrapped by `with_dhp`); `forward_step_func` is
+    `megatron_dhp.bridge.forward_step` or one that hands its iterator and loss to `megatron.forward_step`.
+
+    A setting that cannot work is one `DhpError` before anything starts.
+    """
+    from megatron.bridge.training import pretrain as bridge_pretrain
+
+    args = validate(config)
+    if args.mtp_num_layers:
+        from megatron_dhp.runtime.layer_spec import dynamic_mtp_blocks
+
+        dynamic_mtp_blocks(dhp_of(config).layer_spec)
+    with _seams(config, args):
+        bridge_pretrain.pretrain(config, forward_step_func, callbacks=callbacks)
+
+
+@contextmanager
+def _seams(config: Any, args: argparse.Namespace) -> Iterator[None]:
+    from megatron.bridge.training import eval as bridge_eval
+    from megatron.bridge.training import pretrain as bridge_pretrain
+    from megatron.bridge.training import train as bridge_train
+
+    from megatron_dhp.megatron import dhp_forward_backward, layer_spec_provider, setup
+
+    def planned_setup(*a: Any, **k: Any) -> Any:
+        out = original_setup(*a, **k)
+        train, valid, test = setup(args, out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator)
+        return out._replace(train_data_iterator=train, valid_data_iterator=valid, test_data_iterator=test)
+
+    def schedule(*_: Any, **__: Any) -> Callable:
+        return dhp_forward_backward
+
+    original_setup = bridge_pretrain.setup
+    with ExitStack() as stack:
+        stack.enter_context(_replaced(config.model, "transformer_layer_spec",
+                                      layer_spec_provider(config.model.transformer_layer_spec, args)))
+        stack.enter_context(_replaced(bridge_pretrain, "setup", planned_setup))
+        stack.enter_context(_replaced(bridge_train, "get_forward_backward_func", schedule))
+        stack.enter_context(_replaced(bridge_eval, "get_forward_backward_func", schedule))
+        yield
+
+
+@contextmanager
+def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
