@@ -22,7 +22,7 @@ DHP = {"max_tokens_per_rank": 48}
 
 
 def _relative(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == workers.SIZES["train_iters"], (a, b)
+    assert len(a) == len(b) > 0, (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
@@ -37,6 +37,7 @@ def with_dhp() -> list[dict]:
 
 
 def test_losses_with_dhp_equal_bridge_alone(bridge_alone, with_dhp):
+    assert len(bridge_alone) == workers.SIZES["train_iters"]
     for rank in with_dhp:
         assert _relative(rank["train"], bridge_alone) <= TOLERANCE, (rank["train"], bridge_alone)
 
