@@ -15,25 +15,12 @@ What a Bridge user writes (docs/bridge.md)::
   provider, the data iterators of `setup`, `get_forward_backward_func` of train and eval.
 - `forward_step` (forward.py): Bridge's GPT loss on one planned microbatch.
 
-Names resolve on first use, so importing this package needs neither megatron-core nor megatron-bridge.
+Importing the package needs megatron-core; megatron-bridge is imported when `pretrain` or `forward_step` runs.
 """
 
-import importlib
+from megatron_dhp.bridge.args import bridge_args, validate
+from megatron_dhp.bridge.config import DhpConfig, dhp_of, with_dhp
+from megatron_dhp.bridge.forward import forward_step
+from megatron_dhp.bridge.seams import pretrain
 
-_EXPORTS = {
-    "DhpConfig": "config",
-    "dhp_of": "config",
-    "with_dhp": "config",
-    "bridge_args": "args",
-    "validate": "args",
-    "forward_step": "forward",
-    "pretrain": "seams",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__all__ = ["DhpConfig", "bridge_args", "dhp_of", "forward_step", "pretrain", "validate", "with_dhp"]
