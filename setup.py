@@ -43,6 +43,8 @@ setup(
         "megatron": MEGATRON_LM,
         "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", *MEGATRON_LM],
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],  # 2.1: bottom-right causal masks
+        # megatron_dhp.bridge (Python 3.12): Bridge 0.6.2 and what its pretraining path imports
+        "bridge": ["megatron-bridge==0.6.2", "datasets", "megatron-energon", "nvidia-modelopt", "diffusers", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-dhp=megatron_dhp.cli:main"]},
 )

@@ -23,6 +23,7 @@ FLOORS = (
     ("integration",),
     ("verify",),
     ("training", "megatron"),
+    ("bridge",),
     ("cli", "__main__", "__init__"),
     ("testing",),
 )

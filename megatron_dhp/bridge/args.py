@@ -9,19 +9,12 @@ turns the refusal lines' Megatron-LM flag names back into the container's field 
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
-import tempfile
 from typing import Any
-
-import yaml
 
 from megatron_dhp.bridge.config import dhp_of
 from megatron_dhp.bridge.refusals import bridge_refusals
-from megatron_dhp.config_io import to_mapping
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.dhp_config import DhpConfig
-from megatron_dhp.megatron.arguments import _OVERRIDES, validate_dhp_args
+from megatron_dhp.megatron.arguments import validate_dhp_args
 
 _FIELDS: dict[str, str] = {
     # what `hooks.setup` and `hooks._model_memory` read
@@ -72,17 +65,13 @@ _FIELDS: dict[str, str] = {
 
 
 def bridge_args(config: Any) -> argparse.Namespace:
-    """Megatron-LM's `args` as the hooks read them, from a `ConfigContainer` with a `dhp` section.
-
-    The section travels as the `--dhp-config` YAML (a file per process, removed at exit), since the hooks take
-    their `DhpConfig` from there; the `--dhp-*` overrides stay unset.
-    """
+    """Megatron-LM's `args` as the hooks read them, from a `ConfigContainer` with a `dhp` section (which takes
+    the place of the `--dhp-config` YAML; no `--dhp-*` override is set)."""
     values = {attr: _read(config, path) for attr, path in _FIELDS.items()}
     heads, groups = values["num_attention_heads"], values["num_query_groups"]
     values["group_query_attention"] = groups is not None and groups != heads
     values["num_query_groups"] = groups or heads
-    return argparse.Namespace(dhp=True, dhp_config=_yaml_file(dhp_of(config)),
-                              **dict.fromkeys(_OVERRIDES), **values)
+    return argparse.Namespace(dhp=True, dhp_config=dhp_of(config), **values)
 
 
 def validate(config: Any) -> argparse.Namespace:
@@ -110,10 +99,3 @@ def _in_bridge_terms(line: str) -> str:
         line = line.replace(f"--{attr.replace('_', '-')}", _FIELDS[attr])
     return line.replace("--dhp-config YAML", "DhpConfig").replace("--dhp", "dhp")
 
-
-def _yaml_file(dhp: DhpConfig) -> str:
-    fd, path = tempfile.mkstemp(prefix="megatron-dhp-bridge-", suffix=".yaml")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(to_mapping(dhp), f)
-    atexit.register(lambda: os.path.exists(path) and os.remove(path))
-    return path

@@ -90,7 +90,9 @@ def with_dhp_args(other: ArgsProvider | None = None) -> ArgsProvider:
 
 def dhp_config_from_args(args: argparse.Namespace) -> DhpConfig:
     """The `--dhp-config` YAML (or the defaults) with the `--dhp-*` flags applied, validated."""
-    base = DhpConfig.load(args.dhp_config) if args.dhp_config else DhpConfig()
+    # a DhpConfig in place of the YAML path: a caller that holds one already (the Bridge integration)
+    given = args.dhp_config
+    base = given if isinstance(given, DhpConfig) else DhpConfig.load(given) if given else DhpConfig()
     flags = {field: getattr(args, attr, None) for attr, field in _OVERRIDES.items() if getattr(args, attr, None) is not None}
     if "slow_ranks" in flags:
         flags["slow_ranks"] = tuple(flags["slow_ranks"])

@@ -228,3 +228,14 @@ def test_a_gpu_run_gets_the_gpu_environment_before_megatron_starts_nccl(monkeypa
     assert not set(GPU_ENVIRONMENT) & set(os.environ)
     validate_dhp_args(parse(["--dhp"], distributed_backend="nccl"))
     assert {name: os.environ[name] for name in GPU_ENVIRONMENT} == GPU_ENVIRONMENT
+
+
+def test_a_dhp_config_object_stands_in_for_the_yaml_and_flags_still_override_it():
+    """The Bridge integration hands its `dhp` section over as it is, with no YAML written."""
+    from megatron_dhp.integration.dhp_config import DhpConfig
+
+    args = add_dhp_args(argparse.ArgumentParser()).parse_args([])
+    args.dhp_config = DhpConfig(max_tokens_per_rank=123, planner="static")
+    assert dhp_config_from_args(args) == DhpConfig(max_tokens_per_rank=123, planner="static")
+    args.dhp_max_tokens_per_rank = 64
+    assert dhp_config_from_args(args) == DhpConfig(max_tokens_per_rank=64, planner="static")
