@@ -197,11 +197,21 @@ def backport_fsdp2_finish_grad_sync() -> None:
 
 
 def _keeping_sent_memory(deallocate: Any) -> Any:
-    """megatron's pseudo-deallocation of a sent output, holding the old memory on the tensor for gloo's send."""
+    """megatron's pseudo-deallocation of a sent output, holding the old memory on the tensor for gloo's send (a
+    tensor, or from megatron-core 0.19 on a list or dict of them)."""
+
+    def hold(out: Any) -> None:
+        if isinstance(out, dict):
+            out = list(out.values())
+        if isinstance(out, (list, tuple)):
+            for tensor in out:
+                hold(tensor)
+        elif out is not None:
+            out.sent_memory = out.data
 
     def deallocate_after_send(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
-        if out is not None and deallocate_pipeline_outputs:
-            out.sent_memory = out.data
+        if deallocate_pipeline_outputs:
+            hold(out)
         deallocate(out, deallocate_pipeline_outputs)
 
     return deallocate_after_send

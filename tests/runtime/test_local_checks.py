@@ -135,3 +135,22 @@ def test_aux_loss_scales_sit_on_the_models_device():
     MoEAuxLossAutoScaler.apply(out, aux).sum().backward()  # raises with a scale on another device
     assert aux.grad is not None and aux.grad.device.type == "meta"
     scale_aux_losses(4, torch.device("cpu"))
+
+
+def test_a_sent_pipeline_output_keeps_its_memory_for_gloo_in_every_form_megatron_passes():
+    """megatron-core pseudo-deallocates an output once sent; gloo's send may still be reading it, so the CPU shim
+    keeps the old memory on the tensor: a tensor (0.16), a list or a dict of them (0.19 onwards)."""
+    from megatron_dhp.launch.cpu_shim import _keeping_sent_memory
+
+    def deallocate(out, deallocate_pipeline_outputs=False):
+        for tensor in out.values() if isinstance(out, dict) else out if isinstance(out, list) else [out]:
+            tensor.data = torch.empty(1)
+
+    deallocate_after_send = _keeping_sent_memory(deallocate)
+    one, two, three = (torch.arange(4.0) + i for i in range(3))
+    for out, tensors in ((one, [one]), ([two], [two]), ({"decoder": three}, [three])):
+        deallocate_after_send(out, True)
+        assert all(t.numel() == 1 and t.sent_memory.numel() == 4 for t in tensors)
+    kept = torch.arange(4.0)
+    deallocate_after_send(kept, False)
+    assert not hasattr(kept, "sent_memory")
