@@ -44,7 +44,6 @@ def answer_cuda_on_cpu() -> None:
     torch.cuda.set_device = lambda *_, **__: None
     torch.Tensor.cuda = lambda self, *_, **__: self
     torch.nn.Module.cuda = lambda self, *_, **__: self
-    torch.cuda.Stream = lambda *_, **__: torch.cuda.current_stream()
     torch.cuda.stream = lambda *_, **__: contextlib.nullcontext()
     for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, stat, lambda *_, **__: 0)

@@ -42,7 +42,11 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ra
 
 
 class _NullStream:
-    """Stands in for `torch.cuda.current_stream()`: synchronisation is a no-op on the CPU."""
+    """Stands in for `torch.cuda.current_stream()` and for `torch.cuda.Stream` itself (a type, so annotations such as
+    megatron-core 0.20's `torch.cuda.Stream | None` still evaluate): synchronisation is a no-op on the CPU."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        """Any stream arguments (device, priority) mean nothing on the CPU."""
 
     def wait_stream(self, *_: Any) -> None:
         """No-op: CPU work is already ordered."""
@@ -103,7 +107,7 @@ def apply_cpu_compat() -> bool:
     torch.cuda.default_stream = lambda *_, **__: _NullStream()
     torch.cuda.synchronize = lambda *_, **__: None
     # The MoE all-to-all dispatcher copies its split sizes to the host on a side stream.
-    torch.cuda.Stream = lambda *_, **__: _NullStream()
+    torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *_, **__: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     # The "CUDA" RNG is the CPU generator, so megatron's RNG tracker forks and restores real states.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -154,3 +157,12 @@ def test_a_sent_pipeline_output_keeps_its_memory_for_gloo_in_every_form_megatron
     kept = torch.arange(4.0)
     deallocate_after_send(kept, False)
     assert not hasattr(kept, "sent_memory")
+
+
+def test_the_cpu_shim_keeps_torch_cuda_stream_a_type():
+    """megatron-core 0.20 annotates `torch.cuda.Stream | None` at import: the shim's stand-in must stay a type."""
+    code = ("import torch\nfrom megatron_dhp.launch.cpu_shim import apply_cpu_compat\napply_cpu_compat()\n"
+            "assert isinstance(torch.cuda.Stream | None, object) and torch.cuda.Stream(priority=-1) is not None\n"
+            "torch.cuda.Stream().wait_stream(torch.cuda.current_stream())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
