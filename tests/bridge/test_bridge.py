@@ -42,6 +42,26 @@ def test_losses_with_dhp_equal_bridge_alone(bridge_alone, with_dhp):
         assert _relative(rank["train"], bridge_alone) <= TOLERANCE, (rank["train"], bridge_alone)
 
 
+# layout -> (Bridge's own ranks, dhp's ranks, recipe changes, DhpConfig keys): Bridge alone runs every sample on
+# one model replica; dhp on a domain of 2 per model-parallel coordinate, sequences on CP groups of 2 (under PP a
+# rank holds M // 2 per microbatch, so M = 64 puts each 64-token sequence on both ranks of its stage)
+LAYOUTS = {
+    "pp2": (2, 4, {"pipeline_parallel": 2}, {"max_tokens_per_rank": 64}),
+    "tp2": (2, 4, {"tensor_parallel": 2}, DHP),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_losses_with_dhp_equal_bridge_alone_under_model_parallelism(layout):
+    """Bridge's own pipeline (megatron-core's 1F1B over the plan's slots) and tensor parallelism under dhp."""
+    alone_ranks, dhp_ranks, changes, dhp = LAYOUTS[layout]
+    alone = launch(workers.train, alone_ranks, None, changes, timeout_s=550)
+    with_dhp = launch(workers.train, dhp_ranks, dhp, changes, timeout_s=550)
+    want = next(r["train"] for r in alone if r["train"])  # the last pipeline stage reports the loss
+    got = [r["train"] for r in with_dhp if r["train"]]
+    assert got and all(_relative(g, want) <= TOLERANCE for g in got), (got, want)
+
+
 def test_a_mis_set_recipe_changes_the_losses(bridge_alone):
     # the comparison can fail: the same dhp run at twice the learning rate moves the losses after the first step
     mis_set = launch(workers.train, 2, DHP, {"lr": 2 * workers.SIZES["lr"]}, timeout_s=550)[0]["train"]
