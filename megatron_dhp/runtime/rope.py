@@ -16,6 +16,7 @@ to the original.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ from megatron.core.models.common.embeddings import rope_utils
 
 _MODULES = ("megatron.core.transformer.attention", "megatron.core.transformer.multi_latent_attention")
 _ORIGINAL = rope_utils.apply_rotary_pos_emb
+_APPLY_OPTIONS = inspect.signature(rope_utils.apply_rotary_pos_emb).parameters
+_BSHD_OPTIONS = set(inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters)
+_MLA_OPTION = "mla_rotary_interleaved" if "mla_rotary_interleaved" in _BSHD_OPTIONS else "multi_latent_attention"
+"""The row-wise rotation's name for MLA's interleaving (0.19 renamed it)."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +46,29 @@ class DynamicRopeGroup:
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,
-                         mscale: float = 1.0, cp_group=None) -> torch.Tensor:
-    """megatron-core's `apply_rotary_pos_emb`; for a THD microbatch of megatron-dhp's (unfused) by position."""
+                         mscale: float = 1.0, cp_group=None, **options) -> torch.Tensor:
+    """megatron-core's `apply_rotary_pos_emb`; for a THD microbatch of megatron-dhp's (unfused) by position.
+
+    `options` are what later megatron-cores add (0.19: `mla_rotary_interleaved`; 0.20: `inverse`,
+    `mla_output_remove_interleaving`, `max_seqlen`): passed on to megatron-core as given, and on the dynamic
+    path those the row-wise rotation takes, with MLA's interleaving named as this version names it."""
     if isinstance(cp_group, DynamicRopeGroup) and cu_seqlens is not None and not config.apply_rope_fusion:
+        style = {key: value for key, value in options.items() if key in _BSHD_OPTIONS}
+        style[_MLA_OPTION] = _mla_interleaved(config, options)
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs[cp_group.positions], rotary_interleaved=config.rotary_interleaved,
-            multi_latent_attention=config.multi_latent_attention, mscale=mscale,
+            t.unsqueeze(1), freqs[cp_group.positions], rotary_interleaved=config.rotary_interleaved, mscale=mscale,
+            **style,
         ).squeeze(1)
-    return _ORIGINAL(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    return _ORIGINAL(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **options)
+
+
+def _mla_interleaved(config, options: dict) -> bool:
+    """MLA's interleaving as this megatron-core decides it: from 0.19 on the caller's argument (None: the config's
+    `multi_latent_attention`), before that the config alone."""
+    if "mla_rotary_interleaved" not in _APPLY_OPTIONS:
+        return config.multi_latent_attention
+    asked = options.get("mla_rotary_interleaved", _APPLY_OPTIONS["mla_rotary_interleaved"].default)
+    return config.multi_latent_attention if asked is None else asked
 
 
 def install() -> None:
