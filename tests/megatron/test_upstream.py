@@ -324,13 +324,15 @@ def test_the_launcher_trains_an_unpatched_checkout_like_upstream(unpatched, run)
 
 
 def assert_same_training(got: list[float], want: list[float], flags: list[str]) -> None:
-    """Losses equal at relative 2e-6. With MTP on megatron-core 0.19 only the first (before any update): 0.19
-    weights each microbatch's MTP loss by its loss tokens before the roll over those after it, a factor of how
-    the batch is cut into microbatches, which no other layout (dynamic groups, or upstream's own at another
-    --micro-batch-size) reproduces; the later losses then drift by ~1e-5 relative (measured)."""
+    """Losses equal at relative 2e-6. With MTP from megatron-core 0.17 on only the first (before any update): it
+    weights each microbatch's MTP loss by its loss tokens before the roll over those after it
+    (`original_num_tokens / num_tokens` in multi_token_prediction.py), a factor of how the batch is cut into
+    microbatches, which no other layout (dynamic groups, or upstream's own at another --micro-batch-size)
+    reproduces; the later losses then drift by ~4e-6 relative (measured on 0.18.2 and 0.19.0)."""
     from megatron.core import package_info
 
-    if "--mtp-num-layers" in flags and package_info.__version__.startswith("0.19"):
+    weighted = tuple(int(x) for x in package_info.__version__.split(".")[:2]) >= (0, 17)
+    if "--mtp-num-layers" in flags and weighted:
         assert got[0] == pytest.approx(want[0], rel=2e-6) and got == pytest.approx(want, rel=3e-5), (got, want)
     else:
         assert got == pytest.approx(want, rel=2e-6), (got, want)
