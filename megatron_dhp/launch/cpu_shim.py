@@ -106,6 +106,7 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_stream = lambda *_, **__: _NullStream()
     torch.cuda.default_stream = lambda *_, **__: _NullStream()
     torch.cuda.synchronize = lambda *_, **__: None
+    torch.cuda.is_current_stream_capturing = lambda: False  # the dev branch's p2p asks before each send
     # The MoE all-to-all dispatcher copies its split sizes to the host on a side stream.
     torch.cuda.Stream = _NullStream
     torch.cuda.stream = lambda *_, **__: contextlib.nullcontext()

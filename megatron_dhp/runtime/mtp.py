@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.comm import PeerRing, start_shift
 from megatron_dhp.runtime.attention.context import CPContext, DhpPackedSeqParams
 from megatron_dhp.runtime.layout import MicrobatchLayout
@@ -81,14 +82,24 @@ def roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=Non
 
 
 def install() -> None:
-    """Route megatron-core's MTP rolls through `roll_tensor` (idempotent)."""
+    """Route megatron-core's MTP rolls through `roll_tensor` (idempotent); a megatron-core whose roll has another
+    form (the dev branch rolls a list of tensors with fill values) is refused in one line."""
     import importlib
+    import inspect
 
     for name in _MODULES:
         module = importlib.import_module(name)
         if not hasattr(module, "roll_tensor"):  # 0.19's GPT model leaves every roll to the MTP module
             continue
         if module.roll_tensor is not roll_tensor:
+            first = next(iter(inspect.signature(module.roll_tensor).parameters))
+            if first != "tensor":
+                raise DhpError(
+                    f"--mtp-num-layers with --dhp: this megatron-core's {name}.roll_tensor takes "
+                    f"{first!r} (a list of tensors), a form megatron-dhp's token roll does not follow (it follows "
+                    "megatron-core 0.16 to 0.20, which roll one tensor); train without --mtp-num-layers or with a "
+                    "released megatron-core"
+                )
             _ORIGINAL.setdefault(name, module.roll_tensor)
             module.roll_tensor = roll_tensor
 

@@ -289,11 +289,22 @@ def test_pretrain_gpt_with_dhp_trains_like_upstream(patched, run):
     if "--mtp-num-layers" in extra and mtp_needs_transformer_engine(patched):
         pytest.skip("upstream's own MTP layer on this Megatron-LM needs TransformerEngine (without it the inference "
                     "linears it checks with isinstance are MagicMocks), with or without --dhp")
+    if "--mtp-num-layers" in extra and mtp_rolls_lists(patched):
+        command, env = cpu_command(patched, [*TINY, *extra, *DHP, *dhp_extra])
+        out = subprocess.run(command, cwd=patched, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode != 0 and "megatron-dhp: --mtp-num-layers with --dhp: this megatron-core's" in out.stderr
+        return  # refused in one line before the model is built (the dev branch's list-rolling MTP)
     upstream, plans_upstream = train_on_cpu(patched, [*TINY, *extra])
     dhp, plans = train_on_cpu(patched, [*TINY, *extra, *DHP, *dhp_extra])
     assert len(upstream) == 6 and plans_upstream == 0  # 3 training steps, 3 evaluations
     assert plans == 6  # one plan per training step and per evaluation step
     assert_same_training(dhp, upstream, extra)
+
+
+def mtp_rolls_lists(tree: Path) -> bool:
+    """Whether the checkout's MTP `roll_tensor` takes a list of tensors (the dev branch), which --dhp refuses."""
+    source = (tree / "megatron" / "core" / "transformer" / "multi_token_prediction.py").read_text()
+    return re.search(r"^def roll_tensor\(\s*tensors\b", source, flags=re.MULTILINE) is not None
 
 
 def mtp_needs_transformer_engine(tree: Path) -> bool:

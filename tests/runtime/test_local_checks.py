@@ -166,3 +166,19 @@ def test_the_cpu_shim_keeps_torch_cuda_stream_a_type():
             "torch.cuda.Stream().wait_stream(torch.cuda.current_stream())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_megatron_core_whose_mtp_roll_takes_lists_is_refused_in_one_line(monkeypatch):
+    """The dev branch's `roll_tensor(tensors, ..., fill_values=...)`: megatron-dhp's token roll follows the
+    one-tensor form of megatron-core 0.16 to 0.20, so MTP under --dhp stops before the model is built."""
+    from megatron.core.transformer import multi_token_prediction
+
+    from megatron_dhp.runtime import mtp
+
+    def roll_lists(tensors, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None, fill_values=None):
+        return tensors
+
+    monkeypatch.setattr(multi_token_prediction, "roll_tensor", roll_lists)
+    with pytest.raises(DhpError, match=r"--mtp-num-layers with --dhp: this megatron-core's "
+                       r"megatron.core.transformer.multi_token_prediction.roll_tensor takes 'tensors' \(a list"):
+        mtp.install()
