@@ -18,7 +18,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from megatron_dhp.errors import DhpError
 
@@ -110,16 +110,14 @@ SITE_FILES = tuple(dict.fromkeys(a.file for s in SITES for a in s.anchors))
 """Every file a site may edit."""
 
 
-@dataclass(frozen=True)
-class Placement:
-    """A site at the anchor it was found at: insert `lines` before line `line` (1-based) of its file."""
+class Placement(NamedTuple):
+    """A site at the first of its anchors the file has: insert `lines` (the marker line and the block, indented
+    as the anchor statement) before line `line` (1-based) of the anchor's file."""
 
     site: Site
     anchor: Anchor
-    """The first of the site's anchors the file has."""
     line: int
     lines: tuple[str, ...]
-    """The marker line and the block, indented as the anchor statement."""
 
 
 def locate(sources: dict[str, str]) -> list[Placement]:
