@@ -12,9 +12,10 @@ import argparse
 from typing import Any
 
 from megatron_dhp.bridge.config import dhp_of
-from megatron_dhp.bridge.refusals import bridge_refusals
+from megatron_dhp.bridge.refusals import BRIDGE_REFUSALS
 from megatron_dhp.errors import DhpError
 from megatron_dhp.megatron.arguments import validate_dhp_args
+from megatron_dhp.megatron.refusals import refusals
 
 _FIELDS: dict[str, str] = {
     # what `hooks.setup` and `hooks._model_memory` read
@@ -78,7 +79,7 @@ def validate(config: Any) -> argparse.Namespace:
     """`bridge_args(config)` once megatron-dhp's refusals (Megatron-LM's table and Bridge's own) pass; else one
     `DhpError` with a line per problem, each naming the container field and the fix."""
     args = bridge_args(config)
-    problems = bridge_refusals(args, dhp_of(config))
+    problems = refusals(args, dhp_of(config), BRIDGE_REFUSALS)
     try:
         validate_dhp_args(args)
     except DhpError as e:

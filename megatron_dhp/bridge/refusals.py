@@ -1,14 +1,11 @@
 """Bridge settings that cannot work with megatron-dhp, beside Megatron-LM's table (`megatron.refusals.REFUSALS`).
 
-Each is a `Refusal` of the same table form, read from `args.bridge_args`'s Namespace; the docs list is
-`BRIDGE_REFUSALS` and the Megatron-LM table together.
+Each is a `Refusal` of the same table form, read from `args.bridge_args`'s Namespace and checked by the same
+`megatron.refusals.refusals`; the docs list is `BRIDGE_REFUSALS` and the Megatron-LM table together.
 """
 
 from __future__ import annotations
 
-import argparse
-
-from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import Refusal
 
 BRIDGE_REFUSALS: tuple[Refusal, ...] = (
@@ -36,7 +33,3 @@ BRIDGE_REFUSALS: tuple[Refusal, ...] = (
             "use `dataloader_type = \"single\"` (or `\"cyclic\"`)"),
 )
 
-
-def bridge_refusals(args: argparse.Namespace, config: DhpConfig) -> list[str]:
-    """The message of every Bridge-only rule this run breaks, in table order."""
-    return [m for rule in BRIDGE_REFUSALS if (m := rule.message(args, config)) is not None]

@@ -22,6 +22,7 @@ from typing import Any
 
 from megatron_dhp.bridge.args import validate
 from megatron_dhp.bridge.config import dhp_of
+from megatron_dhp.megatron.arguments import route_mtp_blocks
 
 
 def pretrain(config: Any, forward_step_func: Callable, callbacks: Any = None) -> None:
@@ -33,10 +34,7 @@ def pretrain(config: Any, forward_step_func: Callable, callbacks: Any = None) ->
     from megatron.bridge.training import pretrain as bridge_pretrain
 
     args = validate(config)
-    if args.mtp_num_layers:
-        from megatron_dhp.runtime.layer_spec import dynamic_mtp_blocks
-
-        dynamic_mtp_blocks(dhp_of(config).layer_spec)
+    route_mtp_blocks(args, dhp_of(config))
     with _seams(config, args):
         bridge_pretrain.pretrain(config, forward_step_func, callbacks=callbacks)
 

@@ -150,11 +150,18 @@ def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
     """`validate_dhp_args` for a Megatron-LM run: each problem one line on rank 0, then exit 2 on every rank.
     A run with multi-token prediction has its MTP blocks built with dynamic-CP attention from here on."""
     config = validate_dhp_args(args)
-    if config is not None and getattr(args, "mtp_num_layers", None):
+    if config is not None:
+        route_mtp_blocks(args, config)
+    return config
+
+
+def route_mtp_blocks(args: argparse.Namespace, config: DhpConfig) -> None:
+    """With multi-token prediction, build the MTP blocks with dynamic-CP attention from here on (Megatron-LM's
+    builders make them from a spec of their own, which the layer-spec hook never sees). Before the model."""
+    if getattr(args, "mtp_num_layers", None):
         from megatron_dhp.runtime.layer_spec import dynamic_mtp_blocks
 
         dynamic_mtp_blocks(config.layer_spec)
-    return config
 
 
 def _rank() -> int:

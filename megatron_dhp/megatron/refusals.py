@@ -167,6 +167,7 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def refusals(args: argparse.Namespace, config: DhpConfig) -> list[str]:
-    """The message of every rule this run breaks, in table order."""
-    return [m for rule in REFUSALS if (m := rule.message(args, config)) is not None]
+def refusals(args: argparse.Namespace, config: DhpConfig, rules: tuple[Refusal, ...] = REFUSALS) -> list[str]:
+    """The message of every rule of `rules` (Megatron-LM's table; the Bridge integration passes its own) this run
+    breaks, in table order."""
+    return [m for rule in rules if (m := rule.message(args, config)) is not None]
