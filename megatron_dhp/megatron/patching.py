@@ -54,14 +54,14 @@ def apply(path: str | Path, *, check: bool = False, revert: bool = False) -> str
     """Insert (or with `revert` remove) every hook; with `check` only report. Returns one line."""
     checkout = detect(path)
     old = sites.read_sources(checkout.path)
-    present = {name for text in old.values() for name in sites.applied_sites(text)}
+    present = sites.applied(old)
     if revert:
         if not present:
             return f"{checkout.name}: no megatron-dhp hooks, nothing to revert"
         new = {f: sites.remove(text, f) for f, text in old.items()}
         verb = "reverts cleanly" if check else "reverted"
     else:
-        if present == {s.name for s in sites.SITES}:
+        if present == sites.NAMES:
             return f"{checkout.name}: hooks already in place, nothing to do"
         new = hooked(checkout, old, present)
         verb = "applies cleanly" if check else "applied"
@@ -76,7 +76,7 @@ def diff(path: str | Path) -> str:
     """The hooks as a unified diff of the checkout (for `git apply` in a fork or a container build)."""
     checkout = detect(path)
     old = sites.read_sources(checkout.path)
-    new = hooked(checkout, old, {name for text in old.values() for name in sites.applied_sites(text)})
+    new = hooked(checkout, old, sites.applied(old))
     return "".join(
         line
         for f in old
@@ -87,7 +87,7 @@ def diff(path: str | Path) -> str:
 
 def hooked(checkout: Checkout, old: dict[str, str], present: set[str]) -> dict[str, str]:
     """Every file with its hooks inserted; a checkout with some of them already in stops instead."""
-    if present == {s.name for s in sites.SITES}:
+    if present == sites.NAMES:
         raise DhpError(f"{checkout.name} already has megatron-dhp's hooks; run apply-patches --revert first")
     if present:
         raise DhpError(f"{checkout.name} has only some of megatron-dhp's hooks ({', '.join(sorted(present))}); "

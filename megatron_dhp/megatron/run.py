@@ -29,7 +29,7 @@ class HookedLoader(importlib.machinery.SourceFileLoader):
 
     def get_code(self, fullname: str):
         """The module's code: its source with the hooks inserted, compiled under its own file name."""
-        return compile(sites.insert(Path(self.path).read_text(), self.placements), self.path, "exec", dont_inherit=True)
+        return _hooked_code(self.path, self.placements)
 
 
 class HookFinder(importlib.abc.MetaPathFinder):
@@ -67,12 +67,17 @@ def install(script: str | Path) -> list[sites.Placement]:
 def run_script(script: str | Path, placements: list[sites.Placement]) -> None:
     """Execute `script` as `__main__` with its placements inserted."""
     path = str(Path(script).resolve())
-    code = compile(sites.insert(Path(path).read_text(), placements), path, "exec", dont_inherit=True)
+    code = _hooked_code(path, placements)
     main = type(sys)("__main__")
     main.__file__ = path
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
+
+
+def _hooked_code(path: str, placements: list[sites.Placement]):
+    """The file's source with its placements inserted, compiled under its own name (tracebacks point at it)."""
+    return compile(sites.insert(Path(path).read_text(), placements), path, "exec", dont_inherit=True)
 
 
 def main(argv: list[str] | None = None) -> int:

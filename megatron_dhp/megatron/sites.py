@@ -24,6 +24,8 @@ from megatron_dhp.errors import DhpError
 
 MARKER = "# megatron-dhp: "
 """Starts the first line of every inserted block, followed by the site's name."""
+_MARKER_LINE = re.compile(rf"^(\s*){re.escape(MARKER)}(\w+)", flags=re.MULTILINE)
+"""A marker line: its indentation and its site's name."""
 
 MAIN = "__main__"
 """The scope name for a script's `if __name__ == "__main__":` block."""
@@ -108,6 +110,8 @@ SITES: tuple[Site, ...] = (
 
 SITE_FILES = tuple(dict.fromkeys(a.file for s in SITES for a in s.anchors))
 """Every file a site may edit."""
+NAMES = frozenset(s.name for s in SITES)
+"""Every site's name: a checkout that has them all is hooked."""
 
 
 class Placement(NamedTuple):
@@ -124,14 +128,15 @@ def locate(sources: dict[str, str]) -> list[Placement]:
     """Where each site goes in these files (path -> source text; absent files are skipped): for each site its
     first anchor that is found. A site with no anchor found stops with one line naming it."""
     trees = {path: ast.parse(text) for path, text in sources.items()}
+    lines = {path: text.splitlines() for path, text in sources.items()}
     placements = []
     for site in SITES:
         for anchor in site.anchors:
             if anchor.file not in sources:
                 continue
-            statement = _find(trees[anchor.file], sources[anchor.file], anchor)
+            statement = _find(trees[anchor.file], lines[anchor.file], anchor)
             if statement is not None:
-                placements.append(_place(site, anchor, statement, sources[anchor.file]))
+                placements.append(_place(site, anchor, statement, lines[anchor.file]))
                 break
         else:
             raise DhpError(f"cannot find where megatron-dhp's {site.name!r} hook ({site.why}) goes: looked for "
@@ -142,7 +147,12 @@ def locate(sources: dict[str, str]) -> list[Placement]:
 
 def applied_sites(text: str) -> list[str]:
     """The names of the sites already inserted into this source text."""
-    return re.findall(rf"^\s*{re.escape(MARKER)}(\w+)", text, flags=re.MULTILINE)
+    return [name for _, name in _MARKER_LINE.findall(text)]
+
+
+def applied(sources: dict[str, str]) -> set[str]:
+    """The names of the sites already inserted into any of these files (path -> source text)."""
+    return {name for text in sources.values() for name in applied_sites(text)}
 
 
 def insert(text: str, placements: list[Placement]) -> str:
@@ -159,7 +169,7 @@ def remove(text: str, path: str) -> str:
     by_name = {s.name: s for s in SITES}
     at = 0
     while at < len(lines):
-        match = re.match(rf"^(\s*){re.escape(MARKER)}(\w+)", lines[at])
+        match = _MARKER_LINE.match(lines[at])
         if not match:
             at += 1
             continue
@@ -174,12 +184,11 @@ def remove(text: str, path: str) -> str:
     return "".join(lines)
 
 
-def _find(tree: ast.Module, text: str, anchor: Anchor) -> ast.stmt | None:
+def _find(tree: ast.Module, lines: list[str], anchor: Anchor) -> ast.stmt | None:
     """The anchor's statement (the top-level one holding it, with `lift`), or None."""
     body = _scope_body(tree, anchor.scope)
     if body is None:
         return None
-    lines = text.splitlines()
     for top in body:
         for statement in _simple_statements(top):
             if _is_docstring(statement):
@@ -214,8 +223,8 @@ def _is_docstring(statement: ast.stmt) -> bool:
     return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)
 
 
-def _place(site: Site, anchor: Anchor, statement: ast.stmt, text: str) -> Placement:
-    indent = text.splitlines()[statement.lineno - 1][:statement.col_offset]
+def _place(site: Site, anchor: Anchor, statement: ast.stmt, lines: list[str]) -> Placement:
+    indent = lines[statement.lineno - 1][:statement.col_offset]
     line = statement.lineno if anchor.where == "before" else statement.end_lineno + 1
     return Placement(site, anchor, line, tuple(_block(site, anchor, indent)))
 
