@@ -58,3 +58,15 @@ def test_options_of_later_megatron_cores_reach_megatron_and_the_dynamic_path(mon
     assert torch.equal(interleaved, megatrons(t, freqs, config, cu_seqlens=cu_seqlens, cp_group=OneRank(),
                                               mla_rotary_interleaved=True))
     assert not torch.equal(interleaved, plain)
+
+
+def test_the_dynamic_path_issues_no_host_sync_where_megatrons_thd_rope_does():
+    """Per layer on a GPU: the row-wise rotation enqueues kernels only (the option handling is host-side Python on
+    arguments); megatron's THD RoPE reads `cu_seqlens` on the host, which the guard catches."""
+    from megatron_dhp.testing.host_sync import HostSyncError, NoHostSync
+
+    t, freqs, config, cu_seqlens, group = inputs()
+    with NoHostSync():
+        rope.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, cp_group=group, max_seqlen=8)
+    with pytest.raises(HostSyncError), NoHostSync():
+        rope._ORIGINAL(t, freqs, config, cu_seqlens=cu_seqlens, cp_group=OneRank())
