@@ -27,7 +27,7 @@ OPTIONAL_KEYS = ("description", "sample_overhead_s", "cp_microbatch_overhead_s",
                  "moe_expert_s_per_token", "moe_a2a_bytes_per_token", "expert_parallel_size", "merge",
                  "encoder_placement", "encoder_frozen", "enc_a2a_bytes_per_token", "enc_memory_per_token",
                  "kv_memory_per_token",
-                 "rank_speeds", "speed_scales_comm", "cp_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
+                 "rank_speeds", "uneven_shards", "speed_scales_comm", "cp_comm", "tensor_parallel", "tp_efficiency", "tp_comm_bytes_per_token",
                  "attention_heads", "memory_budget_bytes", "model_state_bytes", "activation_bytes_per_token",
                  "sharded_state_bytes", "fsdp_gather_bytes")
 """Keys `to_dict` writes only when set: s, lambda, sigma and the MoE terms are absent from reference files."""
@@ -83,11 +83,17 @@ class Domain:
         group priced, so computed once)."""
         return all(v == 1.0 for v in self.rank_speeds)
 
-    def speed_levels(self) -> list[tuple[float, int, int]]:
-        """(v, a, b): the fastest group of d ranks, a <= d <= b, computes at most at speed v, the d-th fastest
-        rank's speed rounded up to the speed grid (`plan.rank_speeds.SPEED_GRID`: few levels, and a speed the
-        closed loop published is on it exactly; rounding up keeps bounds valid)."""
-        levels = on_speed_grid(np.sort(self.speeds)[::-1], up=True)
+    def fastest_groups(self, uneven: bool = False) -> np.ndarray:
+        """v_d, d = 1..N: the most speed a group of d ranks computes at, the d-th fastest rank's (even shards:
+        the group waits for its slowest), or with `uneven` shards the mean of the d fastest (`plan.shares`)."""
+        fastest = np.sort(self.speeds)[::-1]
+        return np.cumsum(fastest) / np.arange(1, len(fastest) + 1) if uneven else fastest
+
+    def speed_levels(self, uneven: bool = False) -> list[tuple[float, int, int]]:
+        """(v, a, b): the fastest group of d ranks, a <= d <= b, computes at most at speed v, `fastest_groups`
+        rounded up to the speed grid (`plan.rank_speeds.SPEED_GRID`: few levels, and a speed the closed loop
+        published is on it exactly; rounding up keeps bounds valid)."""
+        levels = on_speed_grid(self.fastest_groups(uneven), up=True)
         out: list[tuple[float, int, int]] = []
         for d, v in enumerate(levels.tolist(), start=1):
             if out and out[-1][0] == v:
@@ -180,6 +186,10 @@ class CostConfig:
     """Each domain position's relative compute speed, 1.0 the rank these coefficients describe (a throttled
     or older GPU: below 1); empty, the default, is every rank at 1. A group computes at its slowest member's
     speed; communication is not scaled unless `speed_scales_comm` (docs/cost-model.md)."""
+    uneven_shards: bool = True
+    """Whether a group whose members run at different speeds gives each a share of every sample in proportion
+    to its speed (`plan.shares`), so they finish together; false: every member an equal share, the group at
+    its slowest's speed. Equal speeds plan and run as before either way."""
     speed_scales_comm: bool = False
     """Whether a slow rank's communication slows with it: true where collectives are work on the ranks' own
     cores (gloo on a CPU, where a busy neighbour takes the copies' time too, and `profile` sets it on gloo),

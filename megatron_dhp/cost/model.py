@@ -15,6 +15,7 @@ import numpy as np
 from megatron_dhp.cost.config import Domain
 from megatron_dhp.cost.encoder import EncoderPhase
 from megatron_dhp.plan.memory import Footprint, MemoryRule
+from megatron_dhp.plan.shares import Pace
 from megatron_dhp.workload.sample import Sample
 
 
@@ -27,6 +28,9 @@ class CostModel(Protocol):
     """sigma: fixed seconds every step pays before its first microbatch, on every rank."""
     encoder_placement: str
     """Where the vision encoder runs (`plan.encoder.ENCODER_PLACEMENTS`); `auto` is resolved by the planner."""
+    uneven_shards: bool
+    """Whether groups of ranks at different speeds split samples by speed (`group_shares`); the bounds allow
+    for it."""
 
     def with_placement(self, placement: str) -> CostModel:
         """The same model with the encoder run as `placement`."""
@@ -53,13 +57,23 @@ class CostModel(Protocol):
         ...
 
     def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool,
-                    speed: np.ndarray | float = 1.0) -> np.ndarray:
+                    speed: np.ndarray | float = 1.0, *, slowest: np.ndarray | float | None = None,
+                    comm_scale: np.ndarray | float = 1.0) -> np.ndarray:
         """t(L, d): seconds each sample takes on a group of `degree` ranks, inside one node or not, whose
-        slowest rank computes at `speed` (broadcasts)."""
+        split compute runs at `speed` (its slowest member at `slowest`, default `speed`, its comm
+        `comm_scale` times the even split's: a `plan.shares.Pace`; broadcasts)."""
         ...
 
     def group_speed(self, ranks: Sequence[int]) -> float:
         """The speed a group of these domain positions computes at (its slowest rank's; 1.0 when nominal)."""
+        ...
+
+    def group_pace(self, ranks: Sequence[int], shares: Sequence[int] = ()) -> Pace:
+        """How fast a group of these ranks runs with `shares` (empty: even shards, at its slowest's speed)."""
+        ...
+
+    def group_shares(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """The shares a planner gives a group of these ranks (empty: even)."""
         ...
 
     def with_speeds(self, speeds: tuple[float, ...]) -> CostModel:
@@ -93,8 +107,8 @@ class CostModel(Protocol):
         `microbatch_overhead(1)` is the base m that every microbatch pays, larger groups may pay more (lambda)."""
         ...
 
-    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
-        """Seconds of one microbatch of `samples` on `ranks`: its overhead plus its samples' times."""
+    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int], shares: Sequence[int] = ()) -> float:
+        """Seconds of one microbatch of `samples` on `ranks` with `shares`: its overhead plus its samples' times."""
         ...
 
     def with_token_cap(self, max_tokens_per_rank: int) -> CostModel:

@@ -34,7 +34,10 @@ import numpy as np
 from megatron_dhp.cost.config import CostConfig, Domain
 from megatron_dhp.cost.encoder import EncoderPhase, SampleWork, fixed_work, global_phase, sample_encoder_work
 from megatron_dhp.plan.memory import Footprint, MemoryRule
+from megatron_dhp.plan.shares import Pace, pace, shares_for_speeds
 from megatron_dhp.workload.sample import Sample
+
+NOMINAL_PACE = Pace(1.0, 1.0)
 
 
 class ReferenceCostModel:
@@ -55,6 +58,7 @@ class ReferenceCostModel:
         self.encoder_placement = config.encoder_placement
         self._pricing = "split" if config.encoder_placement == "auto" else config.encoder_placement
         self.all_to_all = config.cp_comm == "all-to-all"
+        self.uneven_shards = config.uneven_shards
 
     def with_placement(self, placement: str) -> ReferenceCostModel:
         """This model with the encoder run as `placement`."""
@@ -94,32 +98,52 @@ class ReferenceCostModel:
         return global_phase(self.config, samples, bound=bound) if self._pricing == "global" else EncoderPhase()
 
     def sample_time(self, tokens: np.ndarray, work: np.ndarray, degree: np.ndarray | int, intra: np.ndarray | bool,
-                    speed: np.ndarray | float = 1.0) -> np.ndarray:
-        """t(L, d): seconds each sample takes on a group of `degree` ranks whose slowest computes at `speed`
-        (broadcasts over arrays): compute and the per-sample overhead divide by the speed, comm only with
-        `speed_scales_comm`."""
+                    speed: np.ndarray | float = 1.0, *, slowest: np.ndarray | float | None = None,
+                    comm_scale: np.ndarray | float = 1.0) -> np.ndarray:
+        """t(L, d): seconds each sample takes on a group of `degree` ranks whose split compute runs at `speed`
+        (broadcasts over arrays): compute divides by the speed; the per-sample overhead, and comm with
+        `speed_scales_comm`, by the `slowest` member's (default `speed`: even shards); comm is `comm_scale`
+        times the even split's (uneven shards, `plan.shares.Pace`)."""
         c = self.config
         d = np.asarray(degree, dtype=np.float64)
         bw = np.where(intra, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s)
         fixed = fixed_work(work)
         work = np.asarray(work, dtype=np.float64)
-        compute = work / d if fixed is None else (work - fixed) / d + fixed
-        nominal = np.isscalar(speed) and speed == 1.0
-        if not nominal:
-            compute = compute / speed
+        even = slowest is None
+        slowest = speed if even else slowest
+        nominal = np.isscalar(speed) and speed == 1.0 and np.isscalar(slowest) and slowest == 1.0
+        if fixed is not None and not even:  # the undivided part runs whole on every rank, at the slowest's speed
+            compute = (work - fixed) / d / speed + fixed / slowest
+        else:
+            compute = work / d if fixed is None else (work - fixed) / d + fixed
+            if not nominal:
+                compute = compute / speed
         comm = c.comm_bytes_per_token * np.asarray(tokens, dtype=np.float64) * (d - 1.0) / d / bw
         if self.all_to_all:  # each rank sends its own L / d tokens' share
             comm = comm / d
+        if not (np.isscalar(comm_scale) and comm_scale == 1.0):
+            comm = comm * comm_scale
         if not nominal and c.speed_scales_comm:
-            comm = comm / speed
+            comm = comm / slowest
         t = np.maximum(compute, comm) if c.overlap_comm else compute + comm
         if not c.sample_overhead_s:
             return t
-        return t + (c.sample_overhead_s if nominal else c.sample_overhead_s / speed)
+        return t + (c.sample_overhead_s if nominal else c.sample_overhead_s / slowest)
 
     def group_speed(self, ranks: Sequence[int]) -> float:
         """The speed a group computes at: its slowest member's."""
         return 1.0 if self.domain.nominal else float(self.domain.speeds[list(ranks)].min())
+
+    def group_pace(self, ranks: Sequence[int], shares: Sequence[int] = ()) -> Pace:
+        """How fast a group of these ranks runs with `shares` (empty: even; `plan.shares.pace`)."""
+        return NOMINAL_PACE if self.domain.nominal and not len(shares) else pace(self.domain.speeds[list(ranks)], shares)
+
+    def group_shares(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """The shares a group of these ranks runs with: in proportion to their speeds where `uneven_shards`
+        allows (and they differ), else even (empty)."""
+        if self.domain.nominal or not self.uneven_shards:
+            return ()
+        return shares_for_speeds(self.domain.speeds[list(ranks)])
 
     def with_speeds(self, speeds: tuple[float, ...]) -> ReferenceCostModel:
         """This model with the ranks at `speeds` (empty: all at 1, the speed-blind model)."""
@@ -158,12 +182,14 @@ class ReferenceCostModel:
         lam = c.cp_microbatch_overhead_s / speed if c.speed_scales_comm else c.cp_microbatch_overhead_s
         return c.microbatch_overhead_s / speed + (lam if group_size > 1 else 0.0)
 
-    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int]) -> float:
-        """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks at their slowest's speed."""
+    def microbatch_time(self, samples: Sequence[Sample], ranks: Sequence[int], shares: Sequence[int] = ()) -> float:
+        """m (+ lambda) + sum of t over the microbatch's samples, on the given ranks with `shares` (empty: even,
+        at their slowest's speed)."""
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-        speed = self.group_speed(ranks)
-        t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks), speed)
-        return self.microbatch_overhead(len(ranks), speed) + float(t.sum())
+        p = self.group_pace(ranks, shares)
+        t = self.sample_time(tokens, self.sample_work(samples), len(ranks), self.is_intra(ranks), p.speed,
+                             slowest=p.slowest, comm_scale=p.comm_scale)
+        return self.microbatch_overhead(len(ranks), p.slowest) + float(t.sum())
 
     def with_token_cap(self, max_tokens_per_rank: int) -> ReferenceCostModel:
         """This model with another per-rank token cap M."""
@@ -232,8 +258,10 @@ class ReferenceCostModel:
         With rank speeds (docs/cost-model.md) the work spreads over the sum of the speeds S: a rank of speed s
         in a group whose slowest runs at s_g <= s delivers s t(L, d, s_g) >= s_lo t(L, d, s_lo) of nominal
         work (s_lo the slowest rank), so the first term is sum_s lo s_lo t(L, lo, s_lo) + m sum L / M, over
-        S; and a sample on d ranks runs no faster than on the d fastest, so the second takes each degree at
-        the d-th fastest speed (`Domain.speed_levels`). No time is shorter than at speed 1 over the fastest
+        S (with uneven shards too: the group's ranks deliver sum_r s_r t >= the work and d s_lo times the
+        even comm, which no split lowers); and a sample on d ranks runs no faster than on the d fastest, so
+        the second takes each degree at the d-th fastest speed, or with uneven shards at the mean of the d
+        fastest (`Domain.speed_levels`: a larger speed, so a smaller time, for comm and m too). No time is shorter than at speed 1 over the fastest
         rank's speed (if above 1), so the speed-blind bound over that holds too; the largest counts (the
         speeds' area discounts communication on every rank as on the slowest, which the blind one does not)."""
         n, m = self.domain.world_size, self.config.microbatch_overhead_s
@@ -251,7 +279,7 @@ class ReferenceCostModel:
         slow = float(speeds.min())
         area = lo * slow * self.sample_time(tokens, work, lo, self.best_placement_intra(lo), slow)
         longest = np.full(tokens.shape, np.inf)
-        for v, a, b in self.domain.speed_levels():
+        for v, a, b in self.domain.speed_levels(self.uneven_shards):
             reach = lo <= b
             if reach.any():
                 t, _ = self.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)

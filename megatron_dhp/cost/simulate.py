@@ -79,19 +79,23 @@ class PlanTimes:
         ids = [i for g in groups for mb in g.microbatches for i in mb]
         order = np.array(plan.positions(ids), dtype=np.int64)
         per_group = [sum(len(mb) for mb in g.microbatches) for g in groups]
-        speed = np.array([model.group_speed(g.ranks) for g in groups])
+        paces = [model.group_pace(g.ranks, g.shares) for g in groups]
         size = np.repeat([g.size for g in groups], per_group)
         intra = np.repeat([model.is_intra(g.ranks) for g in groups], per_group)
-        at = np.repeat(speed, per_group)
+        at, slowest, comm_scale = (np.repeat([getattr(p, k) for p in paces], per_group)
+                                   for k in ("speed", "slowest", "comm_scale"))
         samples = [plan.samples[k] for k in order]
         tokens = np.fromiter((s.tokens for s in samples), dtype=np.float64, count=len(samples))
-        t = model.sample_time(tokens, model.sample_work(samples), size, intra, at if len(at) and (at != 1.0).any() else 1.0)
+        uneven = bool(len(at)) and (comm_scale != 1.0).any()
+        t = model.sample_time(tokens, model.sample_work(samples), size, intra,
+                              at if len(at) and (at != 1.0).any() else 1.0,
+                              **({"slowest": slowest, "comm_scale": comm_scale} if uneven else {}))
         enc = np.asarray(model.encoder_time(samples, size), dtype=np.float64) / at if len(samples) else np.zeros(0)
         bounds = np.cumsum([0] + [len(mb) for g in groups for mb in g.microbatches]).tolist()
         self._groups: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
         k = 0
-        for g, v in zip(groups, speed.tolist()):
-            m = model.microbatch_overhead(g.size, v)
+        for g, p in zip(groups, paces):
+            m = model.microbatch_overhead(g.size, p.slowest)
             spans = list(zip(bounds[k : k + len(g.microbatches)], bounds[k + 1 : k + 1 + len(g.microbatches)]))
             # (each microbatch summed on its own, as numpy sums a slice: the same seconds to the last bit)
             self._groups.append((tuple(m + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans)))
@@ -103,7 +107,7 @@ class PlanTimes:
 
     def microbatch_times(self) -> dict[int, tuple[float, ...]]:
         """Each group's microbatch seconds, by group index: its overhead (m, + lambda if d > 1) + sum of its
-        samples' t(L, d), at its slowest rank's speed."""
+        samples' t(L, d), at the group's pace (`CostModel.group_pace`)."""
         return {gi: mbs for gi, (mbs, _) in enumerate(self._groups)}
 
 

@@ -127,10 +127,12 @@ class Footprint:
         room = self.cap - self.held
         return np.where(room > 0, -(-self.shared // np.maximum(room, 1)), UNPLACEABLE)
 
-    def per_rank(self, index: Sequence[int], degree: int) -> float:
-        """Tokens per rank of a microbatch of these samples on `degree` ranks."""
+    def per_rank(self, index: Sequence[int], degree: int, shares: Sequence[int] = ()) -> float:
+        """Tokens on the fullest rank of a microbatch of these samples on `degree` ranks (with uneven `shares`
+        (`plan.shares`), the rank of the largest share)."""
         index = np.asarray(index, dtype=np.int64)
-        return float(self.shared[index].sum()) / degree + float(self.held[index].sum())
+        part = max(shares) / sum(shares) if len(shares) else 1.0 / degree
+        return float(self.shared[index].sum()) * part + float(self.held[index].sum())
 
     def min_ranks(self, index: Sequence[int]) -> int:
         """The fewest ranks a microbatch of these samples fits (`UNPLACEABLE` if none)."""
@@ -138,9 +140,14 @@ class Footprint:
         room = self.cap - int(self.held[index].sum())
         return -(-int(self.shared[index].sum()) // room) if room > 0 else UNPLACEABLE
 
-    def fits(self, index: Sequence[int], degree: int) -> bool:
-        """Whether a microbatch of these samples fits `degree` ranks (exact integer arithmetic)."""
-        return int(self.load(np.asarray(index, dtype=np.int64), degree).sum()) <= degree * self.cap
+    def fits(self, index: Sequence[int], degree: int, shares: Sequence[int] = ()) -> bool:
+        """Whether a microbatch of these samples fits `degree` ranks (exact integer arithmetic); with uneven
+        `shares`, whether it fits the rank of the largest share: shared max(w) / sum(w) + held <= cap."""
+        index = np.asarray(index, dtype=np.int64)
+        if not len(shares):
+            return int(self.load(index, degree).sum()) <= degree * self.cap
+        total = sum(shares)
+        return int(self.shared[index].sum()) * max(shares) <= (self.cap - int(self.held[index].sum())) * total
 
 
 @dataclass(frozen=True)

@@ -130,5 +130,5 @@ def slot_tokens_per_rank(plan: Plan, slots: list[SlotRef | None], footprint: Foo
             out.append(0.0)
         else:
             g = plan.groups[slot.group]
-            out.append(footprint.per_rank(plan.positions(g.microbatches[slot.microbatch]), g.size))
+            out.append(footprint.per_rank(plan.positions(g.microbatches[slot.microbatch]), g.size, g.shares))
     return out

@@ -22,6 +22,7 @@ from megatron_dhp.plan.rank_speeds import (
     slow_ranks,
     slow_ranks_text,
 )
+from megatron_dhp.plan.shares import normalize_shares
 from megatron_dhp.workload.sample import Sample
 
 SCHEMA = "megatron-dhp/plan/v1"
@@ -52,11 +53,18 @@ class PlanGroup:
     ranks: tuple[int, ...]
     microbatches: tuple[tuple[int, ...], ...]
     phase: int = 0
+    shares: tuple[int, ...] = ()
+    """Each rank's part of every sample, in the order of `ranks` (`plan.shares`); empty: even shards. Equal
+    shares are stored as empty, so a plan has one form."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "microbatches", tuple(tuple(int(i) for i in mb) for mb in self.microbatches))
         object.__setattr__(self, "phase", int(self.phase))
+        try:
+            object.__setattr__(self, "shares", normalize_shares(self.shares, len(self.ranks)))
+        except ValueError as e:
+            raise PlanError(f"group of ranks {list(self.ranks)}: {e}") from None
 
     @property
     def size(self) -> int:
@@ -68,9 +76,17 @@ class PlanGroup:
         """Every sample id of the group, microbatch by microbatch."""
         return [i for mb in self.microbatches for i in mb]
 
+    @property
+    def sorted_shares(self) -> tuple[int, ...]:
+        """`shares` in the order of the sorted ranks (a rank's place in its group), empty when even."""
+        return tuple(w for _, w in sorted(zip(self.ranks, self.shares)))
+
     def to_dict(self) -> dict:
-        """The plan-JSON form of the group."""
-        return {"phase": self.phase, "ranks": list(self.ranks), "microbatches": [list(mb) for mb in self.microbatches]}
+        """The plan-JSON form of the group (`shares` only where uneven)."""
+        out = {"phase": self.phase, "ranks": list(self.ranks), "microbatches": [list(mb) for mb in self.microbatches]}
+        if self.shares:
+            out["shares"] = list(self.shares)
+        return out
 
 
 @dataclass(frozen=True)
@@ -225,13 +241,15 @@ class Plan:
                         raise PlanError(f"sample {sid} is assigned twice (groups {placed[sid]} and {gi})")
                     placed[sid] = gi
                 members = self.positions(mb)
-                if footprint is not None and not footprint.fits(members, g.size):
+                if footprint is not None and not footprint.fits(members, g.size, g.shares):
                     encoder = ", encoder activations included" if self.enc_memory_per_token else ""
                     encoder += ", gathered keys and values included" if self.kv_memory_per_token else ""
+                    where = f"each of its {g.size} ranks" if not g.shares else \
+                        f"its rank of the largest share ({max(g.shares)} of {sum(g.shares)})"
                     raise PlanError(
-                        f"group {gi}, microbatch {mi} puts {footprint.per_rank(members, g.size):.0f} tokens on each "
-                        f"of its {g.size} ranks{encoder}, above the cap of {footprint.cap}; split the microbatch or "
-                        "use more ranks"
+                        f"group {gi}, microbatch {mi} puts {footprint.per_rank(members, g.size, g.shares):.0f} tokens "
+                        f"on {where}{encoder}, above the cap of {footprint.cap}; split the microbatch or use more "
+                        "ranks" + (" or evener shares" if g.shares else "")
                     )
         missing = [s.id for s in self.samples if s.id not in placed]
         if missing:
@@ -314,7 +332,8 @@ class Plan:
             raise PlanError(f"plan schema {obj.get('schema')!r} is not {SCHEMA!r}")
         try:
             groups = tuple(
-                PlanGroup(ranks=g["ranks"], microbatches=g["microbatches"], phase=g.get("phase", 0))
+                PlanGroup(ranks=g["ranks"], microbatches=g["microbatches"], phase=g.get("phase", 0),
+                          shares=g.get("shares", ()))
                 for g in obj["groups"]
             )
             return cls(
