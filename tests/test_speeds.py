@@ -37,15 +37,18 @@ def wlb_batch(model, index: int = 0, size: int = 512):
 @settings(max_examples=40, deadline=None)
 @given(overrides=variants, seed=st.integers(0, 2**31 - 1), size=st.integers(1, 40),
        speeds=st.lists(st.sampled_from([0.25, 0.5, 0.7, 1.0, 1.0, 1.0, 1.3]), min_size=16, max_size=16),
-       scales_comm=st.booleans())
-def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speeds, scales_comm):
-    config = replace(BASE, **overrides, speed_scales_comm=scales_comm)
+       scales_comm=st.booleans(), uneven=st.booleans())
+def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speeds, scales_comm, uneven):
+    """Also with uneven shards (`plan.shares`): random shares in most random plans' groups, and dhp's shares
+    in proportion to the speeds, under the bound that allows them."""
+    config = replace(BASE, **overrides, speed_scales_comm=scales_comm, uneven_shards=uneven)
     model = build_cost_model(with_speeds(config, speeds[: config.world_size]))
     rng = random.Random(seed)
     batch = random_batch(rng, model.domain.capacity, size)
     assume(model.footprint(batch.samples).min_degree().max() <= model.domain.world_size)
     bound = best_lower_bound(model, batch.samples)
-    plans = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule()) for _ in range(5)]
+    plans = [random_plan(batch, model.domain, rng, max_phases=3, memory=model.memory_rule(), uneven=0.7 * uneven)
+             for _ in range(5)]
     for options in ({}, {"speed_aware": False}):
         plans.append(run_planner(build_planner("dhp", **options), batch, model))
     for name in ("static", "fcp-ref"):

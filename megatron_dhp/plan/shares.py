@@ -24,7 +24,7 @@ slowest member's speed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +88,51 @@ def shares_for_speeds(speeds: Sequence[float]) -> tuple[int, ...]:
     if s.size < 2 or np.all(s == s[0]):
         return ()
     return normalize_shares(np.maximum(1, np.rint(SHARE_RESOLUTION * s / s.max())).astype(int).tolist(), s.size)
+
+
+def blend(limit: np.ndarray | float, size: np.ndarray | int, phi_max: np.ndarray | float) -> np.ndarray:
+    """alpha in [0, 1]: how far from even shares (0) toward shares in proportion to speeds (1, whose largest
+    part is `phi_max`) a group of `size` ranks may go when its fullest rank may hold at most `limit` of a
+    sample (memory: (cap - held) / shared, `plan.memory.Footprint`). The largest part of the mix alpha phi +
+    (1 - alpha) / d is alpha phi_max + (1 - alpha) / d."""
+    even = 1.0 / np.asarray(size, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        alpha = (np.asarray(limit, dtype=np.float64) - even) / (np.asarray(phi_max, dtype=np.float64) - even)
+    return np.clip(np.nan_to_num(alpha, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
+
+
+def blended_pace(alpha: np.ndarray | float, size: np.ndarray | int, speed_sum: np.ndarray | float,
+                 slowest: np.ndarray | float, fastest: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """(v, comm scale) of `pace` for the mix `alpha` of speed-proportional and even shares, from the group's
+    size, speed sum, slowest and fastest speed alone (vectorised: planners price every window at once).
+    Rank r holds alpha s_r / S + (1 - alpha) / d; over its speed that is largest on the slowest, so
+    v = 1 / (alpha d / S + (1 - alpha) / s_min), and the largest part is alpha s_max / S + (1 - alpha) / d."""
+    d = np.asarray(size, dtype=np.float64)
+    speed = 1.0 / (alpha * d / speed_sum + (1.0 - alpha) / slowest)
+    return speed, alpha * d * fastest / speed_sum + 1.0 - alpha
+
+
+def mix(shares: Sequence[int], alpha: float) -> tuple[int, ...]:
+    """`shares` mixed with even ones, alpha of the way to them (`blend`), as integer shares."""
+    phi = share_fractions(shares, len(shares))
+    parts = alpha * phi + (1.0 - alpha) / len(shares)
+    return normalize_shares(np.maximum(1, np.rint(SHARE_RESOLUTION * parts / parts.max())).astype(int).tolist(),
+                            len(shares))
+
+
+def shares_within(shares: Sequence[int], limit: float, fits: Callable[[tuple[int, ...]], bool]) -> tuple[int, ...]:
+    """`shares` mixed toward even (`blend`, `mix`) so that no rank holds more than `limit` of a sample, as
+    `fits` checks exactly (integer shares round; each retry goes a tenth of the way further to even); ()
+    where only even shards fit (they do wherever the plan does)."""
+    if not len(shares):
+        return ()
+    alpha = float(blend(limit, len(shares), share_fractions(shares, len(shares)).max()))
+    while alpha > 0.05:
+        mixed = mix(shares, alpha)
+        if fits(mixed):
+            return mixed
+        alpha -= 0.1
+    return ()
 
 
 @dataclass(frozen=True)

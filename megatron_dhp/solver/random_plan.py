@@ -14,6 +14,7 @@ from megatron_dhp.cost.config import Domain
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import MemoryRule
 from megatron_dhp.plan.plan import Plan, PlanGroup, memory_fields
+from megatron_dhp.plan.shares import shares_within
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -51,6 +52,7 @@ def random_plan(
     max_samples_per_microbatch: int = 3,
     family: GroupFamily | None = None,
     memory: MemoryRule | None = None,
+    uneven: float = 0.0,
 ) -> Plan:
     """A valid plan with random groups, phases and microbatches for `batch` on `domain`.
 
@@ -58,7 +60,8 @@ def random_plan(
     wide enough for the longest sample, a last phase runs the whole domain). Each sample goes to a random
     group that can hold it under the `memory` rule (default: length <= group size x max_tokens_per_rank).
     With a `family` every group is one of it (a later phase keeps a random subset of a partition into family
-    groups).
+    groups). With probability `uneven` a group of several ranks with work gets random shares of 1..4 each
+    (`plan.shares`), as uneven as its microbatches' memory lets them be.
     """
     n, cap = domain.world_size, domain.max_tokens_per_rank
     memory = memory or MemoryRule(cap)
@@ -84,12 +87,20 @@ def random_plan(
         fits = [i for i, (_, g) in enumerate(layout) if need[s.id] <= len(g)]
         buckets[rng.choice(fits)].append(s)
 
-    groups = tuple(
-        PlanGroup(ranks=ranks, phase=phase, microbatches=_microbatches(
-            bucket, lambda mb, d: footprint.fits([position[i] for i in mb], d), len(ranks), max_samples_per_microbatch,
-            rng))
-        for (phase, ranks), bucket in zip(layout, buckets)
-    )
+    def shares(ranks: tuple[int, ...], microbatches: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        if not uneven or len(ranks) < 2 or not microbatches or rng.random() >= uneven:
+            return ()
+        members = [[position[i] for i in mb] for mb in microbatches]
+        limit = min((footprint.cap - float(footprint.held[m].sum())) / max(float(footprint.shared[m].sum()), 1.0)
+                    for m in members)
+        drawn = tuple(rng.randint(1, 4) for _ in ranks)
+        return shares_within(drawn, limit, lambda w: all(footprint.fits(m, len(ranks), w) for m in members))
+
+    groups = []
+    for (phase, ranks), bucket in zip(layout, buckets):
+        microbatches = _microbatches(bucket, lambda mb, d: footprint.fits([position[i] for i in mb], d), len(ranks),
+                                     max_samples_per_microbatch, rng)
+        groups.append(PlanGroup(ranks=ranks, phase=phase, microbatches=microbatches, shares=shares(ranks, microbatches)))
     plan = Plan(
         planner="random",
         world_size=n,

@@ -12,6 +12,7 @@ from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.plan.shares import Pace, blend, blended_pace, shares_within
 from megatron_dhp.workload.sample import Batch
 
 
@@ -31,7 +32,7 @@ class Instance:
     encoder share, which `footprint.cap` takes off)."""
     family: GroupFamily | None = None
     """The groups the plan may use (None: any contiguous window)."""
-    _times: dict[tuple[int, bool, float], np.ndarray] = field(default_factory=dict, repr=False)
+    _times: dict[tuple[int, bool, float | Pace], np.ndarray] = field(default_factory=dict, repr=False)
     _order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
     memo: dict = field(default_factory=dict, repr=False)
     """What the search derives once per instance and reuses across drafts (`layout.Windows`)."""
@@ -85,28 +86,80 @@ class Instance:
         """Every rank's speed."""
         return self.model.domain.speeds
 
-    def speed(self, first: int, size: int) -> float:
-        """The speed ranks [first, first + size) compute at: the slowest one's."""
-        return self.model.group_speed(range(first, first + size))
+    def pace(self, first: int, size: int) -> float | Pace:
+        """How fast ranks [first, first + size) run: their slowest one's speed, or with uneven shards
+        (`CostModel.group_shares`) their `Pace`."""
+        ranks = range(first, first + size)
+        shares = () if self.nominal else self.model.group_shares(ranks)
+        return self.model.group_pace(ranks, shares) if shares else self.model.group_speed(ranks)
 
-    def overhead(self, size: int, speed: float = 1.0) -> float:
-        """The fixed cost of one microbatch on a group of `size` ranks at `speed` (m, plus any multi-rank latency)."""
-        return self.model.microbatch_overhead(size, speed)
+    def overhead(self, size: int, speed: float | Pace = 1.0) -> float:
+        """The fixed cost of one microbatch on a group of `size` ranks at `speed` (m, plus any multi-rank latency),
+        at the slowest member's speed."""
+        return self.model.microbatch_overhead(size, speed.slowest if isinstance(speed, Pace) else speed)
 
-    def times(self, size: int, intra: bool, speed: float = 1.0) -> np.ndarray:
-        """t(L, size) of every sample on a group of `size` ranks at `speed`, cached per (size, placement, speed)."""
+    def times(self, size: int, intra: bool, speed: float | Pace = 1.0) -> np.ndarray:
+        """t(L, size) of every sample on a group of `size` ranks at `speed` (or `Pace`), cached per (size,
+        placement, speed)."""
         key = (size, intra, speed)
         if key not in self._times:
-            self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra, speed)
+            pace = {} if not isinstance(speed, Pace) else {"slowest": speed.slowest, "comm_scale": speed.comm_scale}
+            self._times[key] = self.model.sample_time(self.tokens, self.work, size, intra,
+                                                      speed.speed if pace else speed, **pace)
         return self._times[key]
+
+    @functools.cached_property
+    def share_limit(self) -> np.ndarray:
+        """The most of each sample one rank may hold alone in a microbatch: (cap - held) / shared (uneven
+        shards give the fastest rank more than 1 / d, `plan.shares.blend`)."""
+        return (self.footprint.cap - self.footprint.held) / np.maximum(self.footprint.shared, 1)
+
+    def wide_seconds(self, items: np.ndarray, size: np.ndarray, intra: np.ndarray, speed_sum: np.ndarray | float,
+                     slowest: np.ndarray | float, fastest: np.ndarray | float) -> np.ndarray:
+        """(items, windows): each sample's seconds alone on each window of `size` ranks (placement `intra`,
+        sum, slowest and fastest of its ranks' speeds). A window of mixed speeds runs with shares in proportion
+        to them, mixed toward even as far as the sample's memory needs (`plan.shares.blend`), when the model
+        allows uneven shards; else at its slowest rank's speed."""
+        tokens, work = self.tokens[items][:, None], self.work[items][:, None]  # (an index array keeps
+        if self.nominal:                                                          # `SampleWork`'s fixed part)
+            return self.model.sample_time(tokens, work, size[None, :], intra[None, :], 1.0)
+        mixed = np.asarray(fastest > slowest)
+        if not (self.model.uneven_shards and mixed.any()):
+            return self.model.sample_time(tokens, work, size[None, :], intra[None, :], np.asarray(slowest)[None, :])
+        alpha = blend(self.share_limit[items][:, None], size[None, :], (fastest / speed_sum)[None, :])
+        speed, comm_scale = blended_pace(alpha, size[None, :], speed_sum[None, :], slowest[None, :], fastest[None, :])
+        return self.model.sample_time(tokens, work, size[None, :], intra[None, :],
+                                      np.where(mixed[None, :], speed, slowest[None, :]), slowest=slowest[None, :],
+                                      comm_scale=np.where(mixed[None, :], comm_scale, 1.0))
+
+    def window_seconds(self, item: int, first: int, size: int, intra: bool) -> float:
+        """`wide_seconds` of one sample on ranks [first, first + size)."""
+        s = self.speeds[first : first + size]
+        return float(self.wide_seconds(np.array([item]), np.array([size]), np.array([intra]), np.array([s.sum()]),
+                                       np.array([s.min()]), np.array([s.max()]))[0, 0])
+
+    def plan_group(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]], phase: int) -> PlanGroup:
+        """The `PlanGroup` of a draft group (`microbatches` of instance indices), with the shares its speeds
+        ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`)."""
+        shares = () if self.nominal or not len(microbatches) else self.model.group_shares(ranks)
+        if shares:
+            shared, held = self.footprint.shared, self.footprint.held
+            limit = min((self.footprint.cap - float(held[mb].sum())) / max(float(shared[mb].sum()), 1.0)
+                        for mb in map(list, microbatches))
+            shares = shares_within(shares, limit,
+                                   lambda w: all(self.footprint.fits(mb, len(ranks), w) for mb in microbatches))
+        return PlanGroup(ranks=ranks, microbatches=tuple(tuple(int(self.ids[i]) for i in mb) for mb in microbatches),
+                         phase=phase, shares=shares)
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in
         one pass over all their samples (a planner prices whole layouts at a time)."""
         if not len(self._order):
             self._order = np.argsort(self.ids, kind="stable")
-        keys = [(g.size, self.model.is_intra(g.ranks), self.model.group_speed(g.ranks)) for g in groups]
-        unique = sorted(set(keys))
+        keys = [(g.size, self.model.is_intra(g.ranks),
+                 self.model.group_pace(g.ranks, g.shares) if g.shares else self.model.group_speed(g.ranks))
+                for g in groups]
+        unique = list(dict.fromkeys(keys))
         table = np.stack([self.times(*k) for k in unique]) if unique else np.zeros((0, len(self.ids)))
         overhead = np.array([self.overhead(size, speed) for size, _, speed in unique])
         key_of = {k: n for n, k in enumerate(unique)}

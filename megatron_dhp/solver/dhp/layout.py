@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron_dhp.plan.shares import Pace
 from megatron_dhp.solver.dhp import native
 from megatron_dhp.solver.dhp.instance import Instance
 
@@ -32,8 +33,9 @@ class DraftGroup:
     """Per-rank token cap: a microbatch's samples' loads (`Instance.load`) sum to at most size x cap."""
     overhead_s: float
     """What opening one more microbatch on this group costs."""
-    speed: float = 1.0
-    """The speed its slowest rank computes at (the times added to it are at this speed)."""
+    speed: float | Pace = 1.0
+    """The speed its slowest rank computes at, or with uneven shares its `Pace` (the times added to it are at
+    this speed)."""
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
     rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
     finish_s: float = 0.0
@@ -94,8 +96,10 @@ class Windows:
     firsts: np.ndarray
     """Where each size's windows begin."""
     intra: np.ndarray
-    speed: np.ndarray | float
+    slowest: np.ndarray | float
     """Each window's slowest rank's speed (1.0 without rank speeds)."""
+    fastest: np.ndarray | float
+    """Each window's fastest rank's speed (1.0 without rank speeds)."""
     overhead: np.ndarray
     capacity: np.ndarray | None
     """With rank speeds, the sum of each window's speeds (None without)."""
@@ -115,20 +119,22 @@ class Windows:
         intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
         end = start + size
         ranks = np.minimum(start[:, None] + np.arange(int(size.max(initial=1)))[None, :], end[:, None] - 1)
-        speed: np.ndarray | float = 1.0
+        slowest: np.ndarray | float = 1.0
+        fastest: np.ndarray | float = 1.0
         capacity = None
-        if not inst.nominal:  # each window at its slowest rank's speed, and the sum of its speeds
-            speed = inst.speeds[ranks].min(axis=1)
+        if not inst.nominal:  # each window's slowest and fastest rank's speed, and the sum of its speeds
+            slowest, fastest = inst.speeds[ranks].min(axis=1), inst.speeds[ranks].max(axis=1)
             total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
             capacity = total[end] - total[start]
         if inst.nominal:  # one overhead per size
             overhead = np.repeat([inst.overhead(sizes[k]) for k in kept], [len(starts[k]) for k in kept]).astype(np.float64)
         else:
-            pairs = list(zip(size.tolist(), np.broadcast_to(speed, size.shape).tolist()))
+            pairs = list(zip(size.tolist(), np.broadcast_to(slowest, size.shape).tolist()))
             over = {pair: inst.overhead(*pair) for pair in set(pairs)}
             overhead = np.array([over[pair] for pair in pairs])
         firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
-        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, speed, overhead, capacity, end, ranks)
+        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, slowest, fastest, overhead,
+                   capacity, end, ranks)
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
@@ -164,10 +170,7 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
         if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
             todo = [int(j) for j in items[degrees == degree] if int(j) not in seconds]
-            speed = w.speed if np.isscalar(w.speed) else w.speed[None, :]
-            # (an index array keeps `SampleWork`'s undivided part, which a scalar index drops)
-            table = inst.model.sample_time(inst.tokens[todo][:, None], inst.work[todo][:, None], w.size[None, :],
-                                           w.intra[None, :], speed)
+            table = inst.wide_seconds(np.array(todo), w.size, w.intra, w.capacity, w.slowest, w.fastest)
             seconds.update(zip(todo, table))
         time = seconds[i]
         j, begin = choose(w, skyline.ready, time, by, speeds)
@@ -220,7 +223,7 @@ def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int,
     gpn = inst.model.domain.gpus_per_node
     for i, s, d in placed:
         intra = d <= gpn and s // gpn == (s + d - 1) // gpn
-        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), float(inst.times(d, intra, inst.speed(s, d))[i]))
+        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), inst.window_seconds(i, s, d, intra))
 
 
 def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begin_s: float, time_s: float) -> None:
@@ -233,8 +236,8 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
     else:
         phase = int(skyline.phase[s : s + d].max())
         skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
-        speed = inst.speed(s, d)
-        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, speed), speed=speed)
+        pace = inst.pace(s, d)
+        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, pace), speed=pace)
         add_to_group(group, item, inst.load(item, d), time_s)
         skyline.wide.append(group)
         skyline.phase[s : s + d] = phase + 1

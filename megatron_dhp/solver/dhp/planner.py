@@ -309,8 +309,10 @@ class DhpPlanner(Planner):
         if not drafts:
             return None
         best = min((d for _, d in drafts), key=lambda d: d.makespan_s)  # the first of equals
+        # (with rank speeds, samples that no bin of one speed holds are wide too: `build`'s homeless)
         far = [(c, d) for c, d in sorted(drafts, key=lambda cd: cd[1].makespan_s)
-               if p == 1 and len(c.wide) and min(best.makespan_s, beat_s) > c.bound_s * (1 + self.gap)]
+               if p == 1 and (len(c.wide) or (d.num_wide and not inst.nominal))
+               and min(best.makespan_s, beat_s) > c.bound_s * (1 + self.gap)]
         for cand, draft in far[: self.rebuilds]:
             draft = self.rebuilt(inst, cand, degrees_of, draft, family, beat_s)
             best = draft if draft.makespan_s < best.makespan_s else best
@@ -327,11 +329,7 @@ class DhpPlanner(Planner):
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
             return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p, virtual=virtual), None
-        groups = [
-            PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in g.microbatches),
-                      phase=g.phase)
-            for g in best.groups
-        ]
+        groups = [inst.plan_group(g.ranks, g.microbatches, g.phase) for g in best.groups]
         if best.makespan_s <= target * (1 + self.gap):
             return groups, best.makespan_s
         # Far from the bound: a static CP layout may still be faster, at the batch's smallest CP or a larger one
@@ -385,11 +383,8 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
 def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
     """A draft's groups for 1F1B: the bins in one last phase, each group's microbatches in `pipeline_order`."""
     last = 1 + max((g.phase for g in draft.groups[:draft.num_wide]), default=-1)
-    return [
-        PlanGroup(ranks=g.ranks, microbatches=tuple(tuple(int(inst.ids[i]) for i in mb) for mb in pipeline_order(inst, g)),
-                  phase=g.phase if k < draft.num_wide else last)
-        for k, g in enumerate(draft.groups)
-    ]
+    return [inst.plan_group(g.ranks, pipeline_order(inst, g), g.phase if k < draft.num_wide else last)
+            for k, g in enumerate(draft.groups)]
 
 
 def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
