@@ -72,10 +72,13 @@ class Domain:
                 raise DhpError(f"{name} = {value!r} must be an integer >= 1 (set --{name.replace('_', '-')})")
         check_speeds(self.rank_speeds, self.world_size)
 
-    @property
+    @functools.cached_property
     def speeds(self) -> np.ndarray:
-        """Every position's speed (ones when `rank_speeds` is empty)."""
-        return np.asarray(self.rank_speeds, dtype=np.float64) if self.rank_speeds else np.ones(self.world_size)
+        """Every position's speed (ones when `rank_speeds` is empty); read-only, made once (planners ask per
+        group)."""
+        speeds = np.asarray(self.rank_speeds, dtype=np.float64) if self.rank_speeds else np.ones(self.world_size)
+        speeds.flags.writeable = False
+        return speeds
 
     @functools.cached_property
     def nominal(self) -> bool:

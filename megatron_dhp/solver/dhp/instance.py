@@ -86,12 +86,9 @@ class Instance:
         """Every rank's speed."""
         return self.model.domain.speeds
 
-    def pace(self, first: int, size: int) -> float | Pace:
-        """How fast ranks [first, first + size) run: their slowest one's speed, or with uneven shards
-        (`CostModel.group_shares`) their `Pace`."""
-        ranks = range(first, first + size)
-        shares = () if self.nominal else self.model.group_shares(ranks)
-        return self.model.group_pace(ranks, shares) if shares else self.model.group_speed(ranks)
+    def speed(self, first: int, size: int) -> float:
+        """The speed of the slowest of ranks [first, first + size): what a microbatch's fixed cost runs at."""
+        return self.model.group_speed(range(first, first + size))
 
     def overhead(self, size: int, speed: float | Pace = 1.0) -> float:
         """The fixed cost of one microbatch on a group of `size` ranks at `speed` (m, plus any multi-rank latency),
@@ -141,7 +138,7 @@ class Instance:
     def plan_group(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]], phase: int) -> PlanGroup:
         """The `PlanGroup` of a draft group (`microbatches` of instance indices), with the shares its speeds
         ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`)."""
-        shares = () if self.nominal or not len(microbatches) else self.model.group_shares(ranks)
+        shares = () if self.nominal or len(ranks) < 2 or not len(microbatches) else self.model.group_shares(ranks)
         if shares:
             shared, held = self.footprint.shared, self.footprint.held
             limit = min((self.footprint.cap - float(held[mb].sum())) / max(float(shared[mb].sum()), 1.0)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_dhp.plan.shares import Pace
 from megatron_dhp.solver.dhp import native
 from megatron_dhp.solver.dhp.instance import Instance
 
@@ -33,9 +32,9 @@ class DraftGroup:
     """Per-rank token cap: a microbatch's samples' loads (`Instance.load`) sum to at most size x cap."""
     overhead_s: float
     """What opening one more microbatch on this group costs."""
-    speed: float | Pace = 1.0
-    """The speed its slowest rank computes at, or with uneven shares its `Pace` (the times added to it are at
-    this speed)."""
+    speed: float = 1.0
+    """The speed its slowest rank computes at (a bin's times are at this speed; a wide group's are each
+    sample's on its window, `Instance.wide_seconds`)."""
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
     rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
     finish_s: float = 0.0
@@ -85,8 +84,7 @@ def window_starts(num_ranks: int, size: int, cell: int, gpus_per_node: int, stra
 @dataclass(frozen=True)
 class Windows:
     """Every window a wide sample of some degree may take, flat and ordered by (size, start): for each its
-    size, first rank, placement, slowest rank's speed and microbatch overhead, and its ranks as one row of
-    `ranks` (padded with its last rank), which gives all windows' latest-free ranks in one gather."""
+    size, first rank, placement, slowest and fastest rank's speed, sum of speeds and microbatch overhead."""
 
     size: np.ndarray
     start: np.ndarray
@@ -105,7 +103,12 @@ class Windows:
     """With rank speeds, the sum of each window's speeds (None without)."""
     end: np.ndarray
     """start + size."""
-    ranks: np.ndarray
+
+    @functools.cached_property
+    def ranks(self) -> np.ndarray:
+        """Each window's ranks as a row, padded with its last rank: all windows' latest-free ranks in one gather
+        (the Python `choose_window`'s; the compiled one walks the windows)."""
+        return np.minimum(self.start[:, None] + np.arange(int(self.size.max(initial=1)))[None, :], self.end[:, None] - 1)
 
     @classmethod
     def of(cls, inst: Instance, sizes: list[int], cell: int, straddle: bool) -> Windows:
@@ -118,12 +121,13 @@ class Windows:
         segment = np.repeat(np.arange(len(kept)), [len(starts[k]) for k in kept])
         intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
         end = start + size
-        ranks = np.minimum(start[:, None] + np.arange(int(size.max(initial=1)))[None, :], end[:, None] - 1)
         slowest: np.ndarray | float = 1.0
         fastest: np.ndarray | float = 1.0
         capacity = None
         if not inst.nominal:  # each window's slowest and fastest rank's speed, and the sum of its speeds
-            slowest, fastest = inst.speeds[ranks].min(axis=1), inst.speeds[ranks].max(axis=1)
+            slides = [np.lib.stride_tricks.sliding_window_view(inst.speeds, sizes[k])[starts[k]] for k in kept]
+            slowest = np.concatenate([w.min(axis=1) for w in slides])
+            fastest = np.concatenate([w.max(axis=1) for w in slides])
             total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
             capacity = total[end] - total[start]
         if inst.nominal:  # one overhead per size
@@ -134,7 +138,7 @@ class Windows:
             overhead = np.array([over[pair] for pair in pairs])
         firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
         return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, slowest, fastest, overhead,
-                   capacity, end, ranks)
+                   capacity, end)
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
@@ -236,8 +240,8 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
     else:
         phase = int(skyline.phase[s : s + d].max())
         skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
-        pace = inst.pace(s, d)
-        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, pace), speed=pace)
+        speed = inst.speed(s, d)
+        group = DraftGroup(s, d, phase, begin_s, inst.footprint.cap, inst.overhead(d, speed), speed=speed)
         add_to_group(group, item, inst.load(item, d), time_s)
         skyline.wide.append(group)
         skyline.phase[s : s + d] = phase + 1
@@ -324,9 +328,19 @@ def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
     as an empty group (so a slow rank runs its own samples instead of holding back fast ones).
 
     With a family a run is cut, from its first rank on, into the widest family groups that fit it."""
-    bins: list[DraftGroup] = []
     num_ranks = inst.num_ranks
     speeds = inst.speeds
+    if not inst.family:  # runs cut at cell starts and wherever the free time, phase or speed changes
+        r = np.arange(num_ranks)
+        cut = (r % cell == 0) | np.r_[True, (np.diff(skyline.ready) != 0) | (np.diff(skyline.phase) != 0)
+                                      | (np.diff(speeds) != 0)]
+        firsts = np.flatnonzero(cut)
+        lengths = np.diff(np.r_[firsts, num_ranks])
+        ready, phase, speed = skyline.ready[firsts].tolist(), skyline.phase[firsts].tolist(), speeds[firsts].tolist()
+        overhead = {(d, v): inst.overhead(d, v) for d, v in set(zip(lengths.tolist(), speed))}
+        return [DraftGroup(a, d, p, t, inst.footprint.cap, overhead[(d, v)], speed=v)
+                for a, d, p, t, v in zip(firsts.tolist(), lengths.tolist(), phase, ready, speed)]
+    bins: list[DraftGroup] = []
     for c0 in range(0, num_ranks, cell):
         c1 = min(c0 + cell, num_ranks)
         r = c0
@@ -335,8 +349,7 @@ def open_bins(inst: Instance, skyline: Skyline, cell: int) -> list[DraftGroup]:
             while (e < c1 and skyline.ready[e] == skyline.ready[r] and skyline.phase[e] == skyline.phase[r]
                    and speeds[e] == speeds[r]):
                 e += 1
-            if inst.family:
-                e = r + inst.family.largest_at(r, e - r)
+            e = r + inst.family.largest_at(r, e - r)
             speed = float(speeds[r])
             bins.append(DraftGroup(r, e - r, int(skyline.phase[r]), float(skyline.ready[r]), inst.footprint.cap,
                                    inst.overhead(e - r, speed), speed=speed))

@@ -59,7 +59,7 @@ from megatron_dhp.solver.dhp.rounds import (
     round_layouts,
     spaced_round_groups,
 )
-from megatron_dhp.solver.static import StaticPlanner
+from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 from megatron_dhp.workload.sample import Batch
 
 STALE_PROBES = 3
@@ -367,16 +367,20 @@ class DhpPlanner(Planner):
 
 def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[PlanGroup]]:
     """Static CP's layouts of the batch: at its smallest CP (`StaticPlanner`'s choice) and at every double of it
-    that divides the domain, but those whose replicas' mean time alone (all ranks nominal) reaches `beat_s`."""
+    that divides the domain, but those whose replicas' mean time alone (each at its slowest rank's speed)
+    reaches `beat_s`: replica r takes its samples' time T_r at speed v_r, so the longest is at least
+    sum T / sum v, and such a layout cannot beat the draft."""
     model = inst.model
-    first = StaticPlanner().solve(batch, model)
-    layouts, n, cap = [first], model.domain.world_size, model.domain.max_tokens_per_rank
-    cp = 2 * len(first[0].ranks)
+    layouts, n, cap = [], model.domain.world_size, model.domain.max_tokens_per_rank
+    longest = int(batch.lengths.max())
+    cp = static_cp_size(longest, model.domain, int(inst.footprint.min_degree().max()))
+    first = True
     while cp <= n and n % cp == 0:
-        mean_s = float(inst.times(cp, model.is_intra(range(cp))).sum()) * cp / n
-        if not inst.nominal or mean_s < beat_s:
-            layouts.append(StaticPlanner(dataset_max_tokens=cp * cap).solve(batch, model))
-        cp *= 2
+        total_s = float(inst.times(cp, model.is_intra(range(cp))).sum())
+        mean_s = total_s * cp / n if inst.nominal else total_s / float(inst.speeds.reshape(-1, cp).min(axis=1).sum())
+        if (first and inst.nominal) or mean_s < beat_s:  # (nominal: the first always, as it always was)
+            layouts.append(StaticPlanner(dataset_max_tokens=None if first else cp * cap).solve(batch, model))
+        cp, first = 2 * cp, False
     return layouts
 
 
