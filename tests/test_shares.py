@@ -156,6 +156,7 @@ def test_a_long_sample_on_mixed_ranks_ends_sooner_with_shares_and_the_bound_allo
     assert best_lower_bound(blind, batch.samples) > t_shared  # the even-shards bound does not hold for it
     plan = run_planner(build_planner("dhp"), batch, model)
     assert plan.groups[0].shares and plan.predicted_step_time_s == pytest.approx(t_shared)
+    assert "| 1 uneven |" in plan.summary() and "uneven" not in even.summary()
     assert run_planner(build_planner("dhp"), batch, blind).groups[0].shares == ()
 
 

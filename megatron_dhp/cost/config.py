@@ -188,7 +188,8 @@ class CostConfig:
     rank_speeds: tuple[float, ...] = ()
     """Each domain position's relative compute speed, 1.0 the rank these coefficients describe (a throttled
     or older GPU: below 1); empty, the default, is every rank at 1. A group computes at its slowest member's
-    speed; communication is not scaled unless `speed_scales_comm` (docs/cost-model.md)."""
+    speed, or with `uneven_shards` at its pace (docs/cost-model.md#uneven-shards); communication is not scaled
+    unless `speed_scales_comm` (docs/cost-model.md)."""
     uneven_shards: bool = True
     """Whether a group whose members run at different speeds gives each a share of every sample in proportion
     to its speed (`plan.shares`), so they finish together; false: every member an equal share, the group at

@@ -157,7 +157,8 @@ class Plan:
         return sorted((g for g in self.groups if rank in g.ranks), key=lambda g: g.phase)
 
     def summary(self) -> str:
-        """One line: group sizes as `countxsize`, phases, microbatches, predicted time against the bound."""
+        """One line: group sizes as `countxsize`, phases, microbatches, groups with uneven shares, slow ranks,
+        predicted time against the bound."""
         sizes = Counter(g.size for g in self.groups)
         parts = [f"groups {' '.join(f'{n}x{d}' for d, n in sorted(sizes.items()))}"]
         if self.pipeline_stages > 1:
@@ -167,6 +168,9 @@ class Plan:
         if self.encoder_placement != "split":
             parts.append(f"encoder {self.encoder_placement}")
         parts.append(f"{self.num_microbatches} mb")
+        uneven = sum(1 for g in self.groups if g.shares)
+        if uneven:
+            parts.append(f"{uneven} uneven")
         slow = slow_ranks_text(self.rank_speeds, most=SUMMARY_SLOW)
         if slow:
             parts.append(slow)

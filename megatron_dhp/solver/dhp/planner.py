@@ -7,8 +7,9 @@ rebalanced by local moves. The candidate whose draft is fastest, if still far fr
 with wide samples grown, in columns of their own degree (`columns.py`) and multifit-packed (`multifit`). Far
 from its bound, static CP's layouts are tried too (at the batch's smallest CP and each double of it: one
 group of the whole domain can hold a giant sample and all the short ones in one microbatch). The shortest
-simulated step wins. With rank speeds (`CostModel.group_speed`) every group is priced at its slowest rank's
-speed and bins never mix speeds, so slow ranks get less work, share groups with each other, or idle. Every
+simulated step wins. With rank speeds every group is priced at its pace (`CostModel.group_pace`: its slowest
+rank's speed, or a window of mixed speeds with shares in proportion to them, `plan.shares`) and bins never
+mix speeds, so slow ranks get less work, share groups with each other, or idle. Every
 choice is a sort with
 explicit tie-breaks on sample ids, so the same input gives the same plan on every machine.
 
