@@ -116,7 +116,8 @@ class Instance:
         """(items, windows): each sample's seconds alone on each window of `size` ranks (placement `intra`,
         sum, slowest and fastest of its ranks' speeds). A window of mixed speeds runs with shares in proportion
         to them, mixed toward even as far as the sample's memory needs (`plan.shares.blend`), when the model
-        allows uneven shards; else at its slowest rank's speed."""
+        allows uneven shards and that is faster than even shards (it is not where communication binds: the
+        largest share's block sets every step's); else at its slowest rank's speed."""
         tokens, work = self.tokens[items][:, None], self.work[items][:, None]  # (an index array keeps
         if self.nominal:                                                          # `SampleWork`'s fixed part)
             return self.model.sample_time(tokens, work, size[None, :], intra[None, :], 1.0)
@@ -125,9 +126,11 @@ class Instance:
             return self.model.sample_time(tokens, work, size[None, :], intra[None, :], np.asarray(slowest)[None, :])
         alpha = blend(self.share_limit[items][:, None], size[None, :], (fastest / speed_sum)[None, :])
         speed, comm_scale = blended_pace(alpha, size[None, :], speed_sum[None, :], slowest[None, :], fastest[None, :])
-        return self.model.sample_time(tokens, work, size[None, :], intra[None, :],
-                                      np.where(mixed[None, :], speed, slowest[None, :]), slowest=slowest[None, :],
-                                      comm_scale=np.where(mixed[None, :], comm_scale, 1.0))
+        even = self.model.sample_time(tokens, work, size[None, :], intra[None, :], np.asarray(slowest)[None, :])
+        return np.minimum(even, self.model.sample_time(tokens, work, size[None, :], intra[None, :],
+                                                       np.where(mixed[None, :], speed, slowest[None, :]),
+                                                       slowest=slowest[None, :],
+                                                       comm_scale=np.where(mixed[None, :], comm_scale, 1.0)))
 
     def window_seconds(self, item: int, first: int, size: int, intra: bool) -> float:
         """`wide_seconds` of one sample on ranks [first, first + size)."""
@@ -137,7 +140,8 @@ class Instance:
 
     def plan_group(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]], phase: int) -> PlanGroup:
         """The `PlanGroup` of a draft group (`microbatches` of instance indices), with the shares its speeds
-        ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`)."""
+        ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`), where they make it
+        faster than even shares."""
         shares = () if self.nominal or len(ranks) < 2 or not len(microbatches) else self.model.group_shares(ranks)
         if shares:
             shared, held = self.footprint.shared, self.footprint.held
@@ -145,8 +149,19 @@ class Instance:
                         for mb in map(list, microbatches))
             shares = shares_within(shares, limit,
                                    lambda w: all(self.footprint.fits(mb, len(ranks), w) for mb in microbatches))
+        if shares and self.group_seconds(ranks, microbatches, shares) >= self.group_seconds(ranks, microbatches, ()):
+            shares = ()
         return PlanGroup(ranks=ranks, microbatches=tuple(tuple(int(self.ids[i]) for i in mb) for mb in microbatches),
                          phase=phase, shares=shares)
+
+    def group_seconds(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]],
+                      shares: tuple[int, ...]) -> float:
+        """Seconds of a group's microbatches (instance indices) on `ranks` with `shares`."""
+        items = np.fromiter((i for mb in microbatches for i in mb), dtype=np.int64)
+        p = self.model.group_pace(ranks, shares)
+        t = self.model.sample_time(self.tokens[items], self.work[items], len(ranks), self.model.is_intra(ranks),
+                                   p.speed, slowest=p.slowest, comm_scale=p.comm_scale)
+        return float(t.sum()) + len(microbatches) * self.model.microbatch_overhead(len(ranks), p.slowest)
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in
