@@ -3,7 +3,7 @@
 measuring    `slot_clock`       each rank's slot seconds (wall time, or CUDA events read a step late), behind the
                                 runtime's `runtime.slot_timer.SlotTimer` protocol, so the runtime never imports it
              `injection`        fault injection (`slow_ranks`): a wrapper around the clock, put on only when set
-estimating   `speed_estimator`  each rank's speed from measured over predicted seconds (medians, hysteresis)
+estimating   `speed_estimator`  each rank's speed from measured over predicted seconds, predicted for the step it plans
              `scale_fit`        the cost model's own correction: factors on its attention and on its other seconds
 deciding     `loop`             `ClosedLoop`: each rank's report, every rank's reports in, the model plans use (the
                                 engine's `runtime.engine.Feedback`)

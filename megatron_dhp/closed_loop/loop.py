@@ -10,8 +10,9 @@ the model's own coefficients (`closed_loop.scale_fit`). The planner plans each s
 corrected, with those speeds: slow ranks get less work, and predicted step times converge on measured ones
 without a separate `profile` run.
 
-Timing lags a step (the report of step t rides with the gather of step t + 2 under read-ahead), and the
-estimate moves only past its hysteresis, so one slow step neither re-plans nor hides a real straggler.
+Timing lags (the report of step t rides with the gather of step t + 2 under read-ahead), so the speeds are
+predicted `LEAD` steps on along the trend they show; they move only past a band that is the hysteresis or the
+reports' own noise, so a few noisy steps neither re-plan nor hide a real straggler.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ FIT_WINDOWS = 4
 COLD_STEPS = 1
 """The first timed steps fit nothing: they run cold (allocator, caches, lazy initialisation), up to several
 times as long as the same work later."""
+LEAD = 2
+"""The report of step t plans step t + 2: under read-ahead (`runtime.engine`) step t + 1 is gathered, and its plan
+begun, before step t runs. The speeds are predicted that many steps past the last report."""
 MIN_SHARE = 0.1
 """A group counts toward a rank's speed when it holds at least this share of the rank's predicted time
 (shorter ones are mostly timer noise and launch gaps)."""
@@ -56,7 +60,7 @@ class ClosedLoop:
                          if adaptive and not self.adaptive else None)
         """The start-up line that says why an `adaptive` job's loop is off (None where it runs or was not asked)."""
         self._nominal = build_cost_model(self.base)
-        self.estimator = SpeedEstimator(cost.world_size, window=window, hysteresis=hysteresis,
+        self.estimator = SpeedEstimator(cost.world_size, window=window, hysteresis=hysteresis, lead=LEAD,
                                         initial=stated or cost.rank_speeds)
         self.fit = ScaleFit(FIT_WINDOWS * window)
         """The model's own correction: factors on its attention and on its other seconds (over a longer window
@@ -107,9 +111,10 @@ class ClosedLoop:
 
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
                span: float) -> tuple[float, ...]:
-        """This rank's report of its timed slots of `plan` (() without any): rho, their span (first start to
-        last end), the plan's step under the current model without sigma, and the `scale_fit` statistics of
-        the groups it did not wait in."""
+        """This rank's report of its timed slots of `plan` (() without any): rho (NaN where every group it
+        counts holds the whole domain: each rank measures the same there, which tells no rank's speed from the
+        others'), their span (first start to last end), the plan's step under the current model without sigma,
+        and the `scale_fit` statistics of the groups it did not wait in."""
         if plan.pipeline_stages > 1:
             return ()
         predicted = self._slot_predictions(plan, position)
@@ -127,24 +132,25 @@ class ClosedLoop:
         ratios = {g: m / p for g, (m, p) in sums.items() if p > 0 and p >= MIN_SHARE * total}
         if not ratios:
             return ()
-        rho = min(ratios.values())
+        fastest = min(ratios.values())
         stats = np.zeros(STATS)
         for group, ratio in ratios.items():  # groups where this rank hardly waited: its own time
-            if ratio <= (1 + self.hysteresis) * rho:
+            if ratio <= (1 + self.hysteresis) * fastest:
                 for y, a, r in rows[group]:
                     stats += (a * a, a * r, r * r, a * y, r * y)
         # the plan's step under the current model without sigma (every rank starts at it, so it only adds):
         # what the span's excess is measured against
         model = self.model()
         step = simulate(plan, model).step_time_s - model.step_overhead_s
-        return (rho, span, step, *stats.tolist())
+        alone = any(plan.groups[g].size < plan.world_size for g in ratios)
+        return (fastest if alone else math.nan, span, step, *stats.tolist())
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
         """Every rank's report of one step: update the speeds and the model's factors (adaptive only)."""
         if not self.adaptive:
             return
         ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
-        complete = [len(r) == 3 + STATS and math.isfinite(r[0]) for r in reports]
+        complete = [len(r) == 3 + STATS and math.isfinite(r[1]) for r in reports]  # rho may be NaN (`report`)
         full = [r for r, ok in zip(reports, complete) if ok]
         with self._lock:
             estimate = self.estimator.update(ratios)
