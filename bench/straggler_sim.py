@@ -13,10 +13,12 @@ repeats exactly):
     drift      a trace of `--drift-steps` steps: every rank on a bounded random walk (x exp(N(0, 3 %)) a step,
                clipped to [0.4, 1.0], from 1.0), and two ranks held at 0.5 from a quarter of the trace on, one
                recovering at half of it and one at three quarters. A fresh batch per step (index = step - 1);
-               dhp plans with the previous step's speeds (the closed loop's one step of lag), rounded to
-               powers of 1 + `--speed-grid` as the closed loop reports measured speeds (its grid by default); every plan is priced under
-               the current exact speeds. dhp-nolag, dhp planned with the current (rounded) speeds, shows
-               what the lag costs.
+               dhp plans with the speeds the closed loop predicts from the steps before (its predictor,
+               `closed_loop.speed_estimator.predict_log_speeds`, at its default window, one step ahead),
+               rounded to powers of 1 + `--speed-grid` as the closed loop publishes them (its grid by
+               default); every plan is priced under the current exact speeds. dhp-prev plans with the
+               previous step's (rounded) speeds, dhp-nolag with the current ones: beside them, dhp shows
+               what the lag costs and how much of it the predictor wins back.
 
 Planners: dhp (speed-aware), dhp-blind (dhp on the speed-blind model), static and fcp-ref (speed-blind as
 published; static and fcp-ref take the batch's longest sample as the dataset's). Every plan is priced under
@@ -34,7 +36,7 @@ distinct speeds, since bins of different speeds are different classes that its f
 on the drift trace, 0.4 s a step at N = 64, 2 s at 256 and 16 s at 1,024 with speeds on the 2 % grid
 (exact speeds took over 10x longer on the trace's first steps at N = 256, hence `--speed-grid`). So from `LARGE_RANKS` ranks on a fixed
 scenario runs `--batches-large` batches and drift plans `--drift-steps-large` of its steps, evenly spaced
-over the whole trace (each still planned with the step before it); the run prints what it used. The default
+over the whole trace (each still planned from the steps before it); the run prints what it used. The default
 run takes about 7 minutes on 2 CPU cores.
 
     python bench/straggler_sim.py [--sizes 512x64,2048x256,8192x1024] [--batches 3] [--drift-steps 200]
@@ -54,9 +56,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from megatron_dhp.closed_loop.speed_estimator import TREND_WINDOWS, predict_log_speeds
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.model import CostModel
+from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.plan.rank_speeds import SPEED_GRID, on_speed_grid
 from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 from megatron_dhp.workload import LengthSource
@@ -66,6 +70,8 @@ SCENARIOS = ("nominal", "one-0.5", "node-0.7", "1pct-0.5", "two-gen", "drift")
 PLANNERS = ("dhp", "dhp-blind", "static", "fcp-ref")
 NOLAG = "dhp-nolag"
 """dhp planned with the current step's speeds (drift only): the closed loop without its step of lag."""
+PREV = "dhp-prev"
+"""dhp planned with the previous step's speeds (drift only): the step of lag, nothing predicted."""
 LARGE_RANKS = 256
 """From this many ranks on, a cell runs `--batches-large` batches and drift plans `--drift-steps-large` of its steps."""
 DRIFT_STD, DRIFT_FLOOR, DRIFT_DIP = 0.03, 0.4, 0.5
@@ -118,23 +124,33 @@ def on_grid(speeds: np.ndarray, grid: float) -> np.ndarray:
     return np.minimum(on_speed_grid(speeds, grid=1 + grid), 1.0)
 
 
-def cell_units(scenario: str, n: int, gpn: int, args: argparse.Namespace) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """(batch index, speeds dhp plans with, speeds dhp-nolag plans with, speeds the step runs at) of every
-    batch of one cell."""
+def predicted(trace: np.ndarray, t: int) -> np.ndarray:
+    """Step `t`'s speeds as the closed loop predicts them from the trace's steps before it (`predict_log_speeds`
+    over as many as it keeps, at the loop's default window)."""
+    window = DhpConfig.adaptive_window
+    past = np.log(trace[max(0, t - TREND_WINDOWS * window) : t])
+    return np.exp(predict_log_speeds(past, window=window, lead=1))
+
+
+def cell_units(scenario: str, n: int, gpn: int,
+               args: argparse.Namespace) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(batch index, speeds dhp plans with, speeds dhp-nolag plans with, speeds dhp-prev plans with, speeds the
+    step runs at) of every batch of one cell."""
     large = n >= LARGE_RANKS
     if scenario == "drift":
         trace = drift_trace(n, args.drift_steps, args.seed)
         measured = on_grid(trace, args.speed_grid)
         steps = range(1, args.drift_steps + 1) if not large else \
             np.unique(np.linspace(1, args.drift_steps, min(args.drift_steps_large, args.drift_steps)).round().astype(int))
-        return [(int(t) - 1, measured[t - 1], measured[t], trace[t]) for t in steps]
+        return [(int(t) - 1, on_grid(predicted(trace, t), args.speed_grid), measured[t], measured[t - 1], trace[t])
+                for t in steps]
     speeds = fixed_speeds(scenario, n, gpn, args.seed)
-    return [(k, speeds, speeds, speeds) for k in range(args.batches_large if large else args.batches)]
+    return [(k, speeds, speeds, speeds, speeds) for k in range(args.batches_large if large else args.batches)]
 
 
 def price(planner_name: str, batch, seen: CostModel, true: CostModel) -> tuple[float | None, float | None]:
     """(step seconds under `true`, solve ms) of one planner's plan made on `seen`; None where it cannot plan."""
-    if planner_name in ("dhp", NOLAG):
+    if planner_name in ("dhp", NOLAG, PREV):
         planner = build_planner("dhp")
     elif planner_name == "dhp-blind":
         planner = build_planner("dhp", speed_aware=False)
@@ -160,12 +176,12 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
         for (global_batch, n), scenario in cells:
             progress.update(task, description=f"{global_batch}x{n} {scenario}")
             model = build_cost_model(base.with_overrides(world_size=n, rank_speeds=()))
-            planners = [*PLANNERS, *([NOLAG] if scenario == "drift" else [])]
-            for k, planned_with, nolag_with, runs_at in units[((global_batch, n), scenario)]:
+            planners = [*PLANNERS, *([NOLAG, PREV] if scenario == "drift" else [])]
+            for k, planned_with, nolag_with, prev_with, runs_at in units[((global_batch, n), scenario)]:
                 batch = source.draw(global_batch=global_batch, seed=args.seed, index=k, capacity=model.domain.capacity)
                 true = model.with_speeds(tuple(runs_at.tolist()))
                 seen = {p: true if speeds is runs_at else model.with_speeds(tuple(speeds.tolist()))
-                        for p, speeds in (("dhp", planned_with), (NOLAG, nolag_with))}
+                        for p, speeds in (("dhp", planned_with), (NOLAG, nolag_with), (PREV, prev_with))}
                 lb = best_lower_bound(true, batch.samples)
                 for name in planners:
                     step, solve_ms = price(name, batch, seen.get(name, true), true)
@@ -187,7 +203,7 @@ def summarize(records: list[dict]) -> list[dict]:
     for (size, ranks, scenario), done in cells.items():
         dhp = {b: r for (b, p), r in done.items() if p == "dhp"}
         row = {"size": size, "ranks": ranks, "scenario": scenario, "batches": len(dhp)}
-        for p in (*PLANNERS, NOLAG):
+        for p in (*PLANNERS, NOLAG, PREV):
             ratios = [r["ratio"] for (_, q), r in done.items() if q == p and r["ratio"] is not None]
             row[f"{p}/LB"] = float(np.mean(ratios)) if ratios else None
             vs = [done[(b, p)]["step_s"] / d["step_s"] for b, d in dhp.items()
@@ -217,7 +233,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
 
 
 COLUMNS = ("scenario", "batches", "dhp/LB", "dhp-blind/LB", "static/LB", "fcp-ref/LB", "dhp-blind/dhp",
-           "static/dhp", "fcp-ref/dhp", "dhp-nolag/LB", "solve p50 ms", "solve p99 ms")
+           "static/dhp", "fcp-ref/dhp", "dhp-nolag/LB", "dhp-prev/LB", "solve p50 ms", "solve p99 ms")
 
 
 def cells_of(row: dict) -> list[str]:
@@ -240,6 +256,11 @@ def report(records: list[dict], args: argparse.Namespace, console: Console) -> l
         for r in mine:
             table.add_row(*cells_of(r))
         console.print(table)
+    for r in rows:
+        if r["scenario"] == "drift":
+            nolag = r[f"{NOLAG}/LB"]
+            console.print(f"drift on {r['ranks']} ranks, what the lag costs over {NOLAG} (mean step / bound): "
+                          f"{PREV} {r[f'{PREV}/LB'] / nolag - 1:+.2%}, dhp (predicted) {r['dhp/LB'] / nolag - 1:+.2%}")
     results = targets(rows)
     table = Table(title="targets for speed-aware dhp")
     for col in ("target", "measured", "met"):
