@@ -6,7 +6,8 @@
    with each rank's report of its last timed step (the closed loop's `Feedback`: no collective of its own);
 2. **plan** the gathered batch on global rank 0 only (a `PlanSource`, e.g. `integration.planning.JobPlanner`)
    and broadcast the plan to every rank (`collectives.broadcast_plan`), or take a plan given with the samples;
-3. **check** that every rank holds the same valid plan (`collectives.check_plan`);
+3. **check** that every rank holds the same valid plan (`collectives.check_plan`), and that the job's attention
+   runs its shards (`check_shares`: uneven ones not under TransformerEngine's);
 4. **read ahead** (streamed steps): gather the next step's lengths and start planning it in the background
    on rank 0, so the planner never stalls a step (its broadcast waits for the step that asks for it);
 5. **prepare** the plan's groups (`GroupPool.prepare`, world-collective) unless the comm policy runs any group
@@ -328,6 +329,7 @@ class StepEngine:
     def _dispatch(self, current: _Pending, plan: Plan, *, read_ahead: bool) -> StepInputs:
         check_world(plan, self.domain)
         check_plan(plan, current.gathered, self.domain)
+        check_shares(plan, self.policy)
         if read_ahead:
             self._ahead = self._read()
             if self._ahead is not None and dist.get_rank() == PLANNING_RANK:
@@ -363,6 +365,18 @@ class StepEngine:
         if self.feedback is not None:
             self.feedback.observe(gathered.reports)
         return _Pending(local, gathered)
+
+
+def check_shares(plan: Plan, policy: CommPolicy | None) -> None:
+    """Refuse a plan with uneven shards where the job's attention cannot run them, before any token moves (the
+    plan is the same on every rank, so every rank stops here): TransformerEngine's THD context parallelism
+    (`layer_spec: te`) finds each rank's shard as the even zigzag (padded / d of every sample)."""
+    uneven = next((g for g in plan.groups if g.shares), None)
+    if uneven is not None and policy is not None and policy.layer_spec == "te":
+        raise DhpError(f"the plan gives the group of ranks {list(uneven.ranks)} uneven shares {list(uneven.shares)}, "
+                       "which TransformerEngine's attention (layer_spec te) cannot run: its THD context parallelism "
+                       "knows only even zigzag shards; set uneven_shards: false in the cost config, or use "
+                       "layer_spec local")
 
 
 def check_chunks(plan: Plan, model: torch.nn.Module | list[torch.nn.Module]) -> None:

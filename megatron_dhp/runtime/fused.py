@@ -1,8 +1,10 @@
 """The CUDA kernels of `csrc/` behind one call each, with a pure-torch fallback that gives the same result.
 
 - `zigzag_pack` / `zigzag_unpack`: whole THD samples <-> one rank's (or every rank's) zigzag shards, the
-  layout of `layout.zigzag_positions`; the kernel derives each row's source from cu_seqlens, so no index
-  tensor is built or copied to the device.
+  layout of `layout.zigzag_positions` (or, given each rank's chunks, of uneven shards, `layout.shard_positions`);
+  the kernel derives each row's source from cu_seqlens, so no index tensor is built or copied to the device.
+  It knows chunks equal on every rank only; uneven ones take the torch path, an index built once per
+  microbatch.
 - `gather_rows` / `scatter_rows`: rows by an int64 index, the re-dispatch primitive.
 - `lse_merge`: `attention.math.merge_partials` as one kernel (and one for its backward).
 
@@ -44,38 +46,45 @@ PREBUILT = _CSRC.parent / "build" / "csrc" / "libmegatron_dhp_csrc.so"
 _MERGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+Chunks = Sequence[Sequence[int]]
+"""Each sample's chunk length on each group rank (`layout.MicrobatchLayout.chunks`): uneven shards."""
+
+
 def zigzag_pack(
-    x: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None, pad_value: float = 0
+    x: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None, pad_value: float = 0,
+    *, chunks: Chunks | None = None,
 ) -> torch.Tensor:
     """Group rank `rank`'s zigzag shards of the whole samples in `x`: [T, ...] -> [sum_i padded_i / d, ...].
 
     Sample i is rows `cu_seqlens[i]:cu_seqlens[i+1]` of `x`; the result holds, sample by sample, the rows
-    at `layout.zigzag_positions(L_i, group_size, rank)`, padding rows set to `pad_value`. `rank=None`
-    lays out every rank's shards one after another (rank-major: the order of an all-gather over the
-    group). A `cu_seqlens` on the GPU costs a host sync; pass it on the CPU (or as a list).
+    at `layout.zigzag_positions(L_i, group_size, rank)` (with `chunks`, at `layout.shard_positions` of the
+    sample padded to twice their sum), padding rows set to `pad_value`. `rank=None` lays out every rank's
+    shards one after another (rank-major: the order of an all-gather over the group). A `cu_seqlens` on the
+    GPU costs a host sync; pass it on the CPU (or as a list).
     """
-    return zigzag_on(cu_seqlens, group_size, rank, x.device).pack(x, pad_value)
+    return zigzag_on(cu_seqlens, group_size, rank, x.device, chunks=chunks).pack(x, pad_value)
 
 
 def zigzag_unpack(
-    shard: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None
+    shard: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None,
+    *, chunks: Chunks | None = None,
 ) -> torch.Tensor:
     """The inverse of `zigzag_pack`: every real shard row back to its place in [T, ...].
 
     Padding rows are ignored; rows of tokens that `rank` does not hold are 0 (with `rank=None` every
     token is restored, so `zigzag_unpack(zigzag_pack(x, cu, d, None), cu, d, None)` is `x`).
     """
-    return zigzag_on(cu_seqlens, group_size, rank, shard.device).unpack(shard)
+    return zigzag_on(cu_seqlens, group_size, rank, shard.device, chunks=chunks).unpack(shard)
 
 
 def zigzag_on(cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None,
-              device: torch.device | str) -> DeviceZigzag:
+              device: torch.device | str, *, chunks: Chunks | None = None) -> DeviceZigzag:
     """The zigzag layout of `zigzag_pack` with its index tables already on `device`: what a microbatch builds
     once (`attention.meta`) so that every layer packs and unpacks with no host work."""
-    z = _Zigzag.of(cu_seqlens, group_size, rank)
+    z = _Zigzag.of(cu_seqlens, group_size, rank, chunks)
     device = torch.device(device)
-    if device.type == "cuda" and _load_kernels() is not None:
-        return DeviceZigzag(z, tables=_device_tables(z.lengths, z.local_lengths, device))
+    if device.type == "cuda" and z.uniform and _load_kernels() is not None:
+        return DeviceZigzag(z, tables=_device_tables(z.lengths, z.rows_of(z.ranks.start), device))
     return DeviceZigzag(z, sources=_device_sources(z, device))
 
 
@@ -111,14 +120,18 @@ def lse_merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tor
 
 @dataclass(frozen=True)
 class _Zigzag:
-    """A zigzag layout as the host knows it: sample lengths, group size, the ranks laid out in order."""
+    """A zigzag layout as the host knows it: sample lengths, group size, the ranks laid out in order, and each
+    sample's chunk length on every rank."""
 
     lengths: tuple[int, ...]
     group_size: int
     ranks: range
+    chunks: tuple[tuple[int, ...], ...]
+    """c of each sample on each rank: equal ones (`padded_length` / 2d) unless given (d = 1: the sample)."""
 
     @staticmethod
-    def of(cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None) -> _Zigzag:
+    def of(cu_seqlens: torch.Tensor | Sequence[int], group_size: int, rank: int | None,
+           chunks: Chunks | None = None) -> _Zigzag:
         cu = [int(v) for v in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
         if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise DhpError(f"cu_seqlens must start at 0 and never decrease, got {cu}")
@@ -127,50 +140,66 @@ class _Zigzag:
         if rank is not None and not 0 <= rank < group_size:
             raise DhpError(f"rank {rank} is outside a group of {group_size}")
         ranks = range(group_size) if rank is None else range(rank, rank + 1)
-        return _Zigzag(tuple(b - a for a, b in zip(cu, cu[1:])), group_size, ranks)
+        lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
+        if chunks is None:  # a group of one holds each sample whole, one "chunk" (`MicrobatchLayout.chunks`)
+            chunks = [[n] if group_size == 1 else [padded_length(n, group_size) // (2 * group_size)] * group_size
+                      for n in lengths]
+        chunks = tuple(tuple(int(c) for c in per_rank) for per_rank in chunks)
+        if len(chunks) != len(lengths) or any(len(c) != group_size or 2 * sum(c) < n for c, n in zip(chunks, lengths)):
+            raise DhpError(f"chunks {chunks} must give each of the {len(lengths)} samples of lengths {lengths} one "
+                           f"chunk per rank of {group_size}, their pairs holding the whole sample")
+        return _Zigzag(lengths, group_size, ranks, chunks)
 
     @property
     def num_tokens(self) -> int:
         """Rows of the whole-sample tensor."""
         return sum(self.lengths)
 
-    @functools.cached_property
-    def local_lengths(self) -> tuple[int, ...]:
-        """Shard rows per sample on each rank."""
-        return tuple(padded_length(n, self.group_size) // self.group_size for n in self.lengths)
-
     @property
-    def rows_per_rank(self) -> int:
-        """Shard rows of one rank."""
-        return sum(self.local_lengths)
+    def uniform(self) -> bool:
+        """Whether every rank holds the same chunks of each sample (what the kernels know)."""
+        return all(len(set(c)) == 1 for c in self.chunks)
+
+    def rows_of(self, rank: int) -> tuple[int, ...]:
+        """Shard rows per sample on `rank`."""
+        return self.lengths if self.group_size == 1 else tuple(2 * c[rank] for c in self.chunks)
+
+    @functools.cached_property
+    def rows(self) -> int:
+        """Shard rows of the ranks laid out."""
+        return sum(sum(self.rows_of(r)) for r in self.ranks)
 
     def sources(self) -> torch.Tensor:
         """The whole-tensor row each shard row holds, -1 for padding: the torch path's index (vectorised: each
-        rank holds two runs of positions per sample, chunk r and chunk 2d-1-r)."""
+        rank holds two runs of positions per sample, its front chunk from o_r = c_0 + ... + c_(r-1) and its
+        mirror ending at 2 sum c - o_r)."""
         lengths = torch.tensor(self.lengths, dtype=torch.int64)
         starts = torch.cumsum(lengths, 0) - lengths
         if self.group_size == 1:
             return torch.arange(int(lengths.sum())).repeat(len(self.ranks))
-        d, ranks = self.group_size, torch.tensor(list(self.ranks), dtype=torch.int64)[:, None]
-        chunk = torch.tensor(self.local_lengths, dtype=torch.int64)[None, :] // 2
-        first = torch.stack((ranks * chunk, (2 * d - 1 - ranks) * chunk), dim=-1).reshape(-1)  # rank, sample, run
-        runs = chunk.expand(len(ranks), -1).repeat_interleave(2, dim=1).reshape(-1)
+        all_chunks = torch.tensor(self.chunks, dtype=torch.int64).reshape(len(self.lengths), self.group_size).T
+        offsets = torch.cumsum(all_chunks, 0) - all_chunks  # o of every rank (rows) and sample (columns)
+        ranks = torch.tensor(list(self.ranks), dtype=torch.int64)
+        chunk, front = all_chunks[ranks], offsets[ranks]
+        padded = 2 * all_chunks.sum(0)
+        first = torch.stack((front, padded - front - chunk), dim=-1).reshape(-1)  # rank, sample, run
+        runs = chunk.repeat_interleave(2, dim=1).reshape(-1)
 
         def per_row(x: torch.Tensor) -> torch.Tensor:
             return torch.repeat_interleave(x.expand(len(ranks), -1).repeat_interleave(2, dim=1).reshape(-1), runs)
 
-        offsets = torch.cumsum(runs, 0) - runs
-        positions = torch.arange(int(runs.sum())) + torch.repeat_interleave(first - offsets, runs)
+        run_offsets = torch.cumsum(runs, 0) - runs
+        positions = torch.arange(int(runs.sum())) + torch.repeat_interleave(first - run_offsets, runs)
         return torch.where(positions < per_row(lengths[None, :]), positions + per_row(starts[None, :]), -1)
 
     def kernel_args(self) -> tuple[int, int, int, int]:
-        """(group size, first rank, ranks, rows per rank) as the kernels take them after the tables."""
-        return self.group_size, self.ranks.start, len(self.ranks), self.rows_per_rank
+        """(group size, first rank, ranks, rows per rank) as the kernels take them after the tables (uniform)."""
+        return self.group_size, self.ranks.start, len(self.ranks), sum(self.rows_of(self.ranks.start))
 
 
 @functools.lru_cache(maxsize=64)
 def _device_tables(lengths: tuple[int, ...], local_lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int64 [2, n + 1] on `device`: sample starts in the whole tensor, then in one rank's shard.
+    """int64 [2, n + 1] on `device`: sample starts in the whole tensor, then in one rank's shard (uniform).
 
     Cached: every layer of a microbatch uses the same layout, and a host-to-device copy stalls the host.
     """
@@ -202,7 +231,7 @@ class DeviceZigzag:
     def unpack(self, shard: torch.Tensor) -> torch.Tensor:
         """`zigzag_unpack` of shard rows `shard`."""
         z = self.layout
-        _check_rows(shard, len(z.ranks) * z.rows_per_rank, "shard", f"the zigzag layout of {len(z.ranks)} rank(s)")
+        _check_rows(shard, z.rows, "shard", f"the zigzag layout of {len(z.ranks)} rank(s)")
         return _ZigzagUnpack.apply(shard, self)
 
 

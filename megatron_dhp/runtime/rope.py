@@ -10,7 +10,8 @@ While a megatron-dhp microbatch's attention runs, the module's `cp` group is a `
 group's size and rank, and the positions); `install` routes megatron-core's `apply_rotary_pos_emb` (as the
 attention and MLA modules imported it) through `apply_rotary_pos_emb` here, which takes this path for such a
 group and leaves everything else, megatron's fused RoPE (TransformerEngine's THD kernel, sync-free) included,
-to the original.
+to the original. The fused kernel finds a rank's shard as even zigzag (padded / d), so a microbatch of uneven
+shards takes the row-wise path whatever `apply_rope_fusion` says.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class DynamicRopeGroup:
 
     group: object | None
     positions: torch.Tensor
+    uneven: bool = False
+    """Whether the group's ranks hold uneven shards (`MicrobatchLayout.uneven`): megatron's RoPE cannot find them."""
 
     def size(self) -> int:  # noqa: D102
         return 1 if self.group is None else self.group.size()
@@ -52,7 +55,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlen
     `options` are what later megatron-cores add (0.19: `mla_rotary_interleaved`; 0.20: `inverse`,
     `mla_output_remove_interleaving`, `max_seqlen`): passed on to megatron-core as given, and on the dynamic
     path those the row-wise rotation takes, with MLA's interleaving named as this version names it."""
-    if isinstance(cp_group, DynamicRopeGroup) and cu_seqlens is not None and not config.apply_rope_fusion:
+    by_position = isinstance(cp_group, DynamicRopeGroup) and (cp_group.uneven or not config.apply_rope_fusion)
+    if by_position and cu_seqlens is not None:
         style = {key: value for key, value in options.items() if key in _BSHD_OPTIONS}
         style[_MLA_OPTION] = _mla_interleaved(config, options)
         return rope_utils._apply_rotary_pos_emb_bshd(

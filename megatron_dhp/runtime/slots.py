@@ -21,8 +21,8 @@ order from here.
 *Equal rows* (the allgather MoE dispatcher): megatron-core's `MoEAllGatherTokenDispatcher` all-gathers
 equally long token blocks over the TP x EP group, so aligned slots must also be equally long there. Every
 rank pads its k-th slot of a phase to `aligned_slot_rows`, the most local rows any position of the domain
-holds in that slot, known from the plan alone; the extra rows extend the last sample's padding
-(`layout.MicrobatchLayout.extra_rows`). They are routed through the experts like an idle slot's token, with
+holds in that slot, known from the plan alone (under uneven shares the most any rank of it holds); the extra
+rows extend the last sample's padding (`layout.MicrobatchLayout.rows`). They are routed through the experts like an idle slot's token, with
 zero gradient.
 """
 
@@ -154,7 +154,8 @@ def aligned_slot_rows(plan: Plan, seq_multiple: int = 1) -> SlotRows:
         for group in plan.groups:
             if group.phase == phase:
                 for k, mb in enumerate(group.microbatches):
-                    layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), group.size, 0, seq_multiple)
+                    layout = MicrobatchLayout(mb, tuple(lengths[s] for s in mb), group.size, 0, seq_multiple,
+                                              group.sorted_shares)
                     for rank in group.ranks:
                         slots[rank][k] = layout
         table.append(tuple(_common_rows([per_rank[k] for per_rank in slots]) for k in range(count)))
@@ -163,7 +164,7 @@ def aligned_slot_rows(plan: Plan, seq_multiple: int = 1) -> SlotRows:
 
 def _common_rows(layouts: list[MicrobatchLayout]) -> int:
     step = math.lcm(*(layout.row_multiple for layout in layouts))
-    return -(-max(layout.num_slots for layout in layouts) // step) * step
+    return -(-max(max(layout.rank_slots) for layout in layouts) // step) * step
 
 
 def pipeline_work(inputs: StepInputs, position: int, *, aligned: bool = False) -> list[MicrobatchInputs]:

@@ -126,8 +126,10 @@ class Shift:
         return self.received
 
 
-def start_shift(x: torch.Tensor, ring: dist.ProcessGroup | PeerRing | None, tag: int = 0) -> Shift:
-    """Send `x` to group rank r+1 and receive the same shape from r-1, without waiting (not differentiable).
+def start_shift(x: torch.Tensor, ring: dist.ProcessGroup | PeerRing | None, tag: int = 0,
+                rows: int | None = None) -> Shift:
+    """Send `x` to group rank r+1 and receive from r-1, without waiting (not differentiable): `rows` rows of
+    `x`'s other dimensions (default: `x`'s shape), a size the caller knows from the layout, never from a message.
 
     `ring` is a group's own process group or a `PeerRing` on a shared one. The ring attention overlaps these
     with compute and differentiates them by hand; `tag` keeps two shifts in flight between the same ranks
@@ -136,7 +138,8 @@ def start_shift(x: torch.Tensor, ring: dist.ProcessGroup | PeerRing | None, tag:
     if ring is None or ring.size() == 1:
         return Shift([], x, x)
     peers = ring if isinstance(ring, PeerRing) else PeerRing.of_group(ring)
-    x, out = x.contiguous(), torch.empty_like(x)
+    x = x.contiguous()
+    out = torch.empty_like(x) if rows is None else x.new_empty((rows, *x.shape[1:]))
     ops = [dist.P2POp(dist.isend, x, peers.next, group=peers.group, tag=tag),
            dist.P2POp(dist.irecv, out, peers.previous, group=peers.group, tag=tag)]
     return Shift(dist.batch_isend_irecv(ops), x, out)
@@ -145,6 +148,14 @@ def start_shift(x: torch.Tensor, ring: dist.ProcessGroup | PeerRing | None, tag:
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather along dim 0 (equal shards), reduce-scatter of the gradient."""
     return _AllGather.apply(x, group)
+
+
+def all_gather_padded(x: torch.Tensor, group: dist.ProcessGroup, width: int, keep: torch.Tensor) -> torch.Tensor:
+    """`all_gather` of blocks of different sizes (uneven shards): each travels padded to `width` rows, the most
+    any rank holds, and `keep` (the rows of the padded result that hold a rank's rows, on the device) strips the
+    padding; autograd's adjoints of pad and strip wrap the reduce-scatter of the gradient the same way."""
+    padded = torch.cat((x, x.new_zeros((width - x.shape[0], *x.shape[1:]))))
+    return _AllGather.apply(padded, group).index_select(0, keep)
 
 
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:

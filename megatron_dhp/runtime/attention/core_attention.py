@@ -115,7 +115,7 @@ class _RoPEOnTheDynamicGroup:
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args, **kwargs):  # noqa: D102
         params = kwargs.get("packed_seq_params")
         dhp = params.dhp if isinstance(params, DhpPackedSeqParams) else None
-        rope = None if dhp is None else DynamicRopeGroup(params.cp_group, dhp.meta.positions)
+        rope = None if dhp is None else DynamicRopeGroup(params.cp_group, dhp.meta.positions, dhp.layout.uneven)
         with _cp_group_for_rope(self.pg_collection, rope):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
 

@@ -23,7 +23,7 @@ import torch
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.math import MASKED, accumulation_dtype, widened
-from megatron_dhp.runtime.attention.meta import BACK_QUERIES, DIAGONAL, AttentionMeta, Spans
+from megatron_dhp.runtime.attention.meta import BACK_QUERIES, DIAGONAL, AttentionMeta, RingBlock, Spans
 
 
 class FlexKernel:
@@ -54,16 +54,16 @@ class FlexKernel:
                 meta.device)
         return _attend(q, k, v, meta.cache["flex-gathered"], scale)[0]
 
-    def block(self, q, k, v, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block(self, q, k, v, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         with torch.no_grad():
-            out, lse = _attend(q, k, v, _ring_mask(kind, meta), scale)
+            out, lse = _attend(q, k, v, _ring_mask(block, meta), scale)
         return out, lse
 
-    def block_backward(self, grad, q, k, v, out, lse, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block_backward(self, grad, q, k, v, out, lse, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         acc = accumulation_dtype(q.dtype)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         with torch.enable_grad():
-            o, s = _attend(*leaves, _ring_mask(kind, meta), scale)
+            o, s = _attend(*leaves, _ring_mask(block, meta), scale)
             weight = torch.exp(s.to(acc) - lse.to(acc))  # this block's share of each row's merged softmax
             grad_o = (grad.to(acc) * weight[..., None]).to(o.dtype)
             grad_s = weight * (grad.to(acc) * (o.to(acc) - out.to(acc))).sum(dim=-1)
@@ -71,24 +71,26 @@ class FlexKernel:
         return dq.to(acc), dk.to(acc), dv.to(acc)
 
 
-def _ring_mask(kind: str, meta: AttentionMeta):
-    """The block mask of a ring step of kind `kind` over this rank's rows (cached per microbatch)."""
-    key = f"flex-{kind}"
+def _ring_mask(block: RingBlock, meta: AttentionMeta):
+    """The block mask of ring step `block`, this rank's rows over the block's (cached per microbatch)."""
+    key = f"flex-{block.name}"
     if key not in meta.cache:
-        seg, t = meta.segments, meta.segments.numel()
-        if kind == DIAGONAL:
+        seg, keys = meta.segments, block.keys
+        key_seg = keys.spans.row_segments()
+        if block.kind == DIAGONAL:
             def mask(b, h, i, j):
-                return (seg[i] == seg[j]) & (j <= i)
+                return (seg[i] == key_seg[j]) & (j <= i)
+        elif block.kind == BACK_QUERIES:
+            front = meta.shard.front()
+
+            def mask(b, h, i, j):
+                return (seg[i] == key_seg[j]) & ~front[i]
         else:
-            index, chunk = meta.shard_rows()
-            front = index < chunk
-            if kind == BACK_QUERIES:
-                def mask(b, h, i, j):
-                    return (seg[i] == seg[j]) & ~front[i]
-            else:
-                def mask(b, h, i, j):
-                    return (seg[i] == seg[j]) & front[j]
-        meta.cache[key] = _block_mask(mask, t, t, meta.device)
+            front = keys.front()
+
+            def mask(b, h, i, j):
+                return (seg[i] == key_seg[j]) & front[j]
+        meta.cache[key] = _block_mask(mask, seg.numel(), key_seg.numel(), meta.device)
     return meta.cache[key]
 
 

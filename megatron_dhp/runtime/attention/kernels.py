@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.runtime.attention.meta import AttentionMeta, Spans
+from megatron_dhp.runtime.attention.meta import AttentionMeta, RingBlock, Spans
 
 
 class LocalKernel(Protocol):
@@ -44,14 +44,14 @@ class LocalKernel(Protocol):
         """This rank's rows as queries over every group rank's rows (rank-major) as keys; differentiable."""
         ...
 
-    def block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, meta: AttentionMeta, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ring step of kind `kind`: output (zero where a query sees nothing) and log-sum-exp (`MASKED`
-        there), not differentiable."""
+    def block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: RingBlock, meta: AttentionMeta,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ring step (`block`: its kind and the rows of k and v): output (zero where a query sees nothing) and
+        log-sum-exp (`MASKED` there), not differentiable."""
         ...
 
     def block_backward(self, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, kind: str, meta: AttentionMeta, scale: float
+                       lse: torch.Tensor, block: RingBlock, meta: AttentionMeta, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv (fp32, kv heads) of one ring step from the merged output and log-sum-exp of the forward."""
         ...

@@ -15,6 +15,9 @@ With zigzag halves every ring step is, sample by sample, one of three blocks (`R
 rank's own shard attends itself causally (its rows are in position order); from a rank before it in the group
 (source s < r) every query sees that rank's front chunk and nothing of its back chunk; from a rank after it
 (s > r) only the back chunk's queries see anything, and they see the whole block. So no ring step needs a mask.
+This holds for uneven shards too (front chunks in rank order from the start, back chunks in reverse order from
+the end, whatever their lengths), where a block's rows are those of its source rank (`RingBlock.keys`): under
+even shards every rank's shard has this rank's shape, and one `Shard` serves every step.
 Everything here is O(samples + tokens): never O(tokens^2). Backends may cache what they derive from it
 (`cache`) with device operations only, so even that costs no host round-trip.
 """
@@ -71,10 +74,50 @@ class Spans:
 
 
 @dataclass(frozen=True, eq=False)
+class Shard:
+    """One group rank's rows of a microbatch: each sample's shard, its front chunk then its back chunk, both
+    `halves` long (a group of one: each sample whole). This rank's own holds its queries; another rank's is the
+    keys of the ring step that brings its block."""
+
+    spans: Spans
+    """Each sample's shard."""
+    halves: Spans | None
+    """One chunk per sample: the rows of a ring step's front keys or back queries (d > 1)."""
+    front_rows: torch.Tensor | None
+    """int64: the rows of each sample's front chunk, sample by sample (d > 1)."""
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def front(self) -> torch.Tensor:
+        """bool [rows] on the device: whether each row is in its sample's front chunk (device operations, cached)."""
+        if "front" not in self.cache:
+            segments = self.spans.row_segments()
+            index = torch.arange(self.spans.total, device=segments.device) - self.spans.cu[segments]
+            self.cache["front"] = index < (self.halves.cu[1:] - self.halves.cu[:-1])[segments]
+        return self.cache["front"]
+
+
+@dataclass(frozen=True, eq=False)
+class RingBlock:
+    """One ring step as a kernel computes it: its kind (`RING_BLOCKS`) and the rows of the K/V block in hand."""
+
+    kind: str
+    keys: Shard
+    """The source rank's shard (this rank's own at the diagonal, and at every step under even shards)."""
+    source: int | None
+    """The source's group rank under uneven shards, where each block has its own shape; None under even ones
+    (every block has this rank's): kernels cache what they derive for a step by its `name`."""
+
+    @property
+    def name(self) -> str:
+        """The kind, and the source where blocks differ in shape."""
+        return self.kind if self.source is None else f"{self.kind}-{self.source}"
+
+
+@dataclass(frozen=True, eq=False)
 class Runs:
-    """This rank's rows as runs of consecutive positions (a group of d > 1: chunk r, then chunk 2d-1-r, of each
-    sample; of one rank: each sample whole), each seeing its sample's first `first + rows` keys in position order (bottom-right causal): the
-    all-gather's queries and keys."""
+    """This rank's rows as runs of consecutive positions (a group of d > 1: its front chunk, then its back chunk,
+    of each sample; of one rank: each sample whole), each seeing its sample's first `first + rows` keys in
+    position order (bottom-right causal): the all-gather's queries and keys."""
 
     queries: Spans
     """Each run's local rows."""
@@ -97,20 +140,25 @@ class AttentionMeta:
     """This rank's shard of each sample (the whole sample when the group is one rank)."""
     natural: Spans
     """Each padded sample whole, in position order: the group's rows after `zigzag_unpack` (Ulysses, all-gather)."""
-    halves: Spans | None
-    """One zigzag chunk per sample (groups of d > 1): the rows of a ring step's front keys or back queries."""
+    shards: tuple[Shard, ...]
+    """Every group rank's `Shard` (one object for all under even shards)."""
     cu_seqlens: torch.Tensor
     """int32: cumulative true sample lengths (`PackedSeqParams.cu_seqlens_q`; `natural.cu` is the padded one)."""
     positions: torch.Tensor
     """int64 [t]: the true position of each local row (RoPE reads it too)."""
     segments: torch.Tensor
     """int64 [t]: the sample (index in the microbatch) of each local row."""
-    front_rows: torch.Tensor | None
-    """int64: the local rows of each sample's front chunk, sample by sample (d > 1)."""
     back_rows: torch.Tensor | None
     """int64: the local rows of each sample's back chunk (d > 1)."""
     runs: Runs
     """This rank's runs of consecutive positions and the keys each sees."""
+    group_runs: Spans
+    """Every group rank's runs (as `runs.queries`), rank-major: the rows of an all-gather over the group."""
+    group_firsts: torch.Tensor
+    """int64 on the device: the first position of each of `group_runs`."""
+    gather_keep: torch.Tensor | None
+    """int64 on the device: the rows of an all-gather of blocks padded to the largest that hold some rank's rows
+    (uneven shards; None: every rank holds as many rows)."""
     zigzag: DeviceZigzag
     """Every group rank's shards <-> natural order, its index tables on the device."""
     cache: dict[str, Any] = field(default_factory=dict)
@@ -120,82 +168,116 @@ class AttentionMeta:
     def device(self) -> torch.device:  # noqa: D102
         return self.positions.device
 
-    def ring_block(self, step: int) -> str:
-        """The kind of ring step `step`: the block of group rank r - step (`RING_BLOCKS`)."""
-        source = (self.layout.rank - step) % self.layout.group_size
-        if source == self.layout.rank:
-            return DIAGONAL
-        return FRONT_KEYS if source < self.layout.rank else BACK_QUERIES
+    @property
+    def shard(self) -> Shard:
+        """This rank's `Shard`."""
+        return self.shards[self.layout.rank]
+
+    @property
+    def halves(self) -> Spans | None:
+        """One zigzag chunk per sample of this rank (d > 1)."""
+        return self.shard.halves
+
+    @property
+    def front_rows(self) -> torch.Tensor | None:
+        """int64: this rank's rows of each sample's front chunk (d > 1)."""
+        return self.shard.front_rows
+
+    def ring_block(self, step: int) -> RingBlock:
+        """Ring step `step`: the block of group rank r - step (`RING_BLOCKS`)."""
+        r, d = self.layout.rank, self.layout.group_size
+        source = (r - step) % d
+        kind = DIAGONAL if source == r else FRONT_KEYS if source < r else BACK_QUERIES
+        return RingBlock(kind, self.shards[source], source if self.layout.uneven else None)
+
+    def ring_rows(self, step: int) -> int:
+        """Rows of the block this rank receives during ring step `step` (group rank r - step - 1's)."""
+        layout = self.layout
+        return layout.rank_slots[(layout.rank - step - 1) % layout.group_size]
 
     @classmethod
     def build(cls, layout: MicrobatchLayout, device: torch.device | str = "cpu") -> AttentionMeta:
         """The metadata of `layout` on `device`: computed on the host, moved in one non-blocking copy."""
         device = torch.device(device)
         d = layout.group_size
-        local_starts, natural_starts = _starts(layout.local_lengths), _starts(layout.padded_lengths)
+        own_runs = layout.runs()
+        group_runs = [run for r in range(d) for run in layout.runs(r)]
+        runs_per_sample = len(own_runs) // len(layout.lengths)
+        key_starts = tuple(start for start in _starts(layout.padded_lengths) for _ in range(runs_per_sample))
+        shard_ranks = range(d) if layout.uneven else (layout.rank,)  # even: every rank's shard has this one's shape
         parts: dict[str, torch.Tensor] = {  # the layout's own cumulative lengths (int32), in the int64 buffer
             "cu_seqlens": layout.cu_seqlens.long(),
-            "local": layout.local_cu_seqlens.long(),
             "natural": layout.cu_seqlens_padded.long(),
             "positions": layout.local_positions,
             "segments": layout.segments,
+            "run_rows": _cu(tuple(c for _, c in own_runs)),
+            "run_keys": _cu(tuple(f + c for f, c in own_runs)),
+            "key_starts": torch.tensor(key_starts, dtype=torch.int64),
+            "group_runs": _cu(tuple(c for _, c in group_runs)),
+            "group_firsts": torch.tensor([f for f, _ in group_runs], dtype=torch.int64),
         }
-        halves = tuple(n // 2 for n in layout.local_lengths)
-        if d > 1:  # two runs per sample, chunk r then chunk 2d-1-r
-            r = layout.rank
-            run_rows = tuple(c for c in halves for _ in range(2))
-            firsts = tuple(f for c in halves for f in (r * c, (2 * d - 1 - r) * c))
-            key_starts = tuple(start for start in natural_starts for _ in range(2))
-            parts["halves"] = _cu(halves)
-            parts["front_rows"] = _runs(local_starts, halves)
-            parts["back_rows"] = _runs([a + c for a, c in zip(local_starts, halves)], halves)
-        else:  # each sample whole
-            run_rows, firsts, key_starts = layout.local_lengths, (0,) * len(halves), tuple(natural_starts)
-        seen = tuple(f + n for f, n in zip(firsts, run_rows))
-        parts["run_rows"], parts["run_keys"] = _cu(run_rows), _cu(seen)
-        parts["key_starts"] = torch.tensor(key_starts, dtype=torch.int64)
+        for r in shard_ranks:
+            parts.update(_shard_parts(layout, r))
+        if layout.uneven:  # an all-gather pads every block to the largest and keeps these rows
+            width = max(layout.rank_slots)
+            parts["gather_keep"] = _runs([r * width for r in range(d)], layout.rank_slots)
         moved = _to_device(parts, device)
+
+        def spans(name: str, lengths: tuple[int, ...]) -> Spans:
+            return Spans(tuple(_starts(lengths)), lengths, moved[name].int())
+
+        shards = {}
+        for r in shard_ranks:
+            lengths = layout.local_lengths_of(r)
+            halves = spans(f"halves{r}", tuple(c // 2 for c in lengths)) if d > 1 else None
+            shards[r] = Shard(spans(f"shard{r}", lengths), halves, moved.get(f"front{r}"))
+        own = shards[layout.rank]
         return cls(
             layout=layout,
-            local=Spans(tuple(local_starts), layout.local_lengths, moved["local"].int()),
-            natural=Spans(tuple(natural_starts), layout.padded_lengths, moved["natural"].int()),
-            halves=Spans(tuple(_starts(halves)), halves, moved["halves"].int()) if d > 1 else None,
+            local=own.spans,
+            natural=spans("natural", layout.padded_lengths),
+            shards=tuple(shards.get(r, own) for r in range(d)),
             cu_seqlens=moved["cu_seqlens"].int(),
             positions=moved["positions"],
             segments=moved["segments"],
-            front_rows=moved.get("front_rows"),
             back_rows=moved.get("back_rows"),
             runs=Runs(
-                queries=Spans(tuple(_starts(run_rows)), run_rows, moved["run_rows"].int()),
-                keys=Spans(tuple(_starts(seen)), seen, moved["run_keys"].int()),
-                firsts=firsts, key_starts=key_starts, key_starts_on_device=moved["key_starts"],
+                queries=spans("run_rows", tuple(c for _, c in own_runs)),
+                keys=spans("run_keys", tuple(f + c for f, c in own_runs)),
+                firsts=tuple(f for f, _ in own_runs), key_starts=key_starts,
+                key_starts_on_device=moved["key_starts"],
             ),
-            zigzag=zigzag_on(layout.cu_seqlens_padded, d, None, device),
+            group_runs=spans("group_runs", tuple(c for _, c in group_runs)),
+            group_firsts=moved["group_firsts"],
+            gather_keep=moved.get("gather_keep"),
+            zigzag=zigzag_on(layout.cu_seqlens_padded, d, None, device,
+                             chunks=[layout.chunks(i) for i in range(len(layout.lengths))]),
         )
-
-    def shard_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index within its sample's shard, the sample's zigzag chunk length) of each local row, on the device
-        (d > 1, cached): a row is in the front chunk when its index is below the chunk length."""
-        if "shard_rows" not in self.cache:
-            index = torch.arange(self.positions.numel(), device=self.device) - self.local.cu[self.segments]
-            self.cache["shard_rows"] = (index, (self.halves.cu[1:] - self.halves.cu[:-1])[self.segments])
-        return self.cache["shard_rows"]
 
     def group_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, samples) of every group rank's rows, rank-major (an all-gather's order), derived on the
-        device from this rank's (cached): rank r' holds chunks r' and 2d-1-r' of each sample."""
+        device from `group_runs` (cached)."""
         if "group_rows" not in self.cache:
-            d, t = self.layout.group_size, self.positions.numel()
-            segments = self.segments.repeat(d)
-            if d == 1:
-                self.cache["group_rows"] = (self.positions, segments)
-            else:
-                ranks = torch.arange(d, device=self.device).repeat_interleave(t)
-                index, chunk = self.shard_rows()
-                offset, back = (index % chunk).repeat(d), (index >= chunk).repeat(d)
-                which = torch.where(back, 2 * d - 1 - ranks, ranks)
-                self.cache["group_rows"] = (which * chunk.repeat(d) + offset, segments)
+            runs, n = self.group_runs, len(self.layout.lengths)
+            run = runs.row_segments()
+            positions = torch.arange(runs.total, device=self.device) - runs.cu.long()[run] + self.group_firsts[run]
+            per_sample = 2 if self.layout.group_size > 1 else 1
+            self.cache["group_rows"] = (positions, run // per_sample % n)
         return self.cache["group_rows"]
+
+
+def _shard_parts(layout: MicrobatchLayout, rank: int) -> dict[str, torch.Tensor]:
+    """Group rank `rank`'s shard as `Shard` reads it: cumulative lengths of its samples' shards and chunks, the
+    rows of its front chunks, and for this rank the rows of its back chunks."""
+    lengths = layout.local_lengths_of(rank)
+    parts = {f"shard{rank}": _cu(lengths)}
+    if layout.group_size > 1:
+        starts, halves = _starts(lengths), tuple(c // 2 for c in lengths)
+        parts[f"halves{rank}"] = _cu(halves)
+        parts[f"front{rank}"] = _runs(starts, halves)
+        if rank == layout.rank:
+            parts["back_rows"] = _runs([a + c for a, c in zip(starts, halves)], halves)
+    return parts
 
 
 def _starts(lengths: tuple[int, ...]) -> list[int]:

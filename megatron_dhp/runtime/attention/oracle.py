@@ -16,19 +16,16 @@ from megatron_dhp.runtime.attention.math import (
     sum_kv_heads,
     visible,
 )
-from megatron_dhp.runtime.attention.meta import BACK_QUERIES, DIAGONAL, AttentionMeta, Spans
+from megatron_dhp.runtime.attention.meta import BACK_QUERIES, DIAGONAL, AttentionMeta, RingBlock, Spans
 
 
-def ring_block_mask(kind: str, meta: AttentionMeta) -> torch.Tensor:
-    """[t, t] boolean over local rows: which keys of a ring step's block of kind `kind` each query sees."""
-    t = meta.positions.numel()
-    rows = torch.arange(t, device=meta.device)
-    same = meta.segments[:, None] == meta.segments[None, :]
-    if kind == DIAGONAL:
+def ring_block_mask(block: RingBlock, meta: AttentionMeta) -> torch.Tensor:
+    """[t, t'] boolean over this rank's rows and the block's: which keys of ring step `block` each query sees."""
+    same = meta.segments[:, None] == block.keys.spans.row_segments()[None, :]
+    if block.kind == DIAGONAL:
+        rows = torch.arange(meta.positions.numel(), device=meta.device)
         return same & (rows[None, :] <= rows[:, None])
-    index, chunk = meta.shard_rows()
-    front = index < chunk
-    return same & (~front[:, None] if kind == BACK_QUERIES else front[None, :])
+    return same & (~meta.shard.front()[:, None] if block.kind == BACK_QUERIES else block.keys.front()[None, :])
 
 
 class MathKernel:
@@ -45,17 +42,17 @@ class MathKernel:
         positions, segments = meta.group_rows()
         return block_attention(q, k, v, visible(meta.positions, positions, meta.segments, segments), scale)[0]
 
-    def block(self, q, k, v, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
-        mask = ring_block_mask(kind, meta)
+    def block(self, q, k, v, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
+        mask = ring_block_mask(block, meta)
         out, lse = block_attention(q, k, v, mask, scale)
         return out.masked_fill(~mask.any(dim=1)[:, None, None], 0), lse
 
-    def block_backward(self, grad, q, k, v, out, lse, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block_backward(self, grad, q, k, v, out, lse, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         acc, h, hk = accumulation_dtype(q.dtype), q.shape[1], k.shape[1]
         q, grad, out = (x.to(acc).transpose(0, 1) for x in (q, grad, out))
         k, v = (expand_kv_heads(x, h).to(acc).transpose(0, 1) for x in (k, v))
         scores = torch.bmm(q, k.transpose(1, 2)) * scale
-        scores = scores.masked_fill(~ring_block_mask(kind, meta), MASKED)
+        scores = scores.masked_fill(~ring_block_mask(block, meta), MASKED)
         probs = torch.exp(scores - lse.to(acc).transpose(0, 1)[..., None])
         d = (grad * out).sum(dim=-1, keepdim=True)
         ds = probs * (torch.bmm(grad, v.transpose(1, 2)) - d)

@@ -11,6 +11,8 @@ TransformerEngine's P2P context parallelism and of ring-flash-attention; any gro
 With zigzag shards a step's block is, sample by sample, causal (step 0), every query over the front chunks
 (a block from an earlier group rank) or the back-chunk queries over everything (from a later one), so a step
 is one kernel call of a kind the microbatch's metadata describes (`AttentionMeta.ring_block`): no mask.
+Under uneven shards blocks differ in size: each receive is sized by the layout (`AttentionMeta.ring_rows`),
+never by a message, and a block's dK/dV accumulator has its block's size.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from megatron_dhp.runtime.attention.comm import start_shift
+from megatron_dhp.runtime.attention.comm import Shift, start_shift
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.kernels import LocalKernel
 from megatron_dhp.runtime.attention.math import accumulation_dtype
-from megatron_dhp.runtime.attention.meta import AttentionMeta
+from megatron_dhp.runtime.attention.meta import AttentionMeta, RingBlock
 from megatron_dhp.runtime.fused import lse_merge
 
 _KV, _GRAD_KV = 0, 1
@@ -36,25 +38,33 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPCon
     return _RingAttention.apply(q, k, v, ctx, kernel, scale)
 
 
-def merged_blocks(q: torch.Tensor, blocks: Iterable[tuple[str, torch.Tensor, torch.Tensor]], kernel: LocalKernel,
-                  meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries' attention over every (kind, k, v) block, merged by log-sum-exp: output (fp32) and lse [t, h]."""
+def merged_blocks(q: torch.Tensor, blocks: Iterable[tuple[RingBlock, torch.Tensor, torch.Tensor]],
+                  kernel: LocalKernel, meta: AttentionMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' attention over every (step, k, v) block, merged by log-sum-exp: output (fp32) and lse [t, h]."""
     out = lse = None
-    for kind, k, v in blocks:
-        o, s = kernel.block(q, k, v, kind, meta, scale)
+    for block, k, v in blocks:
+        o, s = kernel.block(q, k, v, block, meta, scale)
         o = o.to(s.dtype)
         out, lse = (o, s) if out is None else (lse_merge([out, o], [lse, s]), torch.logaddexp(lse, s))
     return out, lse
 
 
-def _shifted(kv: torch.Tensor, cp: CPContext, dk: int) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def _shifted(kv: torch.Tensor, cp: CPContext, dk: int) -> Iterator[tuple[RingBlock, torch.Tensor, torch.Tensor]]:
     """This rank's K/V block, then each block the ring brings, the next one in flight while one is computed."""
     size, meta = cp.layout.group_size, cp.meta
     for step in range(size):
-        pending = start_shift(kv, cp.group, _KV) if step < size - 1 else None
+        pending = _shift(kv, cp, _KV, step) if step < size - 1 else None
         yield meta.ring_block(step), kv[..., :dk], kv[..., dk:]
         if pending is not None:
             kv = pending.wait()
+
+
+def _shift(x: torch.Tensor, cp: CPContext, tag: int, step: int) -> Shift:
+    """`start_shift` of `x` during ring step `step`, receiving the block of the next step: of `x`'s size under
+    even shards, of its source rank's under uneven ones (`AttentionMeta.ring_rows`)."""
+    if not cp.layout.uneven:
+        return start_shift(x, cp.group, tag)
+    return start_shift(x, cp.group, tag, cp.meta.ring_rows(step))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -76,14 +86,14 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         grad_kv = None
         for step in range(size):
-            pending = start_shift(kv, cp.group, _KV) if step < size - 1 else None
+            pending = _shift(kv, cp, _KV, step) if step < size - 1 else None
             gq, gk, gv = kernel.block_backward(grad, q, kv[..., :dk], kv[..., dk:], out, lse, meta.ring_block(step),
                                                meta, scale)
             dq += gq
             block = torch.cat((gk, gv), dim=-1)
             # the accumulator of the block in hand arrives from the rank behind, which held this block last step
             grad_kv = block if grad_kv is None else grad_kv.wait() + block
-            grad_kv = start_shift(grad_kv, cp.group, _GRAD_KV)
+            grad_kv = _shift(grad_kv, cp, _GRAD_KV, step)
             if pending is not None:
                 kv = pending.wait()
         grad_kv = grad_kv.wait()  # after a full turn: this rank's own block, with every rank's share

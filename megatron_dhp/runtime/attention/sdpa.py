@@ -22,7 +22,14 @@ from megatron_dhp.runtime.attention.math import (
     sum_kv_heads,
     widened,
 )
-from megatron_dhp.runtime.attention.meta import BACK_QUERIES, DIAGONAL, FRONT_KEYS, AttentionMeta, Spans
+from megatron_dhp.runtime.attention.meta import (
+    BACK_QUERIES,
+    DIAGONAL,
+    FRONT_KEYS,
+    AttentionMeta,
+    RingBlock,
+    Spans,
+)
 
 QUERY_BLOCK = 256
 """Queries per masked SDPA call (the all-gather's runs): with a mask CPU SDPA materialises [heads, queries,
@@ -56,39 +63,42 @@ class SdpaKernel:
                 outs.append(_sdpa(q[row + b:row + b + rows], k[keys], v[keys], scale, mask=window))
         return torch.cat(outs)
 
-    def block(self, q, k, v, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block(self, q, k, v, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         h, dv = q.shape[1], v.shape[-1]
         out = q.new_zeros(q.shape[0], h, max(dv, q.shape[-1]))
         lse = torch.full((q.shape[0], h), MASKED, dtype=accumulation_dtype(q.dtype), device=q.device)
         v = widened(v, q.shape[-1])
-        for rows, cols in block_slices(kind, meta):
-            o, s = _lse_forward(*_heads_first(q[rows], k[cols], v[cols], h), scale, kind == DIAGONAL)
+        for rows, cols in block_slices(block, meta):
+            o, s = _lse_forward(*_heads_first(q[rows], k[cols], v[cols], h), scale, block.kind == DIAGONAL)
             out[rows], lse[rows] = o.transpose(0, 1), s.transpose(0, 1)
         return out[..., :dv], lse
 
-    def block_backward(self, grad, q, k, v, out, lse, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block_backward(self, grad, q, k, v, out, lse, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         acc, h, hk, dv = accumulation_dtype(q.dtype), q.shape[1], k.shape[1], v.shape[-1]
         grad, v, out = (widened(x, q.shape[-1]) for x in (grad, v, out))
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dvv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
-        for rows, cols in block_slices(kind, meta):
+        for rows, cols in block_slices(block, meta):
             qh, kh, vh = _heads_first(q[rows], k[cols], v[cols], h)
             gq, gk, gv = _lse_backward(grad[rows].transpose(0, 1), qh, kh, vh, out[rows].transpose(0, 1),
-                                       lse[rows].transpose(0, 1), scale, kind == DIAGONAL)
+                                       lse[rows].transpose(0, 1), scale, block.kind == DIAGONAL)
             dq[rows] = gq.transpose(0, 1)
             dk[cols] += sum_kv_heads(gk.transpose(0, 1).to(acc), hk)
             dvv[cols] += sum_kv_heads(gv.transpose(0, 1).to(acc), hk)
         return dq, dk, dvv[..., :dv]
 
 
-def block_slices(kind: str, meta: AttentionMeta) -> list[tuple[slice, slice]]:
-    """(query rows, key rows) of each sample in a ring step of kind `kind` (host ints, cached per microbatch)."""
-    key = f"slices-{kind}"
+def block_slices(block: RingBlock, meta: AttentionMeta) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of each sample in ring step `block` (host ints, cached per microbatch): the queries
+    in this rank's shard, the keys in the source's."""
+    key = f"slices-{block.name}"
     if key not in meta.cache:
         pairs = []
-        for a, n in zip(meta.local.starts, meta.local.lengths):
-            whole, front, back = slice(a, a + n), slice(a, a + n // 2), slice(a + n // 2, a + n)
-            pairs.append({DIAGONAL: (whole, whole), FRONT_KEYS: (whole, front), BACK_QUERIES: (back, whole)}[kind])
+        keys = block.keys.spans
+        for a, n, b, m in zip(meta.local.starts, meta.local.lengths, keys.starts, keys.lengths):
+            queries, back = slice(a, a + n), slice(a + n // 2, a + n)
+            pairs.append({DIAGONAL: (queries, queries), FRONT_KEYS: (queries, slice(b, b + m // 2)),
+                          BACK_QUERIES: (back, slice(b, b + m))}[block.kind])
         meta.cache[key] = pairs
     return meta.cache[key]
 

@@ -4,7 +4,8 @@ An all-to-all gives every rank all of the group's tokens for a subset of heads; 
 over whole samples, and a second all-to-all returns the outputs to the token owners. Heads need not divide
 the group: rank j gets h // d heads plus one if j < h % d (possibly zero). With GQA, key/value heads go
 with their query heads when both counts divide the group; otherwise K/V are first repeated to one head per
-query head (more traffic, same math) so any split stays exact.
+query head (more traffic, same math) so any split stays exact. Under uneven shards the ranks hold different
+numbers of tokens; the all-to-alls' splits come from the layout (`MicrobatchLayout.rank_slots`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CP
     if heads % size or kv_heads % size:
         k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     q_split, kv_split = head_split(heads, size), head_split(k.shape[1], size)
-    q, k, v = (meta.zigzag.unpack(_scatter_heads(x, split, group))
+    rows = ctx.layout.rank_slots
+    q, k, v = (meta.zigzag.unpack(_scatter_heads(x, split, rows, group))
                for x, split in ((q, q_split), (k, kv_split), (v, kv_split)))
     out = kernel.causal(q, k, v, meta.natural, scale) if q.shape[1] else no_heads(q, k, v)
-    return _gather_heads(meta.zigzag.pack(out), q_split, group)
+    return _gather_heads(meta.zigzag.pack(out), q_split, rows, group)
 
 
 def no_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -45,19 +47,21 @@ def no_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (q[..., :1] + k.sum() + v.sum()).expand(q.shape[0], 0, v.shape[-1]) * 0
 
 
-def _scatter_heads(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """[t, h, dh] local tokens, all heads -> [d*t, h_r, dh] all tokens (rank-major), this rank's heads."""
+def _scatter_heads(x: torch.Tensor, split: list[int], rows: tuple[int, ...], group: dist.ProcessGroup
+                   ) -> torch.Tensor:
+    """[t, h, dh] local tokens, all heads -> [sum rows, h_r, dh] all tokens (rank-major), this rank's heads;
+    `rows`: every group rank's tokens (the layout's `rank_slots`), so each split is known without a message."""
     t, _, dh = x.shape
-    size, rank = len(split), group.rank()
+    rank = group.rank()
     send = torch.cat([part.reshape(-1) for part in torch.split(x, split, dim=1)])
-    out = all_to_all(send, [t * n * dh for n in split], [t * split[rank] * dh] * size, group)
-    return out.view(size * t, split[rank], dh)
+    out = all_to_all(send, [t * n * dh for n in split], [m * split[rank] * dh for m in rows], group)
+    return out.view(sum(rows), split[rank], dh)
 
 
-def _gather_heads(x: torch.Tensor, split: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Inverse of `_scatter_heads`: [d*t, h_r, dh] -> [t, h, dh]."""
-    size, rank = len(split), group.rank()
-    t, dh = x.shape[0] // size, x.shape[2]
-    out = all_to_all(x.reshape(-1), [t * split[rank] * dh] * size, [t * n * dh for n in split], group)
+def _gather_heads(x: torch.Tensor, split: list[int], rows: tuple[int, ...], group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of `_scatter_heads`: [sum rows, h_r, dh] -> [t, h, dh]."""
+    rank = group.rank()
+    t, dh = rows[rank], x.shape[2]
+    out = all_to_all(x.reshape(-1), [m * split[rank] * dh for m in rows], [t * n * dh for n in split], group)
     parts = torch.split(out, [t * n * dh for n in split])
     return torch.cat([p.view(t, n, dh) for p, n in zip(parts, split)], dim=1)

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from megatron_dhp.runtime.attention.math import MASKED, widened
-from megatron_dhp.runtime.attention.meta import DIAGONAL, FRONT_KEYS, AttentionMeta, Spans
+from megatron_dhp.runtime.attention.meta import DIAGONAL, FRONT_KEYS, AttentionMeta, RingBlock, Spans
 from megatron_dhp.runtime.fused import gather_rows
 
 HALF = (torch.float16, torch.bfloat16)
@@ -65,41 +65,41 @@ class VarlenKernel:
         k, v = (gather_rows(meta.zigzag.unpack(x), run_key_index(meta)) for x in (k, widened(v, q.shape[-1])))
         return _Varlen.apply(q, k, v, queries.cu, keys.cu, queries.max_len, keys.max_len, True, scale)[..., :dv]
 
-    def block(self, q, k, v, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block(self, q, k, v, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         dv, v = v.shape[-1], widened(v, q.shape[-1])
-        local, halves = meta.local, meta.halves
-        if kind == DIAGONAL:
+        local, halves, keys = meta.local, meta.halves, block.keys
+        if block.kind == DIAGONAL:
             out, lse = _forward(q, k, v, local.cu, local.cu, local.max_len, local.max_len, True, scale)
-        elif kind == FRONT_KEYS:
-            k, v = k.index_select(0, meta.front_rows), v.index_select(0, meta.front_rows)
-            out, lse = _forward(q, k, v, local.cu, halves.cu, local.max_len, halves.max_len, False, scale)
+        elif block.kind == FRONT_KEYS:
+            k, v = k.index_select(0, keys.front_rows), v.index_select(0, keys.front_rows)
+            out, lse = _forward(q, k, v, local.cu, keys.halves.cu, local.max_len, keys.halves.max_len, False, scale)
         else:
             rows = meta.back_rows
-            o, s = _forward(q.index_select(0, rows), k, v, halves.cu, local.cu, halves.max_len, local.max_len, False,
-                            scale)
+            o, s = _forward(q.index_select(0, rows), k, v, halves.cu, keys.spans.cu, halves.max_len,
+                            keys.spans.max_len, False, scale)
             out = q.new_zeros(q.shape[0], *o.shape[1:]).index_copy_(0, rows, o)
             lse = s.new_full((s.shape[0], q.shape[0]), MASKED).index_copy_(1, rows, s)
         return out[..., :dv], lse.transpose(0, 1)
 
-    def block_backward(self, grad, q, k, v, out, lse, kind: str, meta: AttentionMeta, scale: float):  # noqa: D102
+    def block_backward(self, grad, q, k, v, out, lse, block: RingBlock, meta: AttentionMeta, scale: float):  # noqa: D102
         dv, width = v.shape[-1], q.shape[-1]
         grad, v, out = (widened(x, width).to(q.dtype) for x in (grad, v, out))
         lse = lse.transpose(0, 1).float()
-        local, halves = meta.local, meta.halves
-        if kind == DIAGONAL:
+        local, halves, keys = meta.local, meta.halves, block.keys
+        if block.kind == DIAGONAL:
             dq, dk, dvv = _backward(grad, q, k, v, out, lse, local.cu, local.cu, local.max_len, local.max_len, True,
                                     scale)
-        elif kind == FRONT_KEYS:
-            rows = meta.front_rows
+        elif block.kind == FRONT_KEYS:
+            rows = keys.front_rows
             dq, dkf, dvf = _backward(grad, q, k.index_select(0, rows), v.index_select(0, rows), out, lse, local.cu,
-                                     halves.cu, local.max_len, halves.max_len, False, scale)
+                                     keys.halves.cu, local.max_len, keys.halves.max_len, False, scale)
             dk = torch.zeros_like(k).index_copy_(0, rows, dkf)
             dvv = torch.zeros_like(v).index_copy_(0, rows, dvf)
         else:
             rows = meta.back_rows
             dqb, dk, dvv = _backward(grad.index_select(0, rows), q.index_select(0, rows), k, v,
-                                     out.index_select(0, rows), lse.index_select(1, rows), halves.cu, local.cu,
-                                     halves.max_len, local.max_len, False, scale)
+                                     out.index_select(0, rows), lse.index_select(1, rows), halves.cu, keys.spans.cu,
+                                     halves.max_len, keys.spans.max_len, False, scale)
             dq = torch.zeros_like(q).index_copy_(0, rows, dqb)
         return dq.float(), dk.float(), dvv[..., :dv].float()
 
