@@ -1,7 +1,8 @@
 """`megatron-dhp selftest`: prove on this machine (or cluster) that the runtime is exact.
 
 Builds a tiny GPT on every rank, runs K random plans (group sizes that are not powers of two, several
-phases, each communication variant in turn), or one given plan (`--plan FILE`, a plan JSON from a job,
+phases, each communication variant in turn, every other plan with uneven shards: random shares on its groups
+of several ranks, `plan.shares`), or one given plan (`--plan FILE`, a plan JSON from a job,
 under each variant), and compares the loss and every parameter gradient with a single-process run of
 megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
 run by megatron-core's 1F1B (`runtime.pipeline`); with `--model moe` every MLP is megatron-core's MoE layer
@@ -272,13 +273,16 @@ def worker(options: SelftestOptions) -> int:
                 if options.virtual_pipeline > 1:  # its slot order; random plans check exactness, not memory
                     plan = replace(plan, pipeline_stages=options.pipeline_parallel,
                                    virtual_stages=options.virtual_pipeline, max_tokens_per_rank=None)
+                if k % 2 and not slowdowns:
+                    plan = with_random_shares(plan, rng)
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))
             result = check.check(plan, samples, comm, placement=placement)
             failures += not result.ok
             if lead:
-                sizes = "+".join(str(len(g.ranks)) for g in plan.groups)
+                sizes = "+".join(f"{len(g.ranks)}" + (f"({':'.join(map(str, g.shares))})" if g.shares else "")
+                                 for g in plan.groups)
                 images = f" | {sum(len(s.images) for s in samples)} images, {placement:9s}" if vlm is not None else ""
                 label = comm if comm != "mixed" else (  # how rank 0's slots resolved it
                     "mixed: " + ",".join(f"{c} {n}" for c, n in sorted(result.slots_by_comm.items())))
@@ -295,6 +299,14 @@ def worker(options: SelftestOptions) -> int:
         return 2
     finally:
         dist.destroy_process_group()
+
+
+def with_random_shares(plan, rng):
+    """`plan` with random shares (1 to 4 parts per rank) on its groups of several ranks; random plans check
+    exactness, not memory, so without its token cap (a rank's larger share may pass it)."""
+    groups = tuple(replace(g, shares=tuple(rng.randint(1, 4) for _ in g.ranks)) if g.size > 1 else g
+                   for g in plan.groups)
+    return replace(plan, groups=groups, max_tokens_per_rank=None)
 
 
 def speed_plan(batch, global_ranks, slowdowns: dict[int, float], max_len: int, family):
