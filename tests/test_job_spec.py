@@ -65,3 +65,14 @@ def test_the_step_engine_takes_its_options_from_the_spec(fields, want):
     engine = JobSpec(DhpConfig(attention_backend="sdpa"), 2, 2, **fields).engine(domain, None)
     assert (engine.seq_multiple, engine.aligned_slots, engine.equal_rows, engine.pipelined) == want
     assert engine.backend == "sdpa" and engine.policy.world_size == 2
+
+
+def test_the_planner_gives_uneven_shards_only_where_the_attention_runs_them():
+    """TransformerEngine's THD context parallelism knows only even zigzag shards (`runtime.engine.check_shares`
+    refuses others), so a job on layer_spec te plans with even shards; the local layer spec keeps the default."""
+    speeds = [1.0] * 4 + [0.5] * 4
+    te = JobSpec(DhpConfig(layer_spec="te", rank_speeds=speeds), 8, 8)
+    local = JobSpec(DhpConfig(layer_spec="local", rank_speeds=speeds), 8, 8)
+    assert te.cost.uneven_shards is False and local.cost.uneven_shards is True
+    model = build_cost_model(te.cost)
+    assert model.group_shares(range(8)) == () and build_cost_model(local.cost).group_shares(range(8)) == (2,) * 4 + (1,) * 4

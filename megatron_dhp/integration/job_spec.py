@@ -149,12 +149,14 @@ class JobSpec:
     def cost(self) -> CostConfig:
         """The cost model the planner holds: the configured one with the job's domain, the chain's M (its budget
         applied, so building the model does not derive M again), the gathered keys and values where counted,
-        the configured encoder placement and stated speeds."""
+        the configured encoder placement and stated speeds; even shards only under TransformerEngine's attention,
+        whose THD context parallelism knows no other (`runtime.engine.check_shares` refuses them there)."""
         policy = self.policy
         return self.loaded_cost.with_overrides(
             max_tokens_per_rank=self.caps.planner, memory_budget_bytes=0.0,
             kv_memory_per_token=self.kv_memory_per_token or None, encoder_placement=self.config.encoder_placement,
-            rank_speeds=self.config.stated_speeds(policy.world_size, policy.gpus_per_node) or None)
+            rank_speeds=self.config.stated_speeds(policy.world_size, policy.gpus_per_node) or None,
+            uneven_shards=False if policy.layer_spec == "te" else None)
 
     def stated_cap_for(self, length: int) -> int:
         """The `max_tokens_per_rank` at which the domain would hold a sample of `length` (the communicators'
