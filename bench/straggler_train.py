@@ -1,6 +1,9 @@
-"""Real CPU training with a slow rank: the closed loop (adaptive dhp) against speed-blind dhp, side by side.
+"""Real CPU training with a slow rank: the closed loop (adaptive dhp) against speed-blind dhp, side by side;
+or (`--pair shards`) uneven shards against even ones, both with the loop on.
 
-Two ways to slow one rank, each run twice on the same batches and weights (`dhp.adaptive` on, then off):
+Two ways to slow one rank, each run twice on the same batches and weights (`--pair loop`: `dhp.adaptive` on,
+then off; `--pair shards`: the cost model's `uneven_shards` on, then off, so a group holding the slow rank gives
+it a share of each sample in proportion to its speed, then an equal one):
 
 * injection: `dhp.slow_ranks` holds every slot of rank 1 `--factor` times as long (`closed_loop.injection`);
 * contention: each rank pinned to its own core (`train.pin_cores`) and a busy process pinned to rank 1's
@@ -14,7 +17,8 @@ share of steps after `--warmup` whose predicted forward+backward time is within 
 (adaptive run), with the same share for the first steps and the share that the one correction factor best
 in hindsight would reach (the noise floor of this machine).
 
-    python bench/straggler_train.py [--steps 30] [--factor 2.0] [--wrong 3.0] [--cases injection,contention] [--json out.json]
+    python bench/straggler_train.py [--steps 30] [--factor 2.0] [--wrong 3.0] [--cases injection,contention]
+                                    [--pair loop|shards] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -46,10 +51,17 @@ def burn(core: int, stop_at: float) -> None:
         x = (x * 1103515245 + 12345) % 2**31
 
 
-def run_pair(config: TrainConfig) -> dict[str, TrainResult]:
-    """The same job with the closed loop on and off."""
-    return {mode: train(config.with_overrides(dhp={"adaptive": mode == "adaptive"}), show=False)
-            for mode in ("adaptive", "blind")}
+PAIRS = {"loop": ("adaptive", "blind"), "shards": ("uneven", "even")}
+"""The two runs each `--pair` compares: the first is the one whose speed-up over the second is measured."""
+
+
+def run_pair(config: TrainConfig, pair: str, costs: dict[str, Path]) -> dict[str, TrainResult]:
+    """The same job twice: the closed loop on and off, or uneven shards on and off (`costs`: each run's cost
+    model)."""
+    first, second = PAIRS[pair]
+    if pair == "loop":
+        return {mode: train(config.with_overrides(dhp={"adaptive": mode == first}), show=False) for mode in (first, second)}
+    return {mode: train(config.with_overrides(dhp={"cost": str(costs[mode])}), show=False) for mode in (first, second)}
 
 
 def within(result: TrainResult, steps: slice, tolerance: float = 0.10) -> float:
@@ -67,15 +79,16 @@ def best_constant(result: TrainResult, steps: slice, tolerance: float = 0.10) ->
 
 
 def summarise(case: str, runs: dict[str, TrainResult], warmup: int) -> dict:
-    """The case's numbers: step times and ratios, loss agreement, the loop's estimate, prediction accuracy."""
-    fast, slow = runs["adaptive"], runs["blind"]
+    """The case's numbers: step times and ratios, loss agreement, the loop's estimate, prediction accuracy (the
+    first run's)."""
+    fast, slow = runs.values()
     paired = statistics.median(b.wall_s / a.wall_s for a, b in zip(fast.records, slow.records))
     settled = [(a.wall_s, b.wall_s) for a, b in zip(fast.records[warmup:], slow.records[warmup:])]
     loss_diff = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(fast.records, slow.records))
     return {
         "case": case,
-        "adaptive_median_s": fast.median_step_s,
-        "blind_median_s": slow.median_step_s,
+        "first_median_s": fast.median_step_s,
+        "second_median_s": slow.median_step_s,
         "speedup": slow.median_step_s / fast.median_step_s,
         "paired_speedup": paired,
         # after the loop's warm-up (the steps prediction accuracy counts): the adaptive run's steady state
@@ -86,9 +99,8 @@ def summarise(case: str, runs: dict[str, TrainResult], warmup: int) -> dict:
         "within_10pct_after_warmup": within(fast, slice(warmup, None)),
         "within_10pct_first_steps": within(fast, slice(0, warmup)),
         "within_10pct_best_constant": best_constant(fast, slice(warmup, None)),
-        "within_10pct_blind": within(slow, slice(warmup, None)),
-        "adaptive": [r.__dict__ for r in fast.records],
-        "blind": [r.__dict__ for r in slow.records],
+        "within_10pct_second": within(slow, slice(warmup, None)),
+        **{mode: [r.__dict__ for r in result.records] for mode, result in runs.items()},
     }
 
 
@@ -102,6 +114,9 @@ def main() -> None:
                         help="start from the config's cost model this many times too fast (default 3.0; 1: as is)")
     parser.add_argument("--warmup", type=int, default=8, help="steps before prediction accuracy counts (default 8)")
     parser.add_argument("--cases", default="injection,contention", help="injection, contention or both")
+    parser.add_argument("--pair", choices=list(PAIRS), default="loop",
+                        help="loop: the closed loop on against off (default); shards: uneven shards against even "
+                             "ones, the loop on in both")
     parser.add_argument("--json", metavar="FILE", help="also write every record as JSON")
     args = parser.parse_args()
 
@@ -110,13 +125,16 @@ def main() -> None:
     console = Console()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        wrong = Path(tmp) / "wrong_cost.yaml"
-        CostConfig.load(base.dhp.cost).scaled(1.0 / args.wrong).save(wrong)
-        base = base.with_overrides(dhp={"cost": str(wrong), "planner": "dhp"})
+        wrong = CostConfig.load(base.dhp.cost).scaled(1.0 / args.wrong)
+        costs = {mode: Path(tmp) / f"{mode}_cost.yaml" for mode in PAIRS["shards"]}
+        for mode, path in costs.items():
+            replace(wrong, uneven_shards=mode == "uneven").save(path)
+        base = base.with_overrides(dhp={"cost": str(costs["uneven"]), "planner": "dhp"})
+        first, second = PAIRS[args.pair]
         for case in args.cases.split(","):
-            console.print(f"[bold]{case}[/]: adaptive, then speed-blind dhp, {args.steps} steps each ...")
+            console.print(f"[bold]{case}[/]: {first}, then {second}, {args.steps} steps each ...")
             if case == "injection":
-                runs = run_pair(base.with_overrides(dhp={"slow_ranks": (f"{SLOW_RANK}:{args.factor}",)}))
+                runs = run_pair(base.with_overrides(dhp={"slow_ranks": (f"{SLOW_RANK}:{args.factor}",)}), args.pair, costs)
             elif case == "contention":
                 cores = sorted(os.sched_getaffinity(0))
                 if len(cores) < 2:
@@ -125,7 +143,7 @@ def main() -> None:
                 competitor = multiprocessing.get_context("spawn").Process(target=burn, args=(cores[SLOW_RANK], stop_at))
                 competitor.start()
                 try:
-                    runs = run_pair(base)
+                    runs = run_pair(base, args.pair, costs)
                 finally:
                     competitor.terminate()
                     competitor.join()
@@ -135,17 +153,17 @@ def main() -> None:
 
     table = Table(title=f"2 gloo ranks, {args.steps} steps of {args.global_batch} samples; cost model "
                         f"{args.wrong:g}x too fast at the start; rank {SLOW_RANK} slowed")
-    for col in ("case", "adaptive step", "blind step", "speed-up", "per-step median",
+    for col in ("case", f"{first} step", f"{second} step", "speed-up", "per-step median",
                 f"speed-up (steps {args.warmup + 1}+)", f"per-step median (steps {args.warmup + 1}+)", "max loss diff",
                 "loop's slow ranks", f"pred within 10% (steps {args.warmup + 1}+)", f"(steps 1-{args.warmup})",
-                "best constant factor", "blind pred within 10%"):
+                "best constant factor", f"{second} pred within 10%"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["case"], f"{r['adaptive_median_s']:.3f}s", f"{r['blind_median_s']:.3f}s", f"{r['speedup']:.2f}x",
+        table.add_row(r["case"], f"{r['first_median_s']:.3f}s", f"{r['second_median_s']:.3f}s", f"{r['speedup']:.2f}x",
                       f"{r['paired_speedup']:.2f}x", f"{r['speedup_after_warmup']:.2f}x", f"{r['paired_after_warmup']:.2f}x",
                       f"{r['max_rel_loss_diff']:.1e}", r["slow_ranks_last"] or "none",
                       f"{100 * r['within_10pct_after_warmup']:.0f}%", f"{100 * r['within_10pct_first_steps']:.0f}%",
-                      f"{100 * r['within_10pct_best_constant']:.0f}%", f"{100 * r['within_10pct_blind']:.0f}%")
+                      f"{100 * r['within_10pct_best_constant']:.0f}%", f"{100 * r['within_10pct_second']:.0f}%")
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
