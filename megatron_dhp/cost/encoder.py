@@ -42,6 +42,8 @@ def block_work(config: CostConfig, blocks: np.ndarray, *, linear: bool = True) -
 def sample_encoder_work(config: CostConfig, samples: Sequence[Sample], *, linear: bool = True) -> np.ndarray:
     """Each sample's encoder seconds on one rank, summed per block (frozen: the forward only); without `linear`
     its attention only (e b^2)."""
+    if not any(s.images for s in samples):  # text only: no per-sample sums (the planner asks every step)
+        return np.zeros(len(samples))
     counts = np.fromiter((sum(len(item.blocks) for item in s.images) for s in samples), dtype=np.int64,
                          count=len(samples))
     if not counts.any() or not (config.enc_attn_s_per_token2 or (linear and config.enc_linear_s_per_token)):

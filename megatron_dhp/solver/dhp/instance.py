@@ -142,7 +142,9 @@ class Instance:
         """The `PlanGroup` of a draft group (`microbatches` of instance indices), with the shares its speeds
         ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`), where they make it
         faster than even shares."""
-        shares = () if self.nominal or len(ranks) < 2 or not len(microbatches) else self.model.group_shares(ranks)
+        speeds = () if self.nominal or not len(microbatches) or len(ranks) < 2 else self.speeds[list(ranks)]
+        mixed = len(speeds) and speeds.max() > speeds.min()
+        shares = self.model.group_shares(ranks) if mixed else ()
         if shares:
             shared, held = self.footprint.shared, self.footprint.held
             limit = min((self.footprint.cap - float(held[mb].sum())) / max(float(shared[mb].sum()), 1.0)
@@ -151,8 +153,14 @@ class Instance:
                                    lambda w: all(self.footprint.fits(mb, len(ranks), w) for mb in microbatches))
         if shares and self.group_seconds(ranks, microbatches, shares) >= self.group_seconds(ranks, microbatches, ()):
             shares = ()
-        return PlanGroup(ranks=ranks, microbatches=tuple(tuple(int(self.ids[i]) for i in mb) for mb in microbatches),
+        ids = self.id_list
+        return PlanGroup(ranks=ranks, microbatches=tuple(tuple(ids[i] for i in mb) for mb in microbatches),
                          phase=phase, shares=shares)
+
+    @functools.cached_property
+    def id_list(self) -> list[int]:
+        """`ids` as Python ints (a plan's thousands of microbatch entries read them one by one)."""
+        return self.ids.tolist()
 
     def group_seconds(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]],
                       shares: tuple[int, ...]) -> float:
