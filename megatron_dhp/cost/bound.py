@@ -131,7 +131,17 @@ def _event_bound(times: np.ndarray, area_times: np.ndarray, m: float, end_overhe
     order = np.argsort(np.where(feasible, times, np.inf) if np.isscalar(end_overhead) else ends, axis=1, kind="stable")
     ends = np.take_along_axis(ends, order, axis=1)
     cheapest = np.minimum.accumulate(np.take_along_axis(np.where(feasible, area, np.inf), order, axis=1), axis=1)
-    # Events: sample s's cheapest area drops from cheapest[k - 1] to cheapest[k] at T = ends[k].
+    return sweep(ends, cheapest, capacity)
+
+
+def sweep(ends: np.ndarray, cheapest: np.ndarray, capacity: float = 1.0) -> float:
+    """The least T at which every sample's cheapest cost by T sums to at most `capacity` T: `ends` (samples,
+    options), each row sorted, is when each option ends the sample (inf: not allowed), `cheapest` the least
+    cost of the options that end by then (each row's prefix minimum). Each sample's cost is a step function
+    of T, so the sum is evaluated at every event where one falls."""
+    if not len(ends):
+        return 0.0
+    # Events: sample s's cheapest cost drops from cheapest[k - 1] to cheapest[k] at T = ends[k].
     drop = np.diff(cheapest, axis=1, prepend=np.inf)
     live = np.isfinite(ends) & (drop < 0)
     first = np.zeros_like(live)
@@ -140,11 +150,10 @@ def _event_bound(times: np.ndarray, area_times: np.ndarray, m: float, end_overhe
     change = np.where(first, cheapest, drop)[live]
     k = np.argsort(at, kind="stable")
     at, total = at[k], np.cumsum(change[k])
-    # No sample is placeable before its fastest end; the area sum is finite from the last first event on.
+    # No sample is placeable before its fastest end; the sum is finite from the last first event on.
     start = int(np.searchsorted(at, float(ends[:, 0].max()), side="right")) - 1
     at, total = at[start:], total[start:]
-    nxt = np.r_[at[1:], np.inf]
-    fits = total / capacity < nxt
+    fits = total / capacity < np.r_[at[1:], np.inf]
     j = int(np.argmax(fits))
     return max(float(at[j]), float(total[j]) / capacity)
 

@@ -55,6 +55,7 @@ from megatron_dhp.cost.bound import (
     best_times,
     identity_share,
     staircase_share,
+    sweep,
     threshold_share,
 )
 from megatron_dhp.cost.model import CostModel
@@ -98,25 +99,9 @@ def least_step(ends: np.ndarray, weight: np.ndarray) -> float:
 
     Each sample's cheapest weight is a step function of T that falls where a slower degree becomes allowed,
     so the sum is evaluated at every such event."""
-    if not len(ends):
-        return 0.0
     order = np.argsort(ends, axis=1, kind="stable")
-    ends = np.take_along_axis(ends, order, axis=1)
-    cheapest = np.minimum.accumulate(np.take_along_axis(weight, order, axis=1), axis=1)
-    drop = np.diff(cheapest, axis=1, prepend=np.inf)
-    first = np.zeros(ends.shape, dtype=bool)
-    first[:, 0] = True
-    live = np.isfinite(ends) & (first | (drop < 0))
-    at = ends[live]
-    change = np.where(first, cheapest, drop)[live]
-    k = np.argsort(at, kind="stable")
-    at, total = at[k], np.cumsum(change[k])
-    # Until every sample has an allowed degree (its fastest end) no T passes; from there on the sum is finite.
-    start = int(np.searchsorted(at, float(ends[:, 0].max()), side="right")) - 1
-    at, total = at[start:], total[start:]
-    fits = total < np.r_[at[1:], np.inf]
-    j = int(np.argmax(fits))
-    return max(float(at[j]), float(total[j]))
+    return sweep(np.take_along_axis(ends, order, axis=1),
+                 np.minimum.accumulate(np.take_along_axis(weight, order, axis=1), axis=1))
 
 
 def forced_width_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
