@@ -132,9 +132,14 @@ def shares_within(shares: Sequence[int], limit: float, fits: Callable[[tuple[int
     (bisected); () where only even shards fit (they do wherever the plan does)."""
     if not len(shares):
         return ()
-    high = float(blend(limit, len(shares), share_fractions(shares, len(shares)).max()))
+    phi_max = share_fractions(shares, len(shares)).max()
+    high = float(blend(limit, len(shares), phi_max))
     best = mix(shares, high) if high > 0 else ()
     if not best or fits(best):
+        return best
+    # integer parts of SHARE_RESOLUTION round the largest share by at most a part or so: aim that much lower
+    best = mix(shares, float(blend(limit * (1 - 2 / SHARE_RESOLUTION), len(shares), phi_max)))
+    if best and fits(best):
         return best
     low, best = 0.0, ()
     for _ in range(MIX_STEPS):
