@@ -82,12 +82,17 @@ def share_fractions(shares: Sequence[int], size: int) -> np.ndarray:
     return w / w.sum()
 
 
+def as_shares(parts: np.ndarray | Sequence[float]) -> tuple[int, ...]:
+    """Positive real `parts` as integer shares, `SHARE_RESOLUTION` for the largest (`normalize_shares`: () when
+    they are equal)."""
+    parts = np.asarray(parts, dtype=np.float64)
+    return normalize_shares(np.maximum(1, np.rint(SHARE_RESOLUTION * parts / parts.max())).astype(int).tolist(),
+                            parts.size)
+
+
 def shares_for_speeds(speeds: Sequence[float]) -> tuple[int, ...]:
-    """Shares in proportion to the members' speeds (`normalize_shares`: () when they are equal)."""
-    s = np.asarray(speeds, dtype=np.float64)
-    if s.size < 2 or np.all(s == s[0]):
-        return ()
-    return normalize_shares(np.maximum(1, np.rint(SHARE_RESOLUTION * s / s.max())).astype(int).tolist(), s.size)
+    """Shares in proportion to the members' speeds (() when they are equal)."""
+    return as_shares(speeds)
 
 
 def blend(limit: np.ndarray | float, size: np.ndarray | int, phi_max: np.ndarray | float) -> np.ndarray:
@@ -114,10 +119,7 @@ def blended_pace(alpha: np.ndarray | float, size: np.ndarray | int, speed_sum: n
 
 def mix(shares: Sequence[int], alpha: float) -> tuple[int, ...]:
     """`shares` mixed with even ones, alpha of the way to them (`blend`), as integer shares."""
-    phi = share_fractions(shares, len(shares))
-    parts = alpha * phi + (1.0 - alpha) / len(shares)
-    return normalize_shares(np.maximum(1, np.rint(SHARE_RESOLUTION * parts / parts.max())).astype(int).tolist(),
-                            len(shares))
+    return as_shares(alpha * share_fractions(shares, len(shares)) + (1.0 - alpha) / len(shares))
 
 
 MIX_STEPS = 12
@@ -134,7 +136,7 @@ def shares_within(shares: Sequence[int], limit: float, fits: Callable[[tuple[int
         return ()
     phi_max = share_fractions(shares, len(shares)).max()
     high = float(blend(limit, len(shares), phi_max))
-    best = mix(shares, high) if high > 0 else ()
+    best = mix(shares, high)  # (even, () at alpha 0)
     if not best or fits(best):
         return best
     # integer parts of SHARE_RESOLUTION round the largest share by at most a part or so: aim that much lower
