@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.plan.shares import shares_within
 from megatron_dhp.workload.sample import Sample
 
 MIB = 2**20
@@ -133,6 +134,19 @@ class Footprint:
         index = np.asarray(index, dtype=np.int64)
         part = max(shares) / sum(shares) if len(shares) else 1.0 / degree
         return float(self.shared[index].sum()) * part + float(self.held[index].sum())
+
+    def largest_part(self, index: Sequence[int]) -> float:
+        """The most of a microbatch of these samples one rank may hold: (cap - held) / shared (an even share
+        is 1 / d of it; uneven shares, `plan.shares`, give some rank more)."""
+        index = np.asarray(index, dtype=np.int64)
+        return (self.cap - float(self.held[index].sum())) / max(float(self.shared[index].sum()), 1.0)
+
+    def fitting_shares(self, shares: Sequence[int], microbatches: Sequence[Sequence[int]],
+                       degree: int) -> tuple[int, ...]:
+        """`shares` mixed toward even as far as every microbatch (samples' indices) on `degree` ranks needs to
+        stay within the cap on its rank of the largest share (`plan.shares.shares_within`)."""
+        limit = min(self.largest_part(mb) for mb in microbatches)
+        return shares_within(shares, limit, lambda w: all(self.fits(mb, degree, w) for mb in microbatches))
 
     def min_ranks(self, index: Sequence[int]) -> int:
         """The fewest ranks a microbatch of these samples fits (`UNPLACEABLE` if none)."""

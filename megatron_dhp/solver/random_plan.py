@@ -14,7 +14,6 @@ from megatron_dhp.cost.config import Domain
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import MemoryRule
 from megatron_dhp.plan.plan import Plan, PlanGroup, memory_fields
-from megatron_dhp.plan.shares import shares_within
 from megatron_dhp.workload.batches import fit_to_domain
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -90,11 +89,8 @@ def random_plan(
     def shares(ranks: tuple[int, ...], microbatches: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         if not uneven or len(ranks) < 2 or not microbatches or rng.random() >= uneven:
             return ()
-        members = [[position[i] for i in mb] for mb in microbatches]
-        limit = min((footprint.cap - float(footprint.held[m].sum())) / max(float(footprint.shared[m].sum()), 1.0)
-                    for m in members)
         drawn = tuple(rng.randint(1, 4) for _ in ranks)
-        return shares_within(drawn, limit, lambda w: all(footprint.fits(m, len(ranks), w) for m in members))
+        return footprint.fitting_shares(drawn, [[position[i] for i in mb] for mb in microbatches], len(ranks))
 
     groups = []
     for (phase, ranks), bucket in zip(layout, buckets):

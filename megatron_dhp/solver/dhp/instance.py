@@ -12,7 +12,7 @@ from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.family import GroupFamily
 from megatron_dhp.plan.memory import Footprint
 from megatron_dhp.plan.plan import PlanGroup
-from megatron_dhp.plan.shares import Pace, blend, blended_pace, shares_within
+from megatron_dhp.plan.shares import Pace, blend, blended_pace
 from megatron_dhp.workload.sample import Batch
 
 
@@ -107,8 +107,8 @@ class Instance:
 
     @functools.cached_property
     def share_limit(self) -> np.ndarray:
-        """The most of each sample one rank may hold alone in a microbatch: (cap - held) / shared (uneven
-        shards give the fastest rank more than 1 / d, `plan.shares.blend`)."""
+        """`Footprint.largest_part` of each sample alone in a microbatch, for all at once (uneven shards give
+        the fastest rank more than 1 / d, `plan.shares.blend`)."""
         return (self.footprint.cap - self.footprint.held) / np.maximum(self.footprint.shared, 1)
 
     def wide_seconds(self, items: np.ndarray, size: np.ndarray, intra: np.ndarray, speed_sum: np.ndarray | float,
@@ -146,11 +146,7 @@ class Instance:
         mixed = len(speeds) and speeds.max() > speeds.min()
         shares = self.model.group_shares(ranks) if mixed else ()
         if shares:
-            shared, held = self.footprint.shared, self.footprint.held
-            limit = min((self.footprint.cap - float(held[mb].sum())) / max(float(shared[mb].sum()), 1.0)
-                        for mb in map(list, microbatches))
-            shares = shares_within(shares, limit,
-                                   lambda w: all(self.footprint.fits(mb, len(ranks), w) for mb in microbatches))
+            shares = self.footprint.fitting_shares(shares, microbatches, len(ranks))
         if shares and self.group_seconds(ranks, microbatches, shares) >= self.group_seconds(ranks, microbatches, ()):
             shares = ()
         ids = self.id_list
