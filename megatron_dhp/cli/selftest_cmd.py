@@ -2,7 +2,7 @@
 
 Builds a tiny GPT on every rank, runs K random plans (group sizes that are not powers of two, several
 phases, each communication variant in turn, every other plan with uneven shards: random shares on its groups
-of several ranks, `plan.shares`), or one given plan (`--plan FILE`, a plan JSON from a job,
+of several ranks within the token cap, `plan.shares`), or one given plan (`--plan FILE`, a plan JSON from a job,
 under each variant), and compares the loss and every parameter gradient with a single-process run of
 megatron-core's own attention on the same batch. With `--pp P` the model is split into P pipeline stages
 run by megatron-core's 1F1B (`runtime.pipeline`); with `--model moe` every MLP is megatron-core's MoE layer
@@ -269,12 +269,10 @@ def worker(options: SelftestOptions) -> int:
                 # on the family the planner would keep to under this comm (none under p2p and mixed)
                 family = check.policy(comm).planning_family
                 plan = (speed_plan(batch, check.domain.global_ranks, slowdowns, options.max_len, family) if slowdowns
-                        else random_plan(batch, domain, rng, family=family))
+                        else random_plan(batch, domain, rng, family=family, uneven=float(k % 2)))
                 if options.virtual_pipeline > 1:  # its slot order; random plans check exactness, not memory
                     plan = replace(plan, pipeline_stages=options.pipeline_parallel,
                                    virtual_stages=options.virtual_pipeline, max_tokens_per_rank=None)
-                if k % 2 and not slowdowns:
-                    plan = with_random_shares(plan, rng)
             placement = options.placements[k % len(options.placements)]
             samples = (random_vlm_samples(batch, vlm, seed=options.seed + k) if vlm is not None
                        else random_samples(batch, vocab_size=check.config.vocab_size, seed=options.seed + k))
@@ -299,14 +297,6 @@ def worker(options: SelftestOptions) -> int:
         return 2
     finally:
         dist.destroy_process_group()
-
-
-def with_random_shares(plan, rng):
-    """`plan` with random shares (1 to 4 parts per rank) on its groups of several ranks; random plans check
-    exactness, not memory, so without its token cap (a rank's larger share may pass it)."""
-    groups = tuple(replace(g, shares=tuple(rng.randint(1, 4) for _ in g.ranks)) if g.size > 1 else g
-                   for g in plan.groups)
-    return replace(plan, groups=groups, max_tokens_per_rank=None)
 
 
 def speed_plan(batch, global_ranks, slowdowns: dict[int, float], max_len: int, family):
