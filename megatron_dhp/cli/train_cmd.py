@@ -16,6 +16,7 @@ import signal
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `train`."""
     from megatron_dhp.solver import PLANNERS
+    from megatron_dhp.training.config import NONFINITE_ACTIONS
 
     p = sub.add_parser("train", help="train a GPT with per-step dynamic CP groups (spawns ranks or runs under torchrun)",
                        description="Train megatron-core's GPT with the DHP layer spec: each step is planned while "
@@ -29,6 +30,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-interval", type=int, metavar="K", help="save every K steps (overrides train.save_interval)")
     p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR; 'auto': from --save's "
                                                  "latest if it has one, else start fresh (overrides train.load)")
+    p.add_argument("--keep-checkpoints", type=int, metavar="K",
+                   help="checkpoints kept in --save after each save, newest first; 0: all (overrides train.keep_checkpoints)")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="without --load: replace the checkpoints another run left in --save (refused otherwise)")
+    p.add_argument("--on-nonfinite", choices=NONFINITE_ACTIONS,
+                   help="a step with a NaN or infinite loss or gradient norm: stop the run (default) or skip the "
+                        "update (overrides train.on_nonfinite)")
     p.add_argument("--json", metavar="FILE", help="write every step's record as JSON")
     p.add_argument("--quiet", action="store_true", help="no per-step lines (progress bar and summary only)")
     p.set_defaults(run=run)
@@ -42,6 +50,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, metavar="N", help="steps to train (overrides train.steps)")
     p.add_argument("--cost", metavar="YAML", help="cost model: preset name or YAML, e.g. from `megatron-dhp profile` "
                                                   "(overrides dhp.cost)")
+    p.add_argument("--oversubscribe", action="store_true", default=None,
+                   help="spawn more than twice as many ranks as there are cores (overrides train.oversubscribe)")
 
 
 def add_pp_arg(p: argparse.ArgumentParser) -> None:
@@ -88,7 +98,7 @@ def load_config(args: argparse.Namespace, **extra: dict):
     from megatron_dhp.training.config import TrainConfig
 
     config = TrainConfig.load(args.config)
-    train = {"nproc": args.nproc, "steps": args.steps, **extra.pop("train", {})}
+    train = {"nproc": args.nproc, "steps": args.steps, "oversubscribe": args.oversubscribe, **extra.pop("train", {})}
     dhp = {"cost": args.cost, **extra.pop("dhp", {})}
     return config.with_overrides(train=train, dhp=dhp, **extra)
 
@@ -99,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.training.train import train
 
     config = load_config(args, train={"save": args.save, "save_interval": args.save_interval, "load": args.load,
-                                      "pp": args.pp, "vpp": args.vpp},
+                                      "pp": args.pp, "vpp": args.vpp, "keep_checkpoints": args.keep_checkpoints,
+                                      "overwrite": args.overwrite, "on_nonfinite": args.on_nonfinite},
                          dhp={"planner": args.planner, **straggler_overrides(args)})
     result = train(config, show=True, lines=not args.quiet)
     if os.environ.get("RANK", "0") != "0":

@@ -23,6 +23,9 @@ from megatron_dhp.presets import resolve_preset
 AUTO_LOAD = "auto"
 """`train.load` value that resumes from `train.save` when it holds a checkpoint and starts fresh otherwise."""
 
+NONFINITE_ACTIONS = ("stop", "skip")
+"""`train.on_nonfinite` values: what a step with a NaN or infinite loss or gradient norm does."""
+
 
 @dataclass(frozen=True)
 class ModelConfig(TinyGPTConfig):
@@ -136,8 +139,21 @@ class RunConfig:
     load: str | None = None
     """Checkpoint directory to resume from (its latest complete checkpoint); `auto`: `save`'s latest when it
     has one, else a fresh start, so one command line serves the first start and every restart."""
+    keep_checkpoints: int = 3
+    """Checkpoints of `save` kept after each successful save, newest first (0: keep every one); older step
+    folders are removed."""
+    overwrite: bool = False
+    """Let a run that does not resume write into a `save` folder holding another run's checkpoints, removing
+    them first; without it such a run is refused before its first step."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN or infinite, found before the optimizer applies it: `stop`
+    ends the run with one line naming the step (nothing of it is saved); `skip` drops the update and goes on,
+    as megatron-core skips a step on overflow."""
     timeout_s: float = 300.0
     """Longest any collective may wait before the job fails instead of hanging."""
+    oversubscribe: bool = False
+    """Spawn more than twice as many ranks as this machine has cores; refused without it (the ranks
+    time-slice: step times say nothing and collectives may reach `timeout_s`)."""
     pin_cores: bool = False
     """Pin each spawned rank to one core (local rank modulo the cores this process may use), so that a
     process competing for one core slows one rank, as a noisy neighbour slows one GPU (`bench/straggler_train.py`)."""
@@ -147,13 +163,15 @@ class RunConfig:
         for name in ("steps", "tp", "pp", "vpp"):
             if getattr(self, name) < 1:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 1")
-        for name in ("warmup_steps", "save_interval", "nproc"):
+        for name in ("warmup_steps", "save_interval", "nproc", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 0")
         if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
             raise DhpError(f"train.lr = {self.lr} must be > 0 and train.min_lr = {self.min_lr} between 0 and lr")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.timeout_s <= 0:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise DhpError(f"train.on_nonfinite = {self.on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}")
         if self.vpp > 1 and self.pp == 1:
             raise DhpError(f"train.vpp = {self.vpp} interleaves model chunks of a pipeline; it needs train.pp > 1")
         if self.load == AUTO_LOAD and not self.save:
