@@ -16,7 +16,6 @@ import signal
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `train`."""
     from megatron_dhp.solver import PLANNERS
-    from megatron_dhp.training.config import NONFINITE_ACTIONS
 
     p = sub.add_parser("train", help="train a GPT with per-step dynamic CP groups (spawns ranks or runs under torchrun)",
                        description="Train megatron-core's GPT with the DHP layer spec: each step is planned while "
@@ -34,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoints kept in --save after each save, newest first; 0: all (overrides train.keep_checkpoints)")
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="without --load: replace the checkpoints another run left in --save (refused otherwise)")
-    p.add_argument("--on-nonfinite", choices=NONFINITE_ACTIONS,
+    p.add_argument("--on-nonfinite", metavar="{stop,skip}",
                    help="a step with a NaN or infinite loss or gradient norm: stop the run (default) or skip the "
                         "update (overrides train.on_nonfinite)")
     p.add_argument("--json", metavar="FILE", help="write every step's record as JSON")

@@ -14,10 +14,11 @@ end of the slowest rank's last backward. Gradient sync and the optimizer are tim
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -77,6 +78,9 @@ class StepRecord:
     stated speeds; empty when all ran at one speed."""
     stopped_by: str = ""
     """The signal (`SIGTERM`) some rank received during the step: the run saves and stops after it."""
+    skipped: str = ""
+    """What was NaN or infinite (`loss`, `gradients`) when `train.on_nonfinite: skip` dropped the step's
+    update; empty for a step the optimizer applied."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,6 +92,7 @@ class StepRecord:
         p2p = f", {self.groups_p2p} on p2p" if self.groups_p2p else ""
         groups = f"groups {self.groups} ({self.groups_created} created{p2p}) | {self.num_microbatches} mb | " if plan else ""
         groups += f"slow {self.slow_ranks} | " if self.slow_ranks else ""
+        groups += f"skipped: non-finite {self.skipped} | " if self.skipped else ""
         return (f"step {self.step:>{len(str(total_steps))}}/{total_steps} | loss {self.loss:.4f} | "
                 f"{self.num_tokens:,} tok | {self.tokens_per_s:,.0f} tok/s | {groups}pred {self.predicted_s:.3f}s "
                 f"meas {self.measured_s:.3f}s | sync {self.sync_s:.3f}s opt {self.optimizer_s:.3f}s | "
@@ -220,15 +225,36 @@ class Trainer:
         result = run_step(engine, self.model, inputs)  # the engine finishes the gradients (inside 1F1B under PP)
         t2 = time.perf_counter()
         t1 = t2 - engine.finish_s  # the walk's end: what the plan predicts is forward and backward
-        ok, grad_norm, _ = self.optimizer.step()
+        step = self.completed + 1
+        skipped = self._nonfinite(step, result.loss_sum)
+        ok, grad_norm = (True, float("nan")) if skipped else self.optimizer.step()[:2]
         t3 = time.perf_counter()
-        step = self.completed
         if not ok:
-            raise DhpError(f"the optimizer skipped step {step + 1} (non-finite gradients); lower train.lr")
-        self.completed = step + 1
+            raise DhpError(f"the optimizer skipped step {step} (non-finite gradients); lower train.lr")
+        self.completed = step
         mine = RankReport(result.loss_sum, result.num_tokens, t1 - t0, t2 - t1, t3 - t2, engine.plan_wait_s,
                           t3 - start, self.stop.signal)
-        return self._record(plan, mine, step + 1, lr, grad_norm, result.global_loss_tokens, engine.groups_on_p2p(plan))
+        record = self._record(plan, mine, step, lr, grad_norm, result.global_loss_tokens, engine.groups_on_p2p(plan))
+        return replace(record, skipped=skipped) if skipped else record
+
+    def _nonfinite(self, step: int, loss_sum: float) -> str:
+        """What is NaN or infinite in this step before the optimizer applies it (`loss`, `gradients`; '' when
+        nothing), agreed over the world; under `train.on_nonfinite: stop` a `DhpError` naming the step instead.
+        Collective: one flag pair over the host control plane. It reads the reduced gradient buffers of
+        megatron-core's DDP rather than the optimizer's norm, which `step` computes and applies in one call."""
+        grads = [b.grad_data for chunk in self.chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+        group, device = self.domain.control_plane(world=True)
+        finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.tensor(True)
+        flags = torch.tensor([not math.isfinite(loss_sum), 0.0], device=device)
+        flags[1] = finite.logical_not().to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        found = " and ".join(what for what, bad in zip(("loss", "gradients"), flags.tolist()) if bad)
+        if found and self.config.train.on_nonfinite == "stop":
+            raise DhpError(f"step {step}: non-finite {found} (NaN or infinite: the run diverged); stopped before "
+                           f"the optimizer applied the step, nothing of it saved. Lower train.lr = "
+                           f"{self.config.train.lr:g} (or lengthen train.warmup_steps), or pass --on-nonfinite skip "
+                           "to drop such steps")
+        return found
 
     def _record(self, plan: Plan, mine: RankReport, step: int, lr: float, grad_norm: float | None,
                 loss_tokens: int, groups_p2p: int) -> StepRecord:
