@@ -2,7 +2,9 @@
 
 The dataclass is the source of truth: its fields and their annotations decide which keys exist and what
 types they take. An unknown key names the closest valid one; a missing required key lists them all; a
-value of the wrong type is caught by `check_fields`, which every config runs on construction.
+value of the wrong type is caught by `check_fields`, which every config runs on construction, and so is a
+number no machine holds (an int beyond int64, a NaN or infinite float). Errors show a value as
+`errors.excerpt`; files are read by `files.read_text`, and a YAML alias bomb is refused before it is built.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import json
+import math
 import re
 import textwrap
 import types
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.files import CONFIG_BYTES, INT64_MAX, parse_json, read_text
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -35,31 +38,72 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def load_yaml(text: str) -> object:
-    """Parse untrusted YAML safely (no object construction), with scientific floats."""
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+MAX_YAML_NODES = 100_000
+"""The most values a YAML document may hold once its aliases are expanded (shipped configs hold under 200):
+a 2 KB file of nested anchors ("billion laughs") expands to a billion, which every later walk would visit."""
 
 
-def load_json_file(path: str | Path, *, what: str, error: type[DhpError] = DhpError) -> object:
-    """Read and parse a JSON file; a missing or malformed file is an `error` naming it."""
-    p = Path(path)
-    if not p.is_file():
-        raise error(f"{what} {str(p)!r} does not exist")
+def load_yaml(text: str, *, source: str = "YAML") -> object:
+    """Parse untrusted YAML safely (no object construction), with scientific floats; a document whose aliases
+    expand beyond `MAX_YAML_NODES` values is refused before it is built. `source` names it in errors."""
+    loader = _YamlLoader(text)
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise error(f"{what} {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, source)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node, source: str) -> None:
+    """A `DhpError` if the node graph `root`, every alias expanded, holds more than `MAX_YAML_NODES` nodes or
+    holds itself; each node is counted once (memoised), so a bomb is found in the time its text takes to read."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # on the path from the root to the node being counted
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        if counted:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise DhpError(f"{source} expands to more than {MAX_YAML_NODES:,} values through its anchors and "
+                               "aliases (&name, *name); write the values out, or use fewer aliases")
+        elif id(node) not in sizes:
+            if id(node) in open_nodes:
+                raise DhpError(f"{source} holds an alias inside the value it names (line {node.start_mark.line + 1}); "
+                               "a config value cannot contain itself")
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+
+
+def load_json_file(path: str | Path, *, what: str, limit: int, error: type[DhpError] = DhpError) -> object:
+    """Read and parse a JSON file of at most `limit` bytes (`files.read_text`, `files.parse_json`); a missing,
+    oversized, binary or malformed file is an `error` naming it."""
+    text = read_text(path, what=what, limit=limit, error=error)
+    return parse_json(text, name=f"{what} {str(path)!r}", error=error)
 
 
 def load_yaml_file(path: str | Path, *, what: str) -> object:
-    """Read and parse a YAML file; a missing or malformed file is a `DhpError` naming it."""
-    p = Path(path)
-    if not p.is_file():
-        raise DhpError(f"{what} {str(p)!r} does not exist")
+    """Read and parse a YAML config file (`files.read_text`, `load_yaml`); a missing, oversized, binary or
+    malformed file is a `DhpError` naming it."""
+    name = f"{what} {str(path)!r}"
+    text = read_text(path, what=what, limit=CONFIG_BYTES)
     try:
-        return load_yaml(p.read_text())
+        return load_yaml(text, source=name)
     except yaml.YAMLError as e:
-        raise DhpError(f"{what} {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise DhpError(f"{name} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise DhpError(f"{name} nests its lists or mappings too deeply to read") from None
+    except DhpError:
+        raise
+    except ValueError as e:  # an integer of 4300 digits or more, a date like 2024-13-01
+        raise DhpError(f"{name} holds a value YAML cannot convert: {str(e).split(';')[0]}") from None
 
 
 def from_mapping(cls: type, obj: object, *, source: str) -> object:
@@ -73,9 +117,9 @@ def from_mapping(cls: type, obj: object, *, source: str) -> object:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
     for key in obj:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            close = difflib.get_close_matches(key[:100], list(fields), n=1) if isinstance(key, str) else []
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise DhpError(f"{source}: unknown key {key!r}{hint}")
+            raise DhpError(f"{source}: unknown key {excerpt(key)}{hint}")
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [k for k in required if k not in obj]
     if missing:
@@ -113,10 +157,11 @@ def _field_hints(cls: type) -> dict[str, object]:
 
 
 def _check(hint: object, value: object, where: str) -> object:
-    """`value` if it fits the annotation `hint` (converted as `check_fields` says), else a `DhpError`."""
+    """`value` if it fits the annotation `hint` (converted as `check_fields` says), else a `DhpError` showing
+    an excerpt of it. Numbers must fit a machine: ints within int64, floats finite."""
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, hint):
-            raise DhpError(f"{where} = {value!r} must be a {hint.__name__}")
+            raise DhpError(f"{where} = {excerpt(value)} must be a {hint.__name__}")
         return value
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -132,24 +177,24 @@ def _check(hint: object, value: object, where: str) -> object:
         raise DhpError(errors[0])
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise DhpError(f"{where} = {value!r} must be a list")
+            raise DhpError(f"{where} = {excerpt(value)} must be a list")
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
         return tuple(_check(item, v, where) for v in value)
     if hint is bool:
         if not isinstance(value, bool):
-            raise DhpError(f"{where} = {value!r} must be true or false")
+            raise DhpError(f"{where} = {excerpt(value)} must be true or false")
         return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise DhpError(f"{where} = {value!r} must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DhpError(f"{where} = {value!r} must be a number")
-        return float(value)
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
+            raise DhpError(f"{where} = {excerpt(value)} must be {'a number' if hint is float else 'an integer'}")
+        if isinstance(value, int) and abs(value) > INT64_MAX:
+            raise DhpError(f"{where} = {excerpt(value)} is too large: give a number of magnitude below 2**63")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DhpError(f"{where} = {excerpt(value)} must be a finite number")
+        return float(value) if hint is float else value
     if hint is str:
         if not isinstance(value, str):
-            raise DhpError(f"{where} = {value!r} must be a string")
+            raise DhpError(f"{where} = {excerpt(value)} must be a string")
         return value
     return value
 

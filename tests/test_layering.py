@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dhp"
 
 # Each floor may import from itself and from every floor above it in this list.
 FLOORS = (
-    ("errors", "config_io", "presets"),
+    ("errors", "files", "config_io", "presets"),
     ("workload",),
     ("plan",),
     ("cost",),

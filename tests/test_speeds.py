@@ -173,7 +173,7 @@ def test_plan_json_records_the_speeds(tmp_path):
 @pytest.mark.parametrize("speeds, message", [
     ((1.0, 0.5), "rank_speeds holds 2 speeds but the domain has 64 ranks"),
     ((0.0,) * 64, "rank speed 0.0 must be a finite number > 0"),
-    ((float("nan"),) * 64, "must be a finite number > 0"),
+    ((float("nan"),) * 64, "rank_speeds' = nan must be a finite number"),
 ])
 def test_bad_speeds_are_clear_errors(speeds, message):
     with pytest.raises(DhpError, match=message):

@@ -73,7 +73,7 @@ def test_indexed_dataset_without_bin(tmp_path):
         ("float.json", "[2.5]", "entry 0: length 2.5 must be a positive integer"),
         ("str.json", '["12"]', "entry 0: length '12' must be a positive integer"),
         ("bool.json", "[true]", "entry 0: length True must be a positive integer"),
-        ("badline.jsonl", '{"tokens": 3}\n{oops}\n', "line 2: not valid JSON"),
+        ("badline.jsonl", '{"tokens": 3}\n{oops}\n', "line 2 is not valid JSON"),
         ("notokens.jsonl", '{"len": 3}\n', "has no 'tokens' key"),
         ("extra.jsonl", '{"tokens": 3, "x": 1}\n', "unknown key 'x'"),
         ("img.jsonl", '{"tokens": 300, "images": [0]}\n', "image token count 0"),

@@ -12,12 +12,13 @@ from pathlib import Path
 from megatron_dhp.config_io import load_json_file
 from megatron_dhp.cost.config import check_speeds
 from megatron_dhp.errors import DhpError
+from megatron_dhp.files import SPEEDS_BYTES
 
 
 def load_rank_speeds(path: str | Path) -> tuple[float, ...]:
     """The JSON list of relative speeds in `path` (one per domain position; checked against the domain when
     the cost config takes them)."""
-    speeds = load_json_file(path, what="rank speeds file")
+    speeds = load_json_file(path, what="rank speeds file", limit=SPEEDS_BYTES)
     if not isinstance(speeds, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in speeds):
         raise DhpError(f"rank speeds file {str(path)!r} must hold a JSON list of numbers, one per rank "
                        "(such as [1.0, 1.0, 0.5, 1.0])")

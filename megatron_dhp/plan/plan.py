@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dhp.config_io import load_json_file
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.files import PLAN_BYTES
 from megatron_dhp.plan.memory import Footprint, MemoryRule
 from megatron_dhp.plan.pipeline import in_flight_peak, pipeline_slots, slot_tokens_per_rank
 from megatron_dhp.plan.rank_speeds import (
@@ -333,7 +334,7 @@ class Plan:
         if not isinstance(obj, dict):
             raise PlanError("a plan must be a JSON object")
         if obj.get("schema") != SCHEMA:
-            raise PlanError(f"plan schema {obj.get('schema')!r} is not {SCHEMA!r}")
+            raise PlanError(f"plan schema {excerpt(obj.get('schema'))} is not {SCHEMA!r}")
         try:
             groups = tuple(
                 PlanGroup(ranks=g["ranks"], microbatches=g["microbatches"], phase=g.get("phase", 0),
@@ -368,5 +369,5 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan JSON file (not validated: call `validate`)."""
-        return cls.from_dict(load_json_file(path, what="plan file", error=PlanError))
+        return cls.from_dict(load_json_file(path, what="plan file", limit=PLAN_BYTES, error=PlanError))
 

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 from megatron_dhp.workload.sources import load_samples
 from megatron_dhp.workload.synthetic import Distribution, get_distribution
+
+MAX_BATCH_SAMPLES = 262_144
+"""The most samples one global batch may hold: 64 times the largest batch real recipes draw (4096), and still
+planned in seconds; a length file of millions of samples taken whole would plan for minutes, silently."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,18 @@ class LengthSource:
 
         A file without `global_batch` is taken whole, ids in file order. Otherwise samples are drawn
         from a generator seeded with (seed, index), without replacement while the file is large enough.
+        Either way a batch holds at most `MAX_BATCH_SAMPLES`.
         """
         if global_batch is not None and (isinstance(global_batch, bool) or global_batch < 1):
-            raise DhpError(f"--global-batch {global_batch!r} must be a positive integer")
+            raise DhpError(f"--global-batch {excerpt(global_batch)} must be a positive integer")
+        if global_batch is not None and global_batch > MAX_BATCH_SAMPLES:
+            raise DhpError(f"--global-batch {global_batch:,} is more samples than a batch may hold "
+                           f"({MAX_BATCH_SAMPLES:,}); pass --global-batch {MAX_BATCH_SAMPLES} or less")
         if self.distribution is None and global_batch is None:
+            if len(self.samples) > MAX_BATCH_SAMPLES:
+                raise DhpError(f"length file {self.name!r} holds {len(self.samples):,} samples, more than a batch "
+                               f"may hold ({MAX_BATCH_SAMPLES:,}), and without --global-batch it is taken whole as "
+                               "one batch; pass --global-batch B to draw batches of B samples from it")
             return Batch(self.samples, seed=None)
         if global_batch is None:
             raise DhpError(f"distribution {self.name!r} needs --global-batch (how many samples per batch)")

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.files import INT64_MAX
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,15 @@ class VisualItem:
         for name in ("enc", "llm"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
-                raise DhpError(f"visual item {name} = {value!r} must be a positive integer number of tokens")
+                raise DhpError(f"visual item {name} = {excerpt(value)} must be a positive integer number of tokens")
         if isinstance(self.blocks, (str, bytes)) or not isinstance(self.blocks, Iterable):
-            raise DhpError(f"visual item blocks {self.blocks!r} must be a list of encoder token counts")
+            raise DhpError(f"visual item blocks {excerpt(self.blocks)} must be a list of encoder token counts")
         blocks = tuple(self.blocks) or (self.enc,)
         for b in blocks:
             if not _is_int(b) or b < 1:
-                raise DhpError(f"visual item block {b!r} must be a positive integer number of encoder tokens")
+                raise DhpError(f"visual item block {excerpt(b)} must be a positive integer number of encoder tokens")
         if sum(blocks) != self.enc:
-            raise DhpError(f"visual item blocks {list(blocks)} sum to {sum(blocks)}, not to its {self.enc} encoder tokens")
+            raise DhpError(f"visual item blocks {excerpt(list(blocks))} sum to {sum(blocks)}, not to its {self.enc} encoder tokens")
         object.__setattr__(self, "enc", int(self.enc))
         object.__setattr__(self, "llm", int(self.llm))
         object.__setattr__(self, "blocks", tuple(int(b) for b in blocks))
@@ -47,7 +48,7 @@ class VisualItem:
     def short(cls, enc: int, merge: int) -> VisualItem:
         """The short form: `enc` encoder tokens in one block, ceil(enc / merge) LLM tokens."""
         if not _is_int(enc) or enc < 1:
-            raise DhpError(f"image token count {enc!r} must be a positive integer")
+            raise DhpError(f"image token count {excerpt(enc)} must be a positive integer")
         return cls(enc, -(-int(enc) // merge))
 
     def to_dict(self) -> dict:
@@ -63,12 +64,12 @@ class VisualItem:
         if isinstance(obj, dict):
             unknown = set(obj) - {"enc", "llm", "blocks"}
             if unknown:
-                raise DhpError(f"visual item {obj!r} has unknown key {sorted(unknown)[0]!r} (allowed: enc, llm, blocks)")
+                raise DhpError(f"visual item {excerpt(obj)} has unknown key {excerpt(sorted(unknown)[0])} (allowed: enc, llm, blocks)")
             if "enc" not in obj or "llm" not in obj:
-                raise DhpError(f"visual item {obj!r} needs 'enc' and 'llm'")
+                raise DhpError(f"visual item {excerpt(obj)} needs 'enc' and 'llm'")
             return cls(obj["enc"], obj["llm"], obj.get("blocks", ()))
         if not _is_int(obj):
-            raise DhpError(f"visual item {obj!r} must be an encoder token count or an object "
+            raise DhpError(f"visual item {excerpt(obj)} must be an encoder token count or an object "
                            '{"enc": P, "llm": Q, "blocks": [...]}')
         return cls.short(obj, merge)
 
@@ -89,13 +90,13 @@ class Sample:
     def __post_init__(self) -> None:
         """Every rule a sample obeys, whoever builds it; readers of files and plans add where it came from."""
         if not _is_int(self.id) or self.id < 0:
-            raise DhpError(f"sample id {self.id!r} must be a non-negative integer")
+            raise DhpError(f"sample id {excerpt(self.id)} must be a non-negative integer")
         if not _is_int(self.tokens) or self.tokens < 1:
-            raise DhpError(f"length {self.tokens!r} must be a positive integer number of tokens")
+            raise DhpError(f"length {excerpt(self.tokens)} must be a positive integer number of tokens")
         images = tuple(self.images)
         for item in images:
             if not isinstance(item, VisualItem):
-                raise DhpError(f"sample {self.id}: image {item!r} must be a VisualItem (VisualItem.short(P, merge) "
+                raise DhpError(f"sample {self.id}: image {excerpt(item)} must be a VisualItem (VisualItem.short(P, merge) "
                                "for P encoder tokens)")
         llm = sum(item.llm for item in images)
         if llm > self.tokens:
@@ -118,14 +119,14 @@ class Sample:
     def from_dict(cls, obj: dict, merge: int = 4) -> Sample:
         """Parse the plan-JSON form; an image is a long-form object or a short-form encoder token count."""
         if not isinstance(obj, dict) or "id" not in obj or "tokens" not in obj:
-            raise DhpError(f"sample entry {obj!r} needs 'id' and 'tokens'")
+            raise DhpError(f"sample entry {excerpt(obj)} needs 'id' and 'tokens'")
         try:
             images = obj.get("images", ())
             if not isinstance(images, (list, tuple)):
-                raise DhpError(f"'images' must be a list, got {images!r}")
+                raise DhpError(f"'images' must be a list, got {excerpt(images)}")
             return cls(id=obj["id"], tokens=obj["tokens"], images=tuple(VisualItem.from_obj(p, merge) for p in images))
         except DhpError as e:
-            raise DhpError(f"sample entry {obj!r}: {e}") from None
+            raise DhpError(f"sample entry {excerpt(obj)}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -183,4 +184,5 @@ class Batch:
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    """An integer int64 holds (lengths and ids become numpy int64)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and abs(int(x)) <= INT64_MAX

@@ -7,17 +7,19 @@ Supported inputs, chosen by file name:
 (the short form: one attention block, ceil(P / merge) LLM tokens) or `{"enc": P, "llm": Q, "blocks": [...]}`.
 - a Megatron indexed-dataset prefix (`PREFIX.bin` + `PREFIX.idx`, or either file's path), read with
   megatron-core's own `IndexedDataset` reader.
-Every malformed value raises `DhpError` naming the file, the position and the value.
+Every malformed value raises `DhpError` naming the file, the position and an excerpt of the value; a file is
+read by `files.read_text` (at most `files.LENGTHS_BYTES`, UTF-8) and parsed by `files.parse_json` (no NaN, no
+number beyond int64).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.files import LENGTHS_BYTES, parse_json, read_text
 from megatron_dhp.workload.sample import Sample, VisualItem
 
 _FORMATS = "a JSON array of positive integers (.json), JSONL with {\"tokens\": N} per line (.jsonl), or a Megatron .bin/.idx prefix"
@@ -32,7 +34,7 @@ def load_samples(path: str | Path, *, merge: int = 4) -> list[Sample]:
         return _load_indexed(prefix)
     if not p.is_file():
         raise DhpError(f"length file {str(p)!r} does not exist; pass {_FORMATS}")
-    text = p.read_text()
+    text = read_text(p, what="length file", limit=LENGTHS_BYTES)
     if not text.strip():
         raise DhpError(f"length file {str(p)!r} is empty; it must hold at least one length")
     if p.suffix == ".jsonl":
@@ -41,10 +43,7 @@ def load_samples(path: str | Path, *, merge: int = 4) -> list[Sample]:
 
 
 def _load_json(p: Path, text: str, merge: int) -> list[Sample]:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DhpError(f"length file {str(p)!r} is not valid JSON ({e.msg} at line {e.lineno}); pass {_FORMATS}") from None
+    obj = parse_json(text, name=f"length file {str(p)!r}", fix=f"pass {_FORMATS}")
     if not isinstance(obj, list):
         raise DhpError(f"length file {str(p)!r} must hold a JSON array of lengths, not a {type(obj).__name__}")
     if not obj:
@@ -57,10 +56,7 @@ def _load_jsonl(p: Path, text: str, merge: int) -> list[Sample]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DhpError(f"length file {str(p)!r}, line {lineno}: not valid JSON ({e.msg})") from None
+        item = parse_json(line, name=f"length file {str(p)!r}, line {lineno}")
         samples.append(_sample(p, f"line {lineno}", len(samples), item, merge))
     return samples
 
@@ -71,15 +67,15 @@ def _sample(p: Path, where: str, sample_id: int, item: object, merge: int) -> Sa
     images: object = ()
     if isinstance(item, dict):
         if "tokens" not in item:
-            raise DhpError(f"length file {str(p)!r}, {where}: object {item!r} has no 'tokens' key")
+            raise DhpError(f"length file {str(p)!r}, {where}: object {excerpt(item)} has no 'tokens' key")
         unknown = set(item) - {"tokens", "images"}
         if unknown:
-            raise DhpError(f"length file {str(p)!r}, {where}: unknown key {sorted(unknown)[0]!r} (allowed: tokens, images)")
+            raise DhpError(f"length file {str(p)!r}, {where}: unknown key {excerpt(sorted(unknown)[0])} (allowed: tokens, images)")
         tokens, images = item["tokens"], item.get("images", ())
     else:
         tokens = item
     if not isinstance(images, (list, tuple)):
-        raise DhpError(f"length file {str(p)!r}, {where}: 'images' must be a list of token counts, got {images!r}")
+        raise DhpError(f"length file {str(p)!r}, {where}: 'images' must be a list of token counts, got {excerpt(images)}")
     try:
         return Sample(sample_id, tokens, tuple(VisualItem.from_obj(x, merge) for x in images))
     except DhpError as e:
