@@ -35,14 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every planner, then print the comparison."""
+    """Check the output folder, run every planner, then print the comparison."""
     from megatron_dhp.cli.train_cmd import console as make_console
     from megatron_dhp.cli.train_cmd import quiet_megatron
+    from megatron_dhp.files import check_writable
 
+    out = check_writable(args.out, flag="--out", folder=True)
     quiet_megatron()
     import json
     import os
-    from pathlib import Path
 
     from rich.table import Table
 
@@ -57,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
         raise DhpError(f"--planners {args.planners!r}: give at least two of {', '.join(PLANNERS)}")
     config = load_config(args, train={"pp": args.pp, "vpp": args.vpp}, dhp=straggler_overrides(args))
     console = make_console()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
         from megatron_dhp.training.profile import profile
 

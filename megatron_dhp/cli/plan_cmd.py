@@ -26,9 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Draw the batch, solve, validate, write."""
+    """Check the output path, draw the batch, solve, validate, write."""
     from megatron_dhp.cost import build_cost_model
+    from megatron_dhp.files import check_writable
     from megatron_dhp.solver import build_planner, run_planner
+
+    check_writable(args.out, flag="--out")
 
     inputs = planning_inputs(args, first=args.batch_index)
     planner = build_planner(args.planner, inputs.context)

@@ -45,10 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile, fit, print the table, write the YAML."""
+    """Check the output paths, profile, fit, print the table, write the YAML."""
     from megatron_dhp.cli.train_cmd import console as make_console
     from megatron_dhp.cli.train_cmd import quiet_megatron
+    from megatron_dhp.files import check_writable
 
+    check_writable(args.out, flag="--out")
+    if args.tp_from is not None:
+        check_writable(args.tp_out, flag="--tp-out")
     quiet_megatron()
     import os
 

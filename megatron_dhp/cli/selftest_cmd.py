@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_dhp.closed_loop.injection import check_injection
+from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
 from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
@@ -121,6 +121,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=tuple(BACKENDS), default="auto",
                    help="local attention kernel (default auto)")
     p.add_argument("--timeout", type=int, default=120, metavar="S", help="collective timeout in seconds (default 120)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="spawn more than twice as many ranks as there are cores (refused otherwise)")
     p.set_defaults(run=run)
 
 
@@ -175,14 +177,18 @@ def run(args: argparse.Namespace) -> int:
                               args.fsdp)
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     check_injection(options.slow_ranks, args.pp, given="--slow-rank", stages="--pp")  # untimed under 1F1B
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return worker(options)
-    if args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep):
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not under_torchrun and (args.nproc < 1 or args.nproc % (args.tp * args.pp * args.ep)):
         stages = f" x --pp {args.pp}" if args.pp > 1 else ""
         experts = f" x --ep {args.ep}" if args.ep > 1 else ""
         raise DhpError(f"--nproc {args.nproc} must be a positive multiple of --tp {args.tp}{stages}{experts}")
+    check_injected_ranks(options.slow_ranks, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc)
+    if under_torchrun:
+        return worker(options)
 
-    from megatron_dhp.launch.ranks import LaunchError, launch
+    from megatron_dhp.launch.ranks import LaunchError, check_oversubscription, launch
+
+    check_oversubscription(args.nproc, oversubscribe=args.oversubscribe, timeout="--timeout")
 
     try:
         statuses = launch(worker, args.nproc, options, timeout_s=max(600, 4 * args.timeout))

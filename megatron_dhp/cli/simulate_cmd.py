@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan every batch with every planner; print the table."""
+    """Check the output paths, plan every batch with every planner; print the table."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -61,8 +61,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dhp.cost import build_cost_model, simulate
     from megatron_dhp.cost.bound import best_lower_bound
     from megatron_dhp.errors import DhpError
+    from megatron_dhp.files import check_writable
     from megatron_dhp.solver import PlannerUnsupported, build_planner, run_planner
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag=flag)
     if args.batches < 1:
         raise DhpError(f"--batches {args.batches} must be at least 1")
     if args.tuned and args.pp > 1:

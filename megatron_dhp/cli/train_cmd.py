@@ -103,7 +103,11 @@ def load_config(args: argparse.Namespace, **extra: dict):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load and override the config, train, print the summary."""
+    """Check the output path, load and override the config, train, print the summary."""
+    from megatron_dhp.files import check_writable
+
+    if args.json:
+        check_writable(args.json, flag="--json")
     quiet_megatron()
     from megatron_dhp.training.train import train
 

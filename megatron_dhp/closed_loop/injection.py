@@ -10,7 +10,8 @@ each slot to measure its own work: tests and benchmarks only.
 
 Under pipeline parallelism megatron-core's 1F1B runs the slots untimed, so an injected slowdown would slow nothing
 and the loop would learn nothing from it: `check_injection` refuses it, for every entry point (the trainer's
-config and `JobSpec`, `selftest`; Megatron-LM's refusals table says it with `INJECTION_UNDER_PP`).
+config and `JobSpec`, `selftest`; Megatron-LM's refusals table says it with `INJECTION_UNDER_PP`). A rank the job
+does not have would be slowed by nobody: `check_injected_ranks` refuses it where the world size is known.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.closed_loop.slot_clock import SlotClock
+from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.comm import PeerRing, start_shift
 from megatron_dhp.runtime.slot_timer import UNTIMED_UNDER_PP, SlotTimer
@@ -38,6 +40,16 @@ def check_injection(slow_ranks: Sequence[str], pipeline_stages: int, *, given: s
     if slow_ranks and pipeline_stages > 1:
         raise DhpError(f"{given} {' '.join(slow_ranks)} with {stages} {pipeline_stages}: {INJECTION_UNDER_PP}; drop "
                        f"{given}, or inject with {stages} 1")
+
+
+def check_injected_ranks(slow_ranks: Sequence[str], world_size: int, *, given: str = "--slow-rank") -> None:
+    """A one-line `DhpError` when `slow_ranks` (the `RANK:FACTOR` items) name a rank outside a job of
+    `world_size` ranks, which nothing would slow; entry points ask once the world size is known, before a step."""
+    for item in slow_ranks:
+        (rank,) = parse_slowdowns([item])
+        if rank >= world_size:
+            raise DhpError(f"{given} {item} names rank {rank}, but the job has {world_size} ranks (0 to "
+                           f"{world_size - 1}); slow one of those")
 
 
 class InjectedSlowdown:

@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from megatron_dhp.errors import DhpError
 from megatron_dhp.launch.parent import state
 
 
@@ -32,6 +33,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (a container's or taskset's
+    share), else every core of the machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+OVERSUBSCRIPTION = 2
+"""How many ranks per usable core `check_oversubscription` lets through without being asked (tests run 4 ranks
+on 2 cores; beyond 2 a rank waits for a core longer than it computes)."""
+
+
+def check_oversubscription(nproc: int, *, oversubscribe: bool, timeout: str = "train.timeout_s") -> None:
+    """A `DhpError` before `nproc` local ranks are spawned on more than `OVERSUBSCRIPTION` x the usable cores,
+    unless the user said `oversubscribe`; `timeout` names the setting whose collectives such ranks may reach."""
+    cores = usable_cores()
+    most = OVERSUBSCRIPTION * cores
+    if nproc > most and not oversubscribe:
+        raise DhpError(f"--nproc {nproc} spawns {nproc} ranks on {cores} core{'s' * (cores > 1)}: ranks time-slice, "
+                       f"step times say nothing and collectives may reach {timeout}; pass --nproc {most} or less, "
+                       "or --oversubscribe")
 
 
 def launch(

@@ -35,14 +35,20 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
     """`fn(config, *args)` on every rank of the job; returns rank 0's result (this rank's under torchrun).
 
     `fn` must be a module-level function returning something picklable. `timeout_s` bounds the whole job
-    when ranks are spawned (each collective is bounded by `train.timeout_s` regardless).
+    when ranks are spawned (each collective is bounded by `train.timeout_s` regardless). Before any rank
+    starts: injected slow ranks must be ranks of the job, and spawned ranks at most twice the cores unless
+    `train.oversubscribe` (`launch.ranks.check_oversubscription`).
     """
-    from megatron_dhp.launch.ranks import LaunchError, exit_with_parent, launch
+    from megatron_dhp.closed_loop.injection import check_injected_ranks
+    from megatron_dhp.launch.ranks import LaunchError, check_oversubscription, exit_with_parent, launch
 
+    run = config.train
+    check_injected_ranks(config.dhp.slow_ranks, int(os.environ["WORLD_SIZE"]) if under_torchrun() else run.num_ranks)
     if under_torchrun():
         exit_with_parent()  # torchrun's agent killed outright leaves its workers running otherwise
         results = [rank_main(fn, config, *args)]
     else:
+        check_oversubscription(run.num_ranks, oversubscribe=run.oversubscribe)
         # megatron-core warns about missing TransformerEngine / Apex while a spawned rank unpickles its
         # function, before any code of ours runs there; the environment is the only way to reach that.
         try:
