@@ -138,30 +138,38 @@ class Footprint:
     def largest_part(self, index: Sequence[int]) -> float:
         """The most of a microbatch of these samples one rank may hold: (cap - held) / shared (an even share
         is 1 / d of it; uneven shares, `plan.shares`, give some rank more)."""
-        index = np.asarray(index, dtype=np.int64)
-        return (self.cap - float(self.held[index].sum())) / max(float(self.shared[index].sum()), 1.0)
+        shared, room = self._sums(index)
+        return room / max(shared, 1)
 
     def fitting_shares(self, shares: Sequence[int], microbatches: Sequence[Sequence[int]],
                        degree: int) -> tuple[int, ...]:
         """`shares` mixed toward even as far as every microbatch (samples' indices) on `degree` ranks needs to
         stay within the cap on its rank of the largest share (`plan.shares.shares_within`)."""
-        limit = min(self.largest_part(mb) for mb in microbatches)
-        return shares_within(shares, limit, lambda w: all(self.fits(mb, degree, w) for mb in microbatches))
+        sums = [self._sums(mb) for mb in microbatches]  # once: the mix is bisected against them
+        limit = min(room / max(shared, 1) for shared, room in sums)
+        return shares_within(shares, limit, lambda w: all(_fits_part(shared, room, w) for shared, room in sums))
+
+    def _sums(self, index: Sequence[int]) -> tuple[int, int]:
+        """(shared tokens, room per rank: cap - held) of a microbatch of these samples."""
+        index = np.asarray(index, dtype=np.int64)
+        return int(self.shared[index].sum()), self.cap - int(self.held[index].sum())
 
     def min_ranks(self, index: Sequence[int]) -> int:
         """The fewest ranks a microbatch of these samples fits (`UNPLACEABLE` if none)."""
-        index = np.asarray(index, dtype=np.int64)
-        room = self.cap - int(self.held[index].sum())
-        return -(-int(self.shared[index].sum()) // room) if room > 0 else UNPLACEABLE
+        shared, room = self._sums(index)
+        return -(-shared // room) if room > 0 else UNPLACEABLE
 
     def fits(self, index: Sequence[int], degree: int, shares: Sequence[int] = ()) -> bool:
         """Whether a microbatch of these samples fits `degree` ranks (exact integer arithmetic); with uneven
         `shares`, whether it fits the rank of the largest share: shared max(w) / sum(w) + held <= cap."""
-        index = np.asarray(index, dtype=np.int64)
         if not len(shares):
-            return int(self.load(index, degree).sum()) <= degree * self.cap
-        total = sum(shares)
-        return int(self.shared[index].sum()) * max(shares) <= (self.cap - int(self.held[index].sum())) * total
+            return int(self.load(np.asarray(index, dtype=np.int64), degree).sum()) <= degree * self.cap
+        return _fits_part(*self._sums(index), shares)
+
+
+def _fits_part(shared: int, room: int, shares: Sequence[int]) -> bool:
+    """Whether the rank of the largest share holds its part of `shared` tokens within `room` (exact integers)."""
+    return shared * max(shares) <= room * sum(shares)
 
 
 @dataclass(frozen=True)
