@@ -2,6 +2,7 @@
 
 Layout of `--save DIR`:
 
+    DIR/.lock                   the run that writes DIR (`save_lock`: one run at a time)
     DIR/latest                  name of the newest complete checkpoint (written last)
     DIR/step_000010/meta.json   step, the run's fingerprint, size and sha256 of every rank file
     DIR/step_000010/rank0.pt    this rank's state: tensors and plain containers only
@@ -9,30 +10,58 @@ Layout of `--save DIR`:
 Every rank writes its own file (`torch.save`; under pipeline parallelism its stage's part of the model, so
 a checkpoint resumes only on the same train.pp, which is in the fingerprint); rank 0 writes `meta.json` and
 then `latest`, each through a temporary file and an atomic rename, so an interrupted save never replaces a
-good checkpoint. Loading reads
+good checkpoint, and then removes the checkpoints beyond `train.keep_checkpoints`. A write that fails on any
+rank (a full disk) is agreed on over the world, so every rank stops with the same line. Loading reads
 files with `torch.load(weights_only=True)` (no code runs from a checkpoint), checks each file's size and
 hash and the fingerprint (model, TP, PP, world size, data) against the live run, and agrees on the outcome over
-the world before anything is applied: a bad file on one rank stops every rank with a `DhpError` naming it.
+the world before anything is applied: a bad file on one rank stops every rank with a `DhpError` naming it,
+except under `load: auto`, which falls back to the newest checkpoint every rank can load.
 The planner is not in the fingerprint: the math is the same under any plan, so a run may resume under
 another planner (its losses then agree to fp32 rounding rather than bit for bit).
+
+At start-up rank 0, holding the lock, prepares the folder (`prepare_save_folder`): it removes what saves
+cut off by a kill left (temporary files, step folders without one complete rank file), keeps and names a
+step folder with complete rank files but no metadata, and refuses a fresh run into a folder holding
+another run's checkpoints unless `train.overwrite` lets it remove them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import reprlib
 import shutil
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.errors import DhpError
-from megatron_dhp.training.config import AUTO_LOAD, TrainConfig
+from megatron_dhp.training.config import AUTO_LOAD, RunConfig, TrainConfig
 
 SCHEMA = "megatron-dhp/checkpoint/v1"
+LATEST = "latest"
+STEP_FOLDER = re.compile(r"step_(\d+)")
+
+T = TypeVar("T")
+
+
+class UnloadableCheckpoint(DhpError):
+    """A checkpoint this rank cannot read: missing, truncated or corrupt files, or bad metadata. Unlike a
+    checkpoint of another run (a fingerprint mismatch), `load: auto` falls back past it."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason}; {fix}")
+        self.reason = reason
 
 
 def run_fingerprint(config: TrainConfig, *, world_size: int) -> dict:
@@ -44,23 +73,161 @@ def run_fingerprint(config: TrainConfig, *, world_size: int) -> dict:
     return {"model": to_mapping(config.model), "tp": config.train.tp, **stages, "world_size": world_size, "data": data}
 
 
+def decided_on_rank0(decide: Callable[[], T]) -> T:
+    """`decide()` run on rank 0 only; its result, or its `DhpError`, on every rank. Collective: a refusal
+    stops every rank at once instead of leaving the others waiting for rank 0 in their next collective."""
+    outcome: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = (True, decide())
+        except DhpError as e:
+            outcome[0] = (False, str(e))
+    dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise DhpError(value)
+    return value
+
+
+def saved_steps(directory: Path) -> list[Path]:
+    """The step folders of `directory` that hold meta.json, newest (highest step) first."""
+    steps = [f for f in directory.glob("step_*") if STEP_FOLDER.fullmatch(f.name) and (f / "meta.json").is_file()]
+    return sorted(steps, key=lambda f: int(f.name.removeprefix("step_")), reverse=True)
+
+
+def resume_candidates(directory: Path) -> list[Path]:
+    """What `load: auto` tries, in order: the folder `latest` names, then every other saved step, newest first."""
+    marker = directory / LATEST
+    named = [directory / marker.read_text().strip()] if marker.is_file() else []
+    return named + [f for f in saved_steps(directory) if f not in named]
+
+
 def resume_directory(load: str | None, save: str | None) -> str | None:
     """The folder to resume from: `load`, or with `load: auto` the `save` folder when it holds a checkpoint
     (None: start fresh)."""
     if load != AUTO_LOAD:
         return load
-    return save if save is not None and (Path(save) / "latest").is_file() else None
+    return save if save is not None and resume_candidates(Path(save)) else None
+
+
+@dataclass(frozen=True)
+class SaveFolderStart:
+    """What rank 0 found and did in the `--save` folder at start-up, for every rank."""
+
+    resume: str | None
+    """The folder to resume from (None: start fresh)."""
+    notes: list[str]
+    """One line per thing removed, kept or replaced, for the run's log."""
+
+
+def prepare_save_folder(run: RunConfig) -> SaveFolderStart:
+    """Rank 0, holding the folder's lock, before any step: pick the checkpoint to resume from; for a fresh run
+    refuse another run's checkpoints (which it would mix with its own) or, with `train.overwrite`, remove
+    them; then clear what interrupted saves left."""
+    save = Path(run.save)
+    resume = resume_directory(run.load, run.save)
+    notes = [] if _within(resume, save) else _clear_for_fresh_run(save, overwrite=run.overwrite)
+    notes += sweep_incomplete(save)
+    if run.load == AUTO_LOAD and resume is None:
+        notes.append(f"load: auto found no checkpoint in {save}: starting fresh")
+    return SaveFolderStart(resume, notes)
+
+
+def _within(resume: str | None, save: Path) -> bool:
+    """Whether the run resumes from `save` itself or one of its step folders."""
+    if resume is None:
+        return False
+    folder, save = Path(resume).resolve(), save.resolve()
+    return folder == save or save in folder.parents
+
+
+def _clear_for_fresh_run(save: Path, *, overwrite: bool) -> list[str]:
+    saved, marker = saved_steps(save), save / LATEST
+    if not saved and not marker.is_file():
+        return []
+    if not overwrite:
+        newest = f"latest {marker.read_text().strip()}" if marker.is_file() else f"newest {saved[0].name}, no latest"
+        raise DhpError(f"--save {save} holds checkpoints of another run ({newest}); resume with --load auto, or pass "
+                       "--overwrite to replace them, or another --save")
+    folders = [f for f in save.glob("step_*") if f.is_dir()]
+    for folder in folders:
+        shutil.rmtree(folder)
+    marker.unlink(missing_ok=True)
+    return [f"removed {len(folders)} step folders ({len(saved)} checkpoints) and latest of another run from {save}: "
+            "--overwrite"]
 
 
 def sweep_incomplete(directory: str | Path) -> list[str]:
-    """Remove the step folders of `directory` that have no meta.json (saves cut off by a kill: a temporary
-    or partial rank file, never loaded since `latest` still names an older step); returns their names."""
-    swept = []
-    for folder in sorted(Path(directory).glob("step_*")):
-        if folder.is_dir() and not (folder / "meta.json").is_file():
-            shutil.rmtree(folder, ignore_errors=True)
-            swept.append(folder.name)
-    return swept
+    """Remove what saves cut off by a kill left in `directory`, and only that: temporary files, and step
+    folders without meta.json holding nothing else than incomplete rank files (`latest` never named them).
+    A step folder with complete rank files but no meta.json is kept: it may be a checkpoint whose metadata
+    was lost. Returns a note per folder removed or kept."""
+    directory = Path(directory)
+    notes = []
+    if (directory / f"{LATEST}.tmp").is_file():
+        (directory / f"{LATEST}.tmp").unlink()
+        notes.append(f"removed {LATEST}.tmp from {directory}: an interrupted write")
+    for folder in sorted(f for f in directory.glob("step_*") if f.is_dir()):
+        temporary = sorted(folder.glob("*.tmp"))
+        for path in temporary:
+            path.unlink()
+        complete = [p for p in folder.glob("rank*.pt") if zipfile.is_zipfile(p)]
+        others = [p.name for p in folder.iterdir() if p not in complete and not re.fullmatch(r"rank\d+\.pt", p.name)]
+        if (folder / "meta.json").is_file():
+            notes += [f"removed {len(temporary)} temporary files from {folder}: an interrupted write"] if temporary else []
+        elif not complete and not others:
+            shutil.rmtree(folder)
+            notes.append(f"removed {folder.name} from {directory}: an interrupted save (no meta.json, no complete "
+                         "rank file)")
+        else:
+            held = f"{len(complete)} complete rank files" + (f" and {', '.join(sorted(others))}" if others else "")
+            notes.append(f"kept {folder.name} in {directory}: {held} but no meta.json (a save cut off before its "
+                         "metadata); move it away or delete it if unwanted")
+    return notes
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """A checkpoint's meta.json: its step, the fingerprint of the run that saved it, and each rank file's size
+    and sha256."""
+
+    step: int
+    fingerprint: object
+    files: dict[str, tuple[int, str]]
+
+    @classmethod
+    def read(cls, path: Path) -> CheckpointMeta:
+        """Parse and type-check every field; every rank checks all of them, so all reach the same verdict."""
+        try:
+            meta = json.loads(path.read_text())
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+            if meta.get("schema") != SCHEMA:
+                raise ValueError(f"schema {reprlib.repr(meta.get('schema'))} is not {SCHEMA!r}")
+            step, files = meta.get("step"), meta.get("files")
+            if type(step) is not int or step < 0:
+                raise ValueError(f"step {reprlib.repr(step)} is not a step count")
+            if not isinstance(files, dict):
+                raise ValueError(f"files is a JSON {type(files).__name__}, not an object of rank files")
+            entries = {name: _file_entry(name, entry) for name, entry in files.items()}
+        except FileNotFoundError:
+            raise UnloadableCheckpoint(f"{str(path.parent)!r} has no meta.json (missing, or its save was cut off)",
+                                       "point --load at another checkpoint") from None
+        except (OSError, ValueError) as e:
+            raise _unreadable(path, e) from None
+        return cls(step, meta.get("fingerprint"), entries)
+
+
+def _file_entry(name: str, entry: object) -> tuple[int, str]:
+    size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+    if type(size) is not int or size < 0 or not isinstance(digest, str):
+        raise ValueError(f"files[{reprlib.repr(name)}] = {reprlib.repr(entry)} is not {{'bytes': count, 'sha256': hex digest}}")
+    return size, digest
+
+
+def _unreadable(meta_path: Path, problem: object) -> UnloadableCheckpoint:
+    return UnloadableCheckpoint(f"checkpoint metadata {str(meta_path)!r} is unreadable ({problem})",
+                                "point --load at another checkpoint")
 
 
 class Checkpointer:
@@ -68,84 +235,137 @@ class Checkpointer:
 
     def __init__(self, config: TrainConfig, *, world_size: int) -> None:
         self.fingerprint = run_fingerprint(config, world_size=world_size)
+        self.world_size = world_size
+        self.keep = config.train.keep_checkpoints
+        self.fall_back = config.train.load == AUTO_LOAD
+        self.passed_over: list[str] = []
+        """A note per newer checkpoint `load: auto` could not load before the one it resumed from."""
 
     def save(self, directory: str | Path, step: int, model, optimizer, scheduler) -> Path:
         """Write the state after `step` completed steps; returns the checkpoint folder."""
         folder = Path(directory) / f"step_{step:06d}"
         rank = dist.get_rank()
-        folder.mkdir(parents=True, exist_ok=True)
         weights = [chunk.state_dict() for chunk in model] if isinstance(model, list) else model.state_dict()
         state = {"step": step, "rank": rank, "model": weights, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "rng": _rng_state()}
         path = folder / f"rank{rank}.pt"
-        _atomic_write(path, lambda f: torch.save(state, f))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _atomic_write(path, lambda f: torch.save(state, f))
+            entry: object = (path.name, path.stat().st_size, _sha256(path))
+        except Exception as e:  # noqa: BLE001 - agreed on below: no rank may wait in the gather for this one
+            entry = _write_failure(e, folder, rank, _nbytes(state))
         entries: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(entries, (path.name, path.stat().st_size, _sha256(path)))
-        if rank == 0:
-            files = {name: {"bytes": size, "sha256": digest} for name, size, digest in entries}
-            meta = {"schema": SCHEMA, "step": step, "fingerprint": self.fingerprint, "files": files}
-            _atomic_write(folder / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
-            _atomic_write(Path(directory) / "latest", lambda f: f.write(folder.name.encode()))
-        dist.barrier()
+        dist.all_gather_object(entries, entry)
+        failures = [e for e in entries if isinstance(e, str)]
+        if failures:
+            path.unlink(missing_ok=True)  # of no use without the meta.json this save cannot write
+            raise DhpError(failures[0])
+        decided_on_rank0(lambda: self._publish(folder, entries))
         return folder
 
-    def load(self, directory: str | Path, model, optimizer, scheduler) -> int:
-        """Restore the newest checkpoint of `directory` (or the checkpoint folder itself); returns its step."""
+    def _publish(self, folder: Path, entries: list) -> None:
+        """Rank 0: meta.json, then `latest`, then remove the checkpoints beyond the newest `keep`."""
+        step = int(folder.name.removeprefix("step_"))
+        files = {name: {"bytes": size, "sha256": digest} for name, size, digest in entries}
+        meta = json.dumps({"schema": SCHEMA, "step": step, "fingerprint": self.fingerprint, "files": files},
+                          indent=1).encode()
         try:
-            step, state = self._read(Path(directory))
-            problem = None
-        except DhpError as e:
-            step, state, problem = 0, None, str(e)
-        verdicts: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, problem)
-        if problem is not None:
-            raise DhpError(problem)
-        bad = [r for r, p in enumerate(verdicts) if p is not None]
-        if bad:
-            raise DhpError(f"rank {bad[0]} cannot load the checkpoint: {verdicts[bad[0]]}")
+            _atomic_write(folder / "meta.json", lambda f: f.write(meta))
+            _atomic_write(folder.parent / LATEST, lambda f: f.write(folder.name.encode()))
+        except OSError as e:
+            raise DhpError(_write_failure(e, folder, 0, len(meta))) from None
+        for old in saved_steps(folder.parent)[self.keep:] if self.keep else []:
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)  # a folder that will not go is only kept longer
+
+    def load(self, directory: str | Path, model, optimizer, scheduler) -> int:
+        """Restore the newest checkpoint of `directory` (or the checkpoint folder itself); returns its step.
+        Under `load: auto` a checkpoint that some rank cannot read is passed over for the next newest."""
+        directory = Path(directory)
+        candidates = decided_on_rank0(lambda: resume_candidates(directory)) if self.fall_back else [directory]
+        passed: list[tuple[str, str]] = []
+        for folder in candidates:
+            try:
+                step, state = self._read(folder if self.fall_back else _checkpoint_folder(folder))
+                verdict = None
+            except UnloadableCheckpoint as e:
+                verdict = (str(e), e.reason)
+            except DhpError as e:  # another run's checkpoint: falling back would hide it
+                verdict = (str(e), None)
+            verdicts: list[object] = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, verdict)
+            problem = _agreed_problem(verdicts)
+            if problem is None:
+                self.passed_over = [f"{name} cannot be loaded ({why}): resumed from {folder.name}" for name, why in passed]
+                self._apply(state, model, optimizer, scheduler)
+                return step
+            message, reason = problem
+            if reason is None or not self.fall_back:
+                raise DhpError(message)
+            passed.append((folder.name, reason))
+        raise DhpError(f"no checkpoint in {str(directory)!r} can be loaded ("
+                       + "; ".join(f"{name}: {why}" for name, why in passed)
+                       + f"); move {directory} away or pass another --save to start afresh")
+
+    def _apply(self, state: dict, model, optimizer, scheduler) -> None:
         for chunk, weights in zip(model, state["model"]) if isinstance(model, list) else [(model, state["model"])]:
             chunk.load_state_dict(weights, strict=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
-        return step
 
-    def _read(self, directory: Path) -> tuple[int, dict]:
-        """This rank's checked state, or a `DhpError` that names the file and the fix."""
-        folder = directory if (directory / "meta.json").is_file() else _latest(directory)
+    def _read(self, folder: Path) -> tuple[int, dict]:
+        """This rank's checked state of the checkpoint in `folder`, or a `DhpError` that names the file and the fix."""
         meta_path = folder / "meta.json"
-        try:
-            meta = json.loads(meta_path.read_text())
-            step, files = int(meta["step"]), meta["files"]
-            if meta.get("schema") != SCHEMA:
-                raise ValueError(f"schema {meta.get('schema')!r} is not {SCHEMA!r}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DhpError(f"checkpoint metadata {str(meta_path)!r} is unreadable ({e}); "
-                           "point --load at another checkpoint") from None
-        _check_fingerprint(meta.get("fingerprint"), self.fingerprint, meta_path)
-        name = f"rank{dist.get_rank()}.pt"
-        path = folder / name
-        expected = files.get(name)
-        if expected is None or not path.is_file():
-            raise DhpError(f"checkpoint file {str(path)!r} is missing; the checkpoint is incomplete, "
-                           "point --load at another one")
-        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
-            raise DhpError(f"checkpoint file {str(path)!r} is corrupt or truncated (size or sha256 differs from "
-                           f"{str(meta_path)!r}); point --load at an earlier checkpoint or re-run from scratch")
+        meta = CheckpointMeta.read(meta_path)
+        _check_fingerprint(meta.fingerprint, self.fingerprint, meta_path)
+        unlisted = [f"rank{r}.pt" for r in range(self.world_size) if f"rank{r}.pt" not in meta.files]
+        if unlisted:
+            raise _unreadable(meta_path, f"files lists no {unlisted[0]}")
+        rank = dist.get_rank()
+        path = folder / f"rank{rank}.pt"
+        size, digest = meta.files[path.name]
+        if not path.is_file():
+            raise UnloadableCheckpoint(f"checkpoint file {str(path)!r} is missing",
+                                       "the checkpoint is incomplete, point --load at another one")
+        if path.stat().st_size != size or _sha256(path) != digest:
+            raise UnloadableCheckpoint(f"checkpoint file {str(path)!r} is corrupt or truncated (size or sha256 "
+                                       f"differs from {str(meta_path)!r})",
+                                       "point --load at an earlier checkpoint or re-run from scratch")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-            raise DhpError(f"checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); point --load at another checkpoint") from None
-        if state.get("step") != step or state.get("rank") != dist.get_rank():
-            raise DhpError(f"checkpoint file {str(path)!r} holds step {state.get('step')} of rank "
-                           f"{state.get('rank')}, not step {step} of rank {dist.get_rank()}; it was copied "
-                           "from another checkpoint")
-        return step, state
+            raise UnloadableCheckpoint(f"checkpoint file {str(path)!r} cannot be read ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''})",
+                                       "point --load at another checkpoint") from None
+        if state.get("step") != meta.step or state.get("rank") != rank:
+            raise UnloadableCheckpoint(f"checkpoint file {str(path)!r} holds step {state.get('step')} of rank "
+                                       f"{state.get('rank')}, not step {meta.step} of rank {rank}",
+                                       "it was copied from another checkpoint")
+        return meta.step, state
+
+
+def _agreed_problem(verdicts: list) -> tuple[str, str | None] | None:
+    """The world's verdict on a checkpoint from each rank's (message, reason to fall back or None): None when
+    every rank can load it; else the lowest failing rank's, named unless every rank failed alike (bad
+    metadata is every rank's), and a reason to fall back only when no rank saw another run's checkpoint."""
+    failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
+    if not failed:
+        return None
+    rank, (message, reason) = failed[0]
+    if len(failed) < len(verdicts) or any(v != failed[0][1] for _, v in failed):
+        message, reason = f"rank {rank} cannot load the checkpoint: {message}", f"rank {rank}: {reason}"
+    return message, reason if all(why is not None for _, (_, why) in failed) else None
+
+
+def _checkpoint_folder(directory: Path) -> Path:
+    """The checkpoint a `--load DIR` names: DIR itself when it is one, else the one its `latest` names."""
+    return directory if (directory / "meta.json").is_file() else _latest(directory)
 
 
 def _latest(directory: Path) -> Path:
-    marker = directory / "latest"
+    marker = directory / LATEST
     if not marker.is_file() and any(directory.glob("rank*.pt*")):
         raise DhpError(f"checkpoint {str(directory)!r} is incomplete (no meta.json: its save was interrupted); "
                        f"load {str(directory.parent)!r} to resume from the latest complete checkpoint")
@@ -165,8 +385,9 @@ def _check_fingerprint(theirs: object, ours: dict, meta_path: Path) -> None:
     for key in ours:
         saved = theirs.get(key) if isinstance(theirs, dict) else None
         if saved != ours[key]:
-            if isinstance(saved, dict) and isinstance(ours[key], dict):
-                diff = sorted(k for k in ours[key] if saved.get(k) != ours[key][k])
+            diff = sorted(k for k in ours[key] if saved.get(k) != ours[key][k]) if (
+                isinstance(saved, dict) and isinstance(ours[key], dict)) else []
+            if diff:
                 key, saved, now = f"{key}.{diff[0]}", saved.get(diff[0]), ours[key][diff[0]]
             else:
                 now = ours[key]
@@ -201,10 +422,47 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write: Callable) -> None:
+    """Write `path` through a temporary file and an atomic rename; a failed write leaves neither behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _write_failure(error: BaseException, folder: Path, rank: int, needed: int) -> str:
+    """The one line every rank stops with when `rank` could not write its part of the save into `folder`."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):  # torch.save wraps its file's error
+        cause = cause.__cause__ or cause.__context__
+    marker = folder.parent / LATEST
+    kept = (f"latest still names {marker.read_text().strip()}" if marker.is_file() else
+            f"{folder.parent} holds no complete checkpoint of this run yet")
+    if cause is not None and cause.errno == errno.ENOSPC:
+        free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
+        return (f"no space left on device writing {folder} (rank {rank} needs about {_mb(needed)}, {_mb(free)} "
+                f"free); free space or point --save at another disk; {kept}")
+    problem = cause if cause is not None else f"{type(error).__name__}: {error}"
+    return f"cannot write {folder} (rank {rank}: {problem}); point --save at a folder this run can write; {kept}"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def _nbytes(state: object) -> int:
+    """The bytes of the tensors in `state` (nested dicts and lists): about what its file takes."""
+    if isinstance(state, torch.Tensor):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_nbytes(v) for v in state)
+    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.training.config import TrainConfig
@@ -88,23 +89,36 @@ def train(config: TrainConfig, *, show: bool = True, lines: bool = True, timeout
 
 
 def _train_rank(config: TrainConfig, show: bool, lines: bool) -> TrainResult:
+    """One rank's run. Rank 0 holds the `--save` folder's lock from before the model is built to the end of
+    the run, however it ends (a refusal, an error, a stop signal's save)."""
     import torch.distributed as dist
 
-    from megatron_dhp.training.checkpoint import resume_directory, sweep_incomplete
+    from megatron_dhp.training.checkpoint import decided_on_rank0
+    from megatron_dhp.training.save_lock import SaveLock
+
+    lock = SaveLock(Path(config.train.save)) if config.train.save else None
+    notes = decided_on_rank0(lock.acquire) if lock else []
+    try:
+        return _train_holding_the_folder(config, show, lines, notes)
+    finally:
+        if lock is not None and dist.get_rank() == 0:
+            lock.release()
+
+
+def _train_holding_the_folder(config: TrainConfig, show: bool, lines: bool, notes: list[str]) -> TrainResult:
+    """Prepare the save folder (rank 0 decides, every rank follows), build, resume, train."""
+    import torch.distributed as dist
+
+    from megatron_dhp.training.checkpoint import SaveFolderStart, decided_on_rank0, prepare_save_folder
     from megatron_dhp.training.loop import Trainer
 
+    run = config.train
+    start = decided_on_rank0(lambda: prepare_save_folder(run)) if run.save else SaveFolderStart(run.load, [])
     trainer = Trainer(config)
     trainer.stop.install()
-    run = config.train
-    notes = []
-    if run.save and dist.get_rank() == 0:  # debris of saves cut off by a kill; `latest` never named them
-        notes += [f"removed {name} from {run.save}: an interrupted save (no meta.json)" for name in sweep_incomplete(run.save)]
-    dist.barrier()  # the sweep is done before any rank looks for a checkpoint
-    resume = resume_directory(run.load, run.save)
-    if resume:
-        trainer.resume(resume)
-    elif run.load:
-        notes.append(f"load: auto found no checkpoint in {run.save}: starting fresh")
+    if start.resume:
+        trainer.resume(start.resume)
+    notes = [*notes, *start.notes, *trainer.checkpointer.passed_over]
     plans: list[dict] = []
 
     def keep_plan(record: StepRecord) -> None:
