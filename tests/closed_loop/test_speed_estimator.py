@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_dhp.closed_loop.loop import ClosedLoop
-from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator, predict_log_speeds
+from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator, predict_log_speeds, smoothed_log_speeds
 from megatron_dhp.cost import build_cost_model
 from megatron_dhp.plan.rank_speeds import on_speed_grid
 from megatron_dhp.solver import build_planner, run_planner
@@ -63,6 +63,21 @@ def test_a_linear_drift_is_predicted_closer_than_the_lagged_median_and_noise_is_
     step = np.log(np.where(steps >= 60, 0.5, 1.0) * np.ones((1, 16)))
     for t in range(60 + WINDOW, 120):
         assert np.allclose(lead_one(step[t - HISTORY : t]), math.log(0.5))
+
+
+def test_a_random_walk_is_predicted_by_its_last_report_and_noise_by_the_smoothing():
+    rng = np.random.default_rng(1)
+    walk = np.exp(np.cumsum(rng.normal(0.0, 0.03, (120, 16)), axis=0))  # no trend to find: the last value is best
+    smoothed = rms_error(walk, lambda h: smoothed_log_speeds(h, window=WINDOW, lead=1), noise=0.0)
+    assert rms_error(walk, lead_one, noise=0.0) == pytest.approx(rms_error(walk, last_report, noise=0.0))
+    assert rms_error(walk, lead_one, noise=0.0) < 0.8 * smoothed
+    flat = np.ones((120, 16))  # noisy reports of a steady speed: the smoothing (the choice itself errs now and then)
+    assert rms_error(flat, lead_one) < 1.05 * rms_error(flat, lambda h: smoothed_log_speeds(h, window=WINDOW))
+    assert rms_error(flat, lead_one) < 0.7 * rms_error(flat, last_report)
+
+
+def last_report(history: np.ndarray) -> np.ndarray:
+    return history[-1]
 
 
 def test_the_estimate_leads_a_drifting_rank_to_the_step_it_plans():
