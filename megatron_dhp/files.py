@@ -111,9 +111,9 @@ def parse_json(text: str, *, name: str, fix: str = "", error: type[DhpError] = D
 
 
 def check_writable(path: str | Path, *, flag: str, folder: bool = False) -> Path:
-    """`path`, once sure a command can write it (`folder`: create files in it): its nearest existing folder
-    is created down to it and is writable, and it is not a folder (`folder`: not a file). A `DhpError` naming
-    `flag` otherwise, so that a run fails before its work rather than after it."""
+    """`path`, once sure a command can write it (with `folder`: write files into it): it is not a folder (not a
+    file), no file stands where one of its folders should, and its folder exists (made here, so that the writer
+    need not) and is writable. A `DhpError` naming `flag` otherwise: a run fails before its work, not after."""
     p = Path(path)
     name = f"{flag} {str(path)!r}"
     if folder and p.exists() and not p.is_dir():
