@@ -194,6 +194,18 @@ def test_a_huge_value_in_a_config_is_an_excerpt_in_its_error():
     assert message.startswith("train config: key 'train': key 'lr' = ['xxxxx") and len(message) < 300
 
 
+@pytest.mark.parametrize("build", [
+    lambda v: TrainConfig.from_dict({"train": {"on_nonfinite": v}}),
+    lambda v: DhpConfig(planner=v), lambda v: DhpConfig(comm=v), lambda v: DhpConfig(encoder_placement=v),
+    lambda v: CostConfig.from_dict({**CostConfig.load("gpt7b-64").to_dict(), "kind": v}),
+    lambda v: CostConfig.from_dict({**CostConfig.load("gpt7b-64").to_dict(), "cp_comm": v}),
+    lambda v: DhpConfig(slow_ranks=(v,)),
+], ids=["on_nonfinite", "planner", "comm", "encoder_placement", "cost-kind", "cp_comm", "slow_ranks"])
+def test_a_huge_name_checked_against_its_choices_is_an_excerpt_in_its_error(build):
+    message = refusal(build, "x" * 1_000_000)
+    assert "xxxx" in message and len(message) < 300, message[:400]
+
+
 def test_a_huge_value_in_a_length_file_is_an_excerpt_from_the_real_command(tmp_path, capsys):
     path = tmp_path / "lengths.jsonl"
     path.write_text('{"tokens": 3}\n' + json.dumps({"tokens": "x" * 10_000_000}) + "\n")

@@ -14,7 +14,7 @@ import numpy as np
 import yaml
 
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.plan.rank_speeds import on_speed_grid
 from megatron_dhp.presets import resolve_preset
@@ -249,7 +249,7 @@ class CostConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.kind not in COST_KINDS:
-            raise DhpError(f"cost kind {self.kind!r} is unknown; use one of {', '.join(COST_KINDS)}")
+            raise DhpError(f"cost kind {excerpt(self.kind)} is unknown; use one of {', '.join(COST_KINDS)}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
@@ -258,9 +258,9 @@ class CostConfig:
         if self.merge < 1:
             raise DhpError(f"cost key 'merge' = {self.merge!r} must be an integer >= 1 (encoder tokens per LLM token)")
         if self.cp_comm not in CP_COMMS:
-            raise DhpError(f"cost key 'cp_comm' = {self.cp_comm!r} is unknown; use one of {', '.join(CP_COMMS)}")
+            raise DhpError(f"cost key 'cp_comm' = {excerpt(self.cp_comm)} is unknown; use one of {', '.join(CP_COMMS)}")
         if self.encoder_placement not in ENCODER_PLACEMENTS:
-            raise DhpError(f"cost key 'encoder_placement' = {self.encoder_placement!r} is unknown; use one of "
+            raise DhpError(f"cost key 'encoder_placement' = {excerpt(self.encoder_placement)} is unknown; use one of "
                            f"{', '.join(ENCODER_PLACEMENTS)}")
         ep = self.expert_parallel_size
         if ep < 1 or self.world_size % ep:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_dhp.config_io import load_json_file
 from megatron_dhp.cost.config import check_speeds
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.files import SPEEDS_BYTES
 
 
@@ -49,7 +49,7 @@ def parse_slowdowns(items: Sequence[str]) -> dict[int, float]:
         try:
             out[int(rank)] = float(factor)
         except ValueError:
-            raise DhpError(f"slow rank {item!r} must be RANK:FACTOR, such as 1:2.0") from None
+            raise DhpError(f"slow rank {excerpt(item)} must be RANK:FACTOR, such as 1:2.0") from None
         if int(rank) < 0 or not out[int(rank)] >= 1.0:
-            raise DhpError(f"slow rank {item!r}: the rank must be >= 0 and the factor >= 1.0 (2.0: half speed)")
+            raise DhpError(f"slow rank {excerpt(item)}: the rank must be >= 0 and the factor >= 1.0 (2.0: half speed)")
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
 from megatron_dhp.cost.speeds import expand_speeds, parse_slowdowns
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.plan.comm import DEFAULT_COMMUNICATOR_MB, LAYER_SPECS, STEP_COMMS, CommPolicy
 from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.plan.memory import ModelMemory
@@ -102,14 +102,14 @@ class DhpConfig:
 
         check_fields(self)
         if self.planner not in PLANNERS:
-            raise DhpError(f"planner {self.planner!r} is unknown; choose one of {', '.join(PLANNERS)}")
+            raise DhpError(f"planner {excerpt(self.planner)} is unknown; choose one of {', '.join(PLANNERS)}")
         for name, value, allowed in (("comm", self.comm, STEP_COMMS),
                                      ("attention_backend", self.attention_backend, BACKENDS),
                                      ("layer_spec", self.layer_spec, LAYER_SPECS)):
             if value not in allowed:
-                raise DhpError(f"{name} {value!r} is unknown; choose one of {', '.join(allowed)}")
+                raise DhpError(f"{name} {excerpt(value)} is unknown; choose one of {', '.join(allowed)}")
         if self.encoder_placement is not None and self.encoder_placement not in ENCODER_PLACEMENTS:
-            raise DhpError(f"encoder_placement {self.encoder_placement!r} is unknown; choose one of "
+            raise DhpError(f"encoder_placement {excerpt(self.encoder_placement)} is unknown; choose one of "
                            f"{', '.join(ENCODER_PLACEMENTS)}")
         self.comm_policy(world_size=1, gpus_per_node=1)  # the comm, layer spec and family bound, checked together
         for name in ("max_tokens_per_rank", "max_groups"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_dhp.closed_loop.injection import check_injection
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file, to_mapping
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.models.vlm import TinyVLMConfig, VisionTowerConfig
@@ -171,7 +171,7 @@ class RunConfig:
         if self.weight_decay < 0 or self.clip_grad < 0 or self.timeout_s <= 0:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise DhpError(f"train.on_nonfinite = {self.on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}")
+            raise DhpError(f"train.on_nonfinite = {excerpt(self.on_nonfinite)} must be one of {', '.join(NONFINITE_ACTIONS)}")
         if self.vpp > 1 and self.pp == 1:
             raise DhpError(f"train.vpp = {self.vpp} interleaves model chunks of a pipeline; it needs train.pp > 1")
         if self.load == AUTO_LOAD and not self.save:
