@@ -287,6 +287,19 @@ def test_a_length_file_over_the_bound_is_not_taken_whole(tmp_path, monkeypatch):
     assert len(source.draw(global_batch=3, seed=0, capacity=100)) == 3
 
 
+@pytest.mark.parametrize("suffix, text", [(".json", "[1, 2, 3, 4]"), (".jsonl", "1\n2\n\n3\n4\n")])
+def test_a_length_file_taken_whole_is_refused_once_counted_before_its_samples_are_built(tmp_path, monkeypatch,
+                                                                                         suffix, text):
+    path = tmp_path / f"lengths{suffix}"
+    path.write_text(text)
+    monkeypatch.setattr(batches, "MAX_BATCH_SAMPLES", 3)
+    built = []
+    monkeypatch.setattr("megatron_dhp.workload.sources._sample", lambda *a: built.append(a))
+    message = refusal(lambda: LengthSource.from_args(lengths=path, whole=True))
+    assert message.startswith(f"length file 'lengths{suffix}' holds 4 samples, more than a batch may hold (3)")
+    assert built == []
+
+
 def test_a_batch_over_the_bound_is_one_line_from_the_real_command(tmp_path, capsys):
     err = cli(["plan", "--dist", "wlbllm", "--global-batch", MAX_BATCH_SAMPLES + 1, "--out", tmp_path / "p.json"],
               capsys)

@@ -144,7 +144,7 @@ def draw_batches(args: argparse.Namespace, config: CostConfig, indices: range) -
     Without --truncate a sample the domain cannot hold is left for `run_planner`, the one check of every plan.
     """
     source = LengthSource.from_args(lengths=args.lengths, dist=None if args.lengths else args.dist,
-                                    merge=config.merge)
+                                    merge=config.merge, whole=args.global_batch is None)
     capacity = config.domain.capacity
     batches = [source.draw(global_batch=args.global_batch, seed=args.seed, index=k, capacity=capacity) for k in indices]
     if args.truncate:

@@ -9,7 +9,7 @@ import numpy as np
 
 from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
-from megatron_dhp.workload.sources import load_samples
+from megatron_dhp.workload.sources import load_samples, too_many_samples
 from megatron_dhp.workload.synthetic import Distribution, get_distribution
 
 MAX_BATCH_SAMPLES = 262_144
@@ -26,13 +26,16 @@ class LengthSource:
     distribution: Distribution | None = None
 
     @classmethod
-    def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None, merge: int = 4) -> LengthSource:
+    def from_args(cls, *, lengths: str | Path | None = None, dist: str | None = None, merge: int = 4,
+                  whole: bool = False) -> LengthSource:
         """The source named by `--lengths FILE` or `--dist NAME` (exactly one); `merge` (the cost config's)
-        gives a file's short-form images their LLM tokens."""
+        gives a file's short-form images their LLM tokens. `whole`: the file will be drawn whole as one batch
+        (no --global-batch), so one over `MAX_BATCH_SAMPLES` is refused as soon as its entries are counted."""
         if (lengths is None) == (dist is None):
             raise DhpError("give exactly one of --lengths FILE and --dist NAME")
         if lengths is not None:
-            return cls(name=Path(lengths).name, samples=tuple(load_samples(lengths, merge=merge)))
+            limit = MAX_BATCH_SAMPLES if whole else None
+            return cls(name=Path(lengths).name, samples=tuple(load_samples(lengths, merge=merge, max_samples=limit)))
         return cls(name=dist, distribution=get_distribution(dist))
 
     def draw(self, *, global_batch: int | None, seed: int, index: int = 0, capacity: int) -> Batch:
@@ -49,9 +52,7 @@ class LengthSource:
                            f"({MAX_BATCH_SAMPLES:,}); pass --global-batch {MAX_BATCH_SAMPLES} or less")
         if self.distribution is None and global_batch is None:
             if len(self.samples) > MAX_BATCH_SAMPLES:
-                raise DhpError(f"length file {self.name!r} holds {len(self.samples):,} samples, more than a batch "
-                               f"may hold ({MAX_BATCH_SAMPLES:,}), and without --global-batch it is taken whole as "
-                               "one batch; pass --global-batch B to draw batches of B samples from it")
+                raise too_many_samples(self.name, len(self.samples), MAX_BATCH_SAMPLES)
             return Batch(self.samples, seed=None)
         if global_batch is None:
             raise DhpError(f"distribution {self.name!r} needs --global-batch (how many samples per batch)")

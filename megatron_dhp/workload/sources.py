@@ -25,35 +25,51 @@ from megatron_dhp.workload.sample import Sample, VisualItem
 _FORMATS = "a JSON array of positive integers (.json), JSONL with {\"tokens\": N} per line (.jsonl), or a Megatron .bin/.idx prefix"
 
 
-def load_samples(path: str | Path, *, merge: int = 4) -> list[Sample]:
+def load_samples(path: str | Path, *, merge: int = 4, max_samples: int | None = None) -> list[Sample]:
     """Read every sample of a length source, ids in file order; a short-form image of P encoder tokens takes
-    ceil(P / merge) LLM tokens (`merge`, the cost config's key)."""
+    ceil(P / merge) LLM tokens (`merge`, the cost config's key). A file of more than `max_samples` (a file taken
+    whole as one batch) is refused once its entries are counted, before they are read as samples."""
     p = Path(path)
     prefix = _indexed_prefix(p)
     if prefix is not None:
-        return _load_indexed(prefix)
+        return _check_count(p, len(samples := _load_indexed(prefix)), max_samples) or samples
     if not p.is_file():
         raise DhpError(f"length file {str(p)!r} does not exist; pass {_FORMATS}")
     text = read_text(p, what="length file", limit=LENGTHS_BYTES)
     if not text.strip():
         raise DhpError(f"length file {str(p)!r} is empty; it must hold at least one length")
     if p.suffix == ".jsonl":
-        return _load_jsonl(p, text, merge)
-    return _load_json(p, text, merge)
+        return _load_jsonl(p, text, merge, max_samples)
+    return _load_json(p, text, merge, max_samples)
 
 
-def _load_json(p: Path, text: str, merge: int) -> list[Sample]:
+def too_many_samples(name: str, count: int, limit: int) -> DhpError:
+    """The error for a length file of `count` samples taken whole as one batch of at most `limit`."""
+    return DhpError(f"length file {name!r} holds {count:,} samples, more than a batch may hold ({limit:,}), and "
+                    "without --global-batch it is taken whole as one batch; pass --global-batch B to draw batches "
+                    "of B samples from it")
+
+
+def _check_count(p: Path, count: int, limit: int | None) -> None:
+    if limit is not None and count > limit:
+        raise too_many_samples(p.name, count, limit)
+
+
+def _load_json(p: Path, text: str, merge: int, max_samples: int | None) -> list[Sample]:
     obj = parse_json(text, name=f"length file {str(p)!r}", fix=f"pass {_FORMATS}")
     if not isinstance(obj, list):
         raise DhpError(f"length file {str(p)!r} must hold a JSON array of lengths, not a {type(obj).__name__}")
     if not obj:
         raise DhpError(f"length file {str(p)!r} holds an empty array; it must hold at least one length")
+    _check_count(p, len(obj), max_samples)
     return [_sample(p, f"entry {i}", i, item, merge) for i, item in enumerate(obj)]
 
 
-def _load_jsonl(p: Path, text: str, merge: int) -> list[Sample]:
+def _load_jsonl(p: Path, text: str, merge: int, max_samples: int | None) -> list[Sample]:
+    lines = text.splitlines()
+    _check_count(p, sum(1 for line in lines if line.strip()), max_samples)
     samples: list[Sample] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         item = parse_json(line, name=f"length file {str(p)!r}, line {lineno}")
