@@ -96,9 +96,9 @@ class SaveLock:
                     continue
                 if holder.is_alive() is not False:
                     raise self._in_use(holder) from None
-                self.path.unlink(missing_ok=True)
-                notes.append(f"replaced the stale lock of {self.directory} (pid {holder.pid} on {holder.host} since "
-                             f"{holder.since} is no longer running)")
+                if self._break(holder):
+                    notes.append(f"replaced the stale lock of {self.directory} (pid {holder.pid} on {holder.host} "
+                                 f"since {holder.since} is no longer running)")
                 continue
             except OSError as e:
                 raise self._unwritable(e) from None
@@ -117,6 +117,27 @@ class SaveLock:
                 self.path.unlink()
         except (OSError, ValueError, TypeError):  # removed or replaced meanwhile: nothing of ours to remove
             pass
+
+    def _break(self, stale: LockRecord) -> bool:
+        """Remove the lock `stale`; False when another run changed it first. Two runs may find the same stale
+        lock: it is moved aside and read back before removal, so the slower never removes the lock the faster
+        has taken since (it puts that back)."""
+        aside = self.path.with_name(f"{LOCK_NAME}.{self.mine.pid}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._unwritable(e) from None
+        try:
+            moved = LockRecord.read(aside)
+        except (OSError, ValueError, TypeError):  # a new lock, not yet written
+            moved = None
+        if moved != stale:
+            os.rename(aside, self.path)
+            return False
+        aside.unlink()
+        return True
 
     def _holder(self) -> LockRecord | None:
         """The record of the lock another run holds (None: released meanwhile); that run may still be writing

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_dhp.training.checkpoint import CheckpointMeta
-from megatron_dhp.training.save_lock import LOCK_NAME
+from megatron_dhp.training.save_lock import LOCK_NAME, LockRecord
 from tests.training.test_faults import config_file, finish, start
 
 STEPS = 4
 KEEP = 2
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="tells live runs from gone ones by /proc")
 
 
 def train(config: Path, *flags: str, timeout_s: float = 180) -> tuple[int, str, str]:
@@ -50,11 +54,14 @@ def one_line_error(code: int, out: str, err: str) -> str:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict:
     """Two identical `--load auto` runs started at once into one folder holding what two interrupted saves
-    left: step_000007 with complete rank files but no meta.json, step_000008 with only a temporary file."""
+    left, step_000007 with complete rank files but no meta.json and step_000008 with only a temporary file,
+    and the lock of a run killed outright (its pid now another process's: this one's)."""
     root = tmp_path_factory.mktemp("pair")
     save = root / "ckpt"
+    save.mkdir()
+    (save / LOCK_NAME).write_text(json.dumps(asdict(replace(LockRecord.of_this_process(), process_start=0))))
+    (save / "step_000007").mkdir()
     for rank in range(2):
-        (save / "step_000007").mkdir(parents=True, exist_ok=True)
         torch.save({"step": 7, "rank": rank}, save / "step_000007" / f"rank{rank}.pt")
     (save / "step_000008").mkdir()
     (save / "step_000008" / "rank1.pt.tmp").write_bytes(b"\x00" * 100)
@@ -77,6 +84,7 @@ def test_two_runs_at_once_one_is_refused_by_the_lock_the_other_saves_checkpoints
     assert f"--save {pair['save']} is in use by the run of pid" in one_line_error(code, out, err)
     assert "wait for it, or pass another --save" in err
     assert f"steps 1-{STEPS}" in winner(pair)
+    assert f"replaced the stale lock of {pair['save']} (pid {os.getpid()} on " in winner(pair)
     save = pair["save"]
     assert (save / "latest").read_text() == f"step_{STEPS:06d}" and not (save / LOCK_NAME).exists()
     assert_loadable(save / f"step_{STEPS:06d}")
