@@ -67,7 +67,7 @@ def pair(tmp_path_factory) -> dict:
     (save / "step_000008" / "rank1.pt.tmp").write_bytes(b"\x00" * 100)
     config = config_file(root, "pair", steps=STEPS, save=str(save), save_interval=1, load="auto", keep_checkpoints=KEEP)
     # a slowed rank (sleeps) holds the winner's lock for seconds, so the other run meets it whichever starts first
-    procs = [start(config, "--slow-rank", "1:10.0") for _ in range(2)]
+    procs = [start(config, "--slow-rank", "1:30.0") for _ in range(2)]
     return {"save": save, "config": config, "runs": [finish(p, 240) for p in procs]}
 
 
