@@ -68,7 +68,7 @@ def pair(tmp_path_factory) -> dict:
     config = config_file(root, "pair", steps=STEPS, save=str(save), save_interval=1, load="auto", keep_checkpoints=KEEP)
     # a slowed rank (sleeps) holds the winner's lock for seconds, so the other run meets it whichever starts first
     procs = [start(config, "--slow-rank", "1:30.0") for _ in range(2)]
-    return {"save": save, "config": config, "runs": [finish(p, 240) for p in procs]}
+    return {"save": save, "runs": [finish(p, 240) for p in procs]}
 
 
 def winner(pair: dict) -> str:
