@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import reprlib
 import shutil
 import zipfile
 from collections.abc import Callable
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dhp.config_io import to_mapping
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.training.config import AUTO_LOAD, RunConfig, TrainConfig
 
 SCHEMA = "megatron-dhp/checkpoint/v1"
@@ -203,10 +202,10 @@ class CheckpointMeta:
             if not isinstance(meta, dict):
                 raise ValueError(f"a JSON {type(meta).__name__}, not an object")
             if meta.get("schema") != SCHEMA:
-                raise ValueError(f"schema {reprlib.repr(meta.get('schema'))} is not {SCHEMA!r}")
+                raise ValueError(f"schema {excerpt(meta.get('schema'))} is not {SCHEMA!r}")
             step, files = meta.get("step"), meta.get("files")
             if type(step) is not int or step < 0:
-                raise ValueError(f"step {reprlib.repr(step)} is not a step count")
+                raise ValueError(f"step {excerpt(step)} is not a step count")
             if not isinstance(files, dict):
                 raise ValueError(f"files is a JSON {type(files).__name__}, not an object of rank files")
             entries = {name: _file_entry(name, entry) for name, entry in files.items()}
@@ -221,7 +220,7 @@ class CheckpointMeta:
 def _file_entry(name: str, entry: object) -> tuple[int, str]:
     size, digest = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
     if type(size) is not int or size < 0 or not isinstance(digest, str):
-        raise ValueError(f"files[{reprlib.repr(name)}] = {reprlib.repr(entry)} is not {{'bytes': count, 'sha256': hex digest}}")
+        raise ValueError(f"files[{excerpt(name)}] = {excerpt(entry)} is not {{'bytes': count, 'sha256': hex digest}}")
     return size, digest
 
 
