@@ -91,7 +91,7 @@ def decided_on_rank0(decide: Callable[[], T]) -> T:
 def saved_steps(directory: Path) -> list[Path]:
     """The step folders of `directory` that hold meta.json, newest (highest step) first."""
     steps = [f for f in directory.glob("step_*") if STEP_FOLDER.fullmatch(f.name) and (f / "meta.json").is_file()]
-    return sorted(steps, key=lambda f: int(f.name.removeprefix("step_")), reverse=True)
+    return sorted(steps, key=_step, reverse=True)
 
 
 def resume_candidates(directory: Path) -> list[Path]:
@@ -125,7 +125,10 @@ def prepare_save_folder(run: RunConfig) -> SaveFolderStart:
     them; then clear what interrupted saves left."""
     save = Path(run.save)
     resume = resume_directory(run.load, run.save)
-    notes = [] if _within(resume, save) else _clear_for_fresh_run(save, overwrite=run.overwrite)
+    if _within(resume, save):
+        notes = _clear_after(save, Path(resume), overwrite=run.overwrite)
+    else:
+        notes = _clear_for_fresh_run(save, overwrite=run.overwrite)
     notes += sweep_incomplete(save)
     if run.load == AUTO_LOAD and resume is None:
         notes.append(f"load: auto found no checkpoint in {save}: starting fresh")
@@ -154,6 +157,31 @@ def _clear_for_fresh_run(save: Path, *, overwrite: bool) -> list[str]:
     marker.unlink(missing_ok=True)
     return [f"removed {len(folders)} step folders ({len(saved)} checkpoints) and latest of another run from {save}: "
             "--overwrite"]
+
+
+def _clear_after(save: Path, resume: Path, *, overwrite: bool) -> list[str]:
+    """A run resumed from one of `save`'s own step folders: the later checkpoints there belong to the run it
+    rolls back, and kept they would be mixed with its own (`load: auto` and retention rank them by step). So they
+    are refused, or with `train.overwrite` removed (and `latest`, if it named one)."""
+    if not STEP_FOLDER.fullmatch(resume.name):
+        return []
+    later = [f for f in saved_steps(save) if _step(f) > _step(resume)]
+    if not later:
+        return []
+    if not overwrite:
+        raise DhpError(f"--load {resume} resumes at step {_step(resume)}, but --save {save} holds later checkpoints "
+                       f"of the run it rolls back ({', '.join(f.name for f in later[:3])}"
+                       f"{', ...' if len(later) > 3 else ''}); pass --overwrite to remove them, or another --save")
+    marker = save / LATEST
+    if marker.is_file() and marker.read_text().strip() in {f.name for f in later}:
+        marker.unlink()
+    for folder in later:
+        shutil.rmtree(folder)
+    return [f"removed {len(later)} later checkpoint{'s' * (len(later) > 1)} than {resume.name} from {save}: --overwrite"]
+
+
+def _step(folder: Path) -> int:
+    return int(folder.name.removeprefix("step_"))
 
 
 def sweep_incomplete(directory: str | Path) -> list[str]:

@@ -119,6 +119,20 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused(pair, tmp_path):
     assert (save / "latest").read_text() == f"step_{STEPS:06d}"  # untouched
 
 
+def test_rolling_back_to_an_earlier_checkpoint_of_the_folder_needs_overwrite(pair, tmp_path):
+    save = copy_of(pair, tmp_path / "ckpt")
+    config = config_file(tmp_path, "rollback", steps=STEPS, save=str(save), save_interval=1)
+    earlier = save / f"step_{STEPS - 1:06d}"
+    err = one_line_error(*train(config, "--load", str(earlier)))
+    assert (f"--load {earlier} resumes at step {STEPS - 1}, but --save {save} holds later checkpoints of the run it "
+            f"rolls back (step_{STEPS:06d}); pass --overwrite to remove them, or another --save") in err
+    code, out, err = train(config, "--load", str(earlier), "--overwrite")
+    assert code == 0, err
+    assert f"removed 1 later checkpoint than step_{STEPS - 1:06d} from {save}: --overwrite" in out
+    assert (save / "latest").read_text() == f"step_{STEPS:06d}"
+    assert_loadable(save / f"step_{STEPS:06d}")
+
+
 @pytest.fixture(scope="module")
 def resumed(pair, tmp_path_factory) -> dict:
     """Two runs from step STEPS - 1 of the pair's run to STEPS + 1: `--load auto` in a copy of its folder whose
