@@ -60,6 +60,7 @@ class TrainResult:
             return ["no step to run (the checkpoint is already at train.steps)"]
         first, last = self.records[0], self.records[-1]
         errors = [abs(e) for e in self.prediction_errors]
+        skipped = [str(r.step) for r in self.records if r.skipped]
         median = statistics.median
         return [
             f"{self.planner} on {self.world_size} ranks: steps {first.step}-{last.step}, loss {first.loss:.4f} -> "
@@ -73,6 +74,8 @@ class TrainResult:
             f"{self.steps_within()}/{len(errors)} steps within 15%",
             f"groups: {self.groups_at_startup} created at start-up, {last.groups_created} created after start-up",
             *([f"stopped by {self.stopped_by} after step {last.step}"] if self.stopped_by else []),
+            *([f"{len(skipped)} steps skipped (non-finite loss or gradients): {', '.join(skipped[:10])}"
+               f"{', ...' if len(skipped) > 10 else ''}"] if skipped else []),
         ]
 
     def to_dict(self) -> dict:

@@ -50,3 +50,4 @@ def test_skip_drops_every_non_finite_update_and_keeps_the_weights_finite(tmp_pat
     records = json.loads(report.read_text())["result"]["records"]
     assert [r["skipped"] for r in records] == ["", "loss and gradients", "loss and gradients", "loss and gradients"]
     assert (save / "latest").read_text() == "step_000004" and finite_checkpoint(save / "step_000004")
+    assert "3 steps skipped (non-finite loss or gradients): 2, 3, 4" in out
