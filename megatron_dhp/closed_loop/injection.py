@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_dhp.closed_loop.slot_clock import SlotClock
 from megatron_dhp.cost.speeds import parse_slowdowns
-from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.errors import DhpError
 from megatron_dhp.runtime.attention.comm import PeerRing, start_shift
 from megatron_dhp.runtime.slot_timer import UNTIMED_UNDER_PP, SlotTimer
 
@@ -38,7 +38,7 @@ def check_injection(slow_ranks: Sequence[str], pipeline_stages: int, *, given: s
     """A one-line `DhpError` when `slow_ranks` (the `RANK:FACTOR` items) would be injected under pipeline
     parallelism; `given` and `stages` name the two settings as the entry point's user sets them."""
     if slow_ranks and pipeline_stages > 1:
-        raise DhpError(f"{given} {excerpt(' '.join(slow_ranks))} with {stages} {pipeline_stages}: {INJECTION_UNDER_PP}; drop "
+        raise DhpError(f"{given} {' '.join(slow_ranks)} with {stages} {pipeline_stages}: {INJECTION_UNDER_PP}; drop "
                        f"{given}, or inject with {stages} 1")
 
 
