@@ -138,34 +138,56 @@ class Instance:
         return float(self.wide_seconds(np.array([item]), np.array([size]), np.array([intra]), np.array([s.sum()]),
                                        np.array([s.min()]), np.array([s.max()]))[0, 0])
 
-    def plan_group(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]], phase: int) -> PlanGroup:
-        """The `PlanGroup` of a draft group (`microbatches` of instance indices), with the shares its speeds
-        ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`), where they make it
-        faster than even shares."""
-        speeds = () if self.nominal or not len(microbatches) or len(ranks) < 2 else self.speeds[list(ranks)]
-        mixed = len(speeds) and speeds.max() > speeds.min()
-        shares = self.model.group_shares(ranks) if mixed else ()
-        if shares:
-            shares = self.footprint.fitting_shares(shares, microbatches, len(ranks))
-        if shares and self.group_seconds(ranks, microbatches, shares) >= self.group_seconds(ranks, microbatches, ()):
-            shares = ()
+    def plan_groups(self, drafts: Sequence[tuple[tuple[int, ...], Sequence[Sequence[int]], int]]) -> list[PlanGroup]:
+        """The `PlanGroup`s of draft groups (ranks, `microbatches` of instance indices, phase), each with the
+        shares its speeds ask for, as even as its microbatches' memory needs (`plan.shares.shares_within`),
+        where they make it faster than even shares (`_faster_with_shares`)."""
+        shares = [self._speed_shares(ranks, mbs) for ranks, mbs, _ in drafts]
+        mixed = [k for k, w in enumerate(shares) if w]
+        if mixed:
+            faster = self._faster_with_shares([drafts[k][:2] for k in mixed], [shares[k] for k in mixed])
+            for k, keep in zip(mixed, faster):
+                shares[k] = shares[k] if keep else ()
         ids = self.id_list
-        return PlanGroup(ranks=ranks, microbatches=tuple(tuple(ids[i] for i in mb) for mb in microbatches),
-                         phase=phase, shares=shares)
+        return [PlanGroup(ranks=ranks, microbatches=tuple(tuple(ids[i] for i in mb) for mb in mbs), phase=phase,
+                          shares=w) for (ranks, mbs, phase), w in zip(drafts, shares)]
+
+    def _speed_shares(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """A group's shares in proportion to its speeds, fitted to its microbatches' memory; () where even."""
+        if self.nominal or not len(microbatches) or len(ranks) < 2:
+            return ()
+        speeds = self.speeds[list(ranks)]
+        if not speeds.max() > speeds.min():
+            return ()
+        shares = self.model.group_shares(ranks)
+        return self.footprint.fitting_shares(shares, microbatches, len(ranks)) if shares else ()
+
+    def _faster_with_shares(self, groups: Sequence[tuple[tuple[int, ...], Sequence[Sequence[int]]]],
+                            shares: Sequence[tuple[int, ...]]) -> list[bool]:
+        """Per group, whether its microbatches (instance indices) take less time with its `shares` than with even
+        shares: their samples at the group's `Pace` plus each microbatch's overhead, every group's samples priced
+        in one `sample_time` call per split (groups of mixed speeds are a hundred and more at 1,024 ranks)."""
+        items = [np.fromiter((i for mb in mbs for i in mb), dtype=np.int64) for _, mbs in groups]
+        counts = [len(k) for k in items]
+        flat = np.concatenate(items)
+        sizes = np.repeat([len(ranks) for ranks, _ in groups], counts)
+        intra = np.repeat([self.model.is_intra(ranks) for ranks, _ in groups], counts)
+        paces = [(self.model.group_pace(ranks, w), self.model.group_pace(ranks, ())) for (ranks, _), w in zip(groups, shares)]
+        seconds = []
+        for k in range(2):  # with the shares, then even
+            speed, slowest, scale = (np.repeat([getattr(p[k], f) for p in paces], counts)
+                                     for f in ("speed", "slowest", "comm_scale"))
+            t = self.model.sample_time(self.tokens[flat], self.work[flat], sizes, intra, speed, slowest=slowest,
+                                       comm_scale=scale)
+            ends = np.cumsum(counts)
+            seconds.append([float(t[e - c : e].sum()) + len(mbs) * self.model.microbatch_overhead(len(ranks), p[k].slowest)
+                            for e, c, (ranks, mbs), p in zip(ends.tolist(), counts, groups, paces)])
+        return [with_shares < even for with_shares, even in zip(*seconds)]
 
     @functools.cached_property
     def id_list(self) -> list[int]:
         """`ids` as Python ints (a plan's thousands of microbatch entries read them one by one)."""
         return self.ids.tolist()
-
-    def group_seconds(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]],
-                      shares: tuple[int, ...]) -> float:
-        """Seconds of a group's microbatches (instance indices) on `ranks` with `shares`."""
-        items = np.fromiter((i for mb in microbatches for i in mb), dtype=np.int64)
-        p = self.model.group_pace(ranks, shares)
-        t = self.model.sample_time(self.tokens[items], self.work[items], len(ranks), self.model.is_intra(ranks),
-                                   p.speed, slowest=p.slowest, comm_scale=p.comm_scale)
-        return float(t.sum()) + len(microbatches) * self.model.microbatch_overhead(len(ranks), p.slowest)
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in

@@ -336,7 +336,7 @@ class DhpPlanner(Planner):
             # fcp-ref's rounds; with a family, built on its windows (`family_rounds`: moved there, they rarely fit)
             peers = [*(round_layouts(inst, batch) if family is None else family_round_layouts(inst, batch, family)), *peers]
             return fastest(inst, batch, [pipeline_groups(inst, best), *peers], stages=p, virtual=virtual), None
-        groups = [inst.plan_group(g.ranks, g.microbatches, g.phase) for g in best.groups]
+        groups = inst.plan_groups([(g.ranks, g.microbatches, g.phase) for g in best.groups])
         if best.makespan_s <= target * (1 + self.gap):
             return groups, best.makespan_s
         # Far from the bound: a static CP layout may still be faster, at the batch's smallest CP or a larger one
@@ -395,8 +395,8 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
 def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
     """A draft's groups for 1F1B: the bins in one last phase, each group's microbatches in `pipeline_order`."""
     last = 1 + max((g.phase for g in draft.groups[:draft.num_wide]), default=-1)
-    return [inst.plan_group(g.ranks, pipeline_order(inst, g), g.phase if k < draft.num_wide else last)
-            for k, g in enumerate(draft.groups)]
+    return inst.plan_groups([(g.ranks, pipeline_order(inst, g), g.phase if k < draft.num_wide else last)
+                             for k, g in enumerate(draft.groups)])
 
 
 def pipeline_order(inst: Instance, group: DraftGroup) -> list[list[int]]:
