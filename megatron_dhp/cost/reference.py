@@ -40,6 +40,11 @@ from megatron_dhp.workload.sample import Sample
 NOMINAL_PACE = Pace(1.0, 1.0)
 
 
+SCREENED = 64
+"""The lower bound with rank speeds takes each sample's minimum over the speed levels first for this many
+samples, those of the largest upper bound (`ReferenceCostModel._longest`)."""
+
+
 class ReferenceCostModel:
     """Times of samples on groups, and the step-time lower bound, for one `CostConfig` (a `CostModel`)."""
 
@@ -278,10 +283,30 @@ class ReferenceCostModel:
         nominal = self.with_speeds(()).lower_bound_arrays(tokens, work, footprint) / max(1.0, float(speeds.max()))
         slow = float(speeds.min())
         area = lo * slow * self.sample_time(tokens, work, lo, self.best_placement_intra(lo), slow)
-        longest = np.full(tokens.shape, np.inf)
-        for v, a, b in self.domain.speed_levels(self.uneven_shards):
-            reach = lo <= b
-            if reach.any():
-                t, _ = self.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)
-                longest = np.minimum(longest, np.where(reach, m / v + t, np.inf))
-        return max(nominal, (float(area.sum()) + overheads) / float(speeds.sum()), float(longest.max()))
+        return max(nominal, (float(area.sum()) + overheads) / float(speeds.sum()), self._longest(tokens, work, lo))
+
+    def _longest(self, tokens: np.ndarray, work: np.ndarray, lo: np.ndarray) -> float:
+        """max over samples of min over the speed levels (v, a, b) that reach the sample of m / v + its best
+        time on a <= d <= b ranks at v: the bound's second term with rank speeds. The minimum needs every level
+        (a dozen and more where speeds drift) but only where it can be the largest: any one level bounds a
+        sample's minimum from above (the widest reaches every sample), so the minimum is taken for the samples
+        of the largest such bounds, then for whichever others still exceed it. Each sample's value is as if all
+        were taken."""
+        m, levels = self.config.microbatch_overhead_s, self.domain.speed_levels(self.uneven_shards)
+
+        def minimum(index: np.ndarray) -> np.ndarray:
+            out = np.full(len(index), np.inf)
+            for v, a, b in levels:
+                reach = lo[index] <= b
+                if reach.any():
+                    t, _ = self.best_time(tokens[index], work[index], lo=np.maximum(lo[index], a), hi=b, speed=v)
+                    out = np.minimum(out, np.where(reach, m / v + t, np.inf))
+            return out
+
+        v, a, b = levels[-1]  # b = N: every sample fits it
+        upper = m / v + self.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)[0]
+        order = np.argsort(-upper, kind="stable")
+        first = order[:SCREENED]
+        longest = float(minimum(first).max())
+        rest = order[SCREENED:][upper[order[SCREENED:]] > longest]
+        return max(longest, float(minimum(rest).max())) if len(rest) else longest

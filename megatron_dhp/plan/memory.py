@@ -147,7 +147,7 @@ class Footprint:
         stay within the cap on its rank of the largest share (`plan.shares.shares_within`)."""
         sums = [self._sums(mb) for mb in microbatches]  # once: the mix is bisected against them
         limit = min(room / max(shared, 1) for shared, room in sums)
-        return shares_within(shares, limit, lambda w: all(_fits_part(shared, room, w) for shared, room in sums))
+        return shares_within(shares, limit, lambda w: all(_fits_part(shared, room, w, degree) for shared, room in sums))
 
     def _sums(self, index: Sequence[int]) -> tuple[int, int]:
         """(shared tokens, room per rank: cap - held) of a microbatch of these samples."""
@@ -162,14 +162,13 @@ class Footprint:
     def fits(self, index: Sequence[int], degree: int, shares: Sequence[int] = ()) -> bool:
         """Whether a microbatch of these samples fits `degree` ranks (exact integer arithmetic); with uneven
         `shares`, whether it fits the rank of the largest share: shared max(w) / sum(w) + held <= cap."""
-        if not len(shares):
-            return int(self.load(np.asarray(index, dtype=np.int64), degree).sum()) <= degree * self.cap
-        return _fits_part(*self._sums(index), shares)
+        return _fits_part(*self._sums(index), shares, degree)
 
 
-def _fits_part(shared: int, room: int, shares: Sequence[int]) -> bool:
-    """Whether the rank of the largest share holds its part of `shared` tokens within `room` (exact integers)."""
-    return shared * max(shares) <= room * sum(shares)
+def _fits_part(shared: int, room: int, shares: Sequence[int], degree: int) -> bool:
+    """Whether the rank of the largest share (of `degree` even ones where `shares` is empty) holds its part of
+    `shared` tokens within `room` (exact integers)."""
+    return shared * max(shares) <= room * sum(shares) if len(shares) else shared <= room * degree
 
 
 @dataclass(frozen=True)
