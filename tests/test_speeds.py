@@ -185,3 +185,19 @@ def test_speed_levels_round_up_and_cover_every_degree():
     levels = domain.speed_levels()
     assert [(a, b) for _, a, b in levels] == [(1, 2), (3, 3), (4, 5)]
     assert levels[0][0] == 1.0 and 0.71 <= levels[1][0] < 0.71 * 1.02 and 0.5 <= levels[2][0] < 0.5 * 1.02
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.sampled_from([16, 96, 256]), uneven=st.booleans())
+def test_the_screened_longest_sample_term_is_the_minimum_over_every_level_of_every_sample(seed, n, uneven):
+    rng = np.random.default_rng(seed)
+    speeds = tuple(np.round(rng.uniform(0.3, 1.0, n), 3).tolist())
+    model = build_cost_model(replace(GPT7B.with_overrides(world_size=n, rank_speeds=speeds), uneven_shards=uneven))
+    samples = LengthSource.from_args(dist="wlbllm").draw(global_batch=4 * n, seed=seed, capacity=model.domain.capacity)
+    tokens = np.array([s.tokens for s in samples.samples], dtype=np.float64)
+    work, lo = model.sample_work(samples.samples), model.footprint(samples.samples).min_degree()
+    m, every = model.config.microbatch_overhead_s, np.full(len(tokens), np.inf)
+    for v, a, b in model.domain.speed_levels(uneven):  # the term as it was: every level for every sample
+        t, _ = model.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)
+        every = np.minimum(every, np.where(lo <= b, m / v + t, np.inf))
+    assert model._longest(tokens, work, lo) == float(every.max())
