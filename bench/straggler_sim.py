@@ -31,13 +31,11 @@ targets, each with its measured value:
     dhp-blind / dhp, mean over one-0.5 at N = 64, >= 1.5
     dhp / dhp-blind, worst nominal batch, <= 1.005
 
-Cost: the bound is O(samples x N) (3-7 s a batch at N = 1,024), and dhp's solve grows with the number of
-distinct speeds, since bins of different speeds are different classes that its fill scans for every sample:
-on the drift trace, 0.4 s a step at N = 64, 2 s at 256 and 16 s at 1,024 with speeds on the 2 % grid
-(exact speeds took over 10x longer on the trace's first steps at N = 256, hence `--speed-grid`). So from `LARGE_RANKS` ranks on a fixed
-scenario runs `--batches-large` batches and drift plans `--drift-steps-large` of its steps, evenly spaced
-over the whole trace (each still planned from the steps before it); the run prints what it used. The default
-run takes about 7 minutes on 2 CPU cores.
+Cost: `best_lower_bound` is O(samples x N) (seconds a batch at N = 1,024), so from `LARGE_RANKS` ranks on a
+fixed scenario runs `--batches-large` batches and drift plans `--drift-steps-large` of its steps, evenly spaced
+over the whole trace (each still planned from the steps before it); the run prints what it used. dhp's solve
+grows with the number of distinct speeds, hence the loop's grid (`--speed-grid`). The default run takes about
+2 minutes on 2 CPU cores.
 
     python bench/straggler_sim.py [--sizes 512x64,2048x256,8192x1024] [--batches 3] [--drift-steps 200]
                                   [--batches-large 2] [--drift-steps-large 5] [--json out.json] [--markdown]
