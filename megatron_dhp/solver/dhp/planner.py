@@ -102,7 +102,49 @@ def wide_degrees(inst: Instance, items: np.ndarray, target_s: float) -> np.ndarr
         within = np.isfinite(t) & (t <= target_s)  # inf <= inf: without isfinite, an inf target picks degree 1
         first = np.argmax(within, axis=1)
         degrees[begin : begin + len(chunk)] = ds[np.where(within.any(axis=1), first, np.argmin(t, axis=1))]
-    return degrees
+    return degrees if inst.nominal or not len(items) else slow_window_degrees(inst, items, degrees, target_s)
+
+
+def slow_window_degrees(inst: Instance, items: np.ndarray, degrees: np.ndarray, target_s: float) -> np.ndarray:
+    """With rank speeds, `degrees` widened where slow ranks run a sample for less: a sample bound by
+    communication on its fewest fast ranks makes them wait, while on the slowest window of some larger size d
+    (contiguous ranks, at the speed their group runs at) it may still end within the target and use less
+    speed-weighted rank time (d x speed x seconds). There it takes the least such d (up to twice its degree),
+    so that `layout.place_wide`'s speed-weighted choice can put it on slow ranks: two GPU generations, a
+    123K-token sample on 19 or more ranks at 0.45 instead of 16 at 1.0 (bench/straggler_sim.py's two-gen)."""
+    ds = inst.sizes
+    top = int(min(ds[-1], 2 * degrees.max()))
+    slowest, fastest = window_speeds(inst.speeds, top, inst.model.uneven_shards)
+    ds = ds[ds <= top]
+    intra = inst.model.best_placement_intra(ds)
+    overhead = np.array([inst.overhead(int(d)) for d in ds])
+    t = inst.model.sample_time(inst.tokens[items][:, None], inst.work[items][:, None], ds[None, :], intra[None, :],
+                               slowest[ds - 1][None, :]) + overhead[None, :]
+    ok = (ds[None, :] >= degrees[:, None]) & (t <= target_s)
+    first = np.argmax(ok, axis=1)
+    wider = ok.any(axis=1) & (ds[first] > degrees)
+    if not wider.any():
+        return degrees
+    at = np.searchsorted(ds, degrees)  # each degree's column (degrees are allowed sizes, at most `top`)
+    fast = inst.model.sample_time(inst.tokens[items], inst.work[items], degrees, intra[at], fastest[degrees - 1])
+    rows = np.arange(len(items))
+    slow_cost = ds[first] * slowest[ds[first] - 1] * t[rows, first]
+    fast_cost = degrees * fastest[degrees - 1] * (fast + overhead[at])
+    return np.where(wider & (slow_cost < fast_cost), ds[first], degrees)
+
+
+def window_speeds(speeds: np.ndarray, top: int, uneven: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(slowest, fastest): for d = 1..top, the speed the slowest and the fastest window of d contiguous ranks
+    computes at (uneven shards: the mean of its speeds; even: its slowest rank's), each window grown from
+    the one a rank shorter (O(N) per size)."""
+    slowest, fastest = np.empty(top), np.empty(top)
+    level = speeds.astype(np.float64)  # per start: the sum (uneven) or the minimum (even) of its window
+    for d in range(1, top + 1):
+        if d > 1:
+            level = level[:-1] + speeds[d - 1 :] if uneven else np.minimum(level[:-1], speeds[d - 1 :])
+        value = level / d if uneven else level
+        slowest[d - 1], fastest[d - 1] = value.min(), value.max()
+    return slowest, fastest
 
 
 def is_wide_for(inst: Instance, cell: int, target_s: float) -> np.ndarray:
