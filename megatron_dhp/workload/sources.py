@@ -32,7 +32,9 @@ def load_samples(path: str | Path, *, merge: int = 4, max_samples: int | None = 
     p = Path(path)
     prefix = _indexed_prefix(p)
     if prefix is not None:
-        return _check_count(p, len(samples := _load_indexed(prefix)), max_samples) or samples
+        samples = _load_indexed(prefix)
+        _check_count(p, len(samples), max_samples)
+        return samples
     if not p.is_file():
         raise DhpError(f"length file {str(p)!r} does not exist; pass {_FORMATS}")
     text = read_text(p, what="length file", limit=LENGTHS_BYTES)

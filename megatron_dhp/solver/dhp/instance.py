@@ -173,13 +173,12 @@ class Instance:
         sizes = np.repeat([len(ranks) for ranks, _ in groups], counts)
         intra = np.repeat([self.model.is_intra(ranks) for ranks, _ in groups], counts)
         paces = [(self.model.group_pace(ranks, w), self.model.group_pace(ranks, ())) for (ranks, _), w in zip(groups, shares)]
+        tokens, work, ends = self.tokens[flat], self.work[flat], np.cumsum(counts)
         seconds = []
         for k in range(2):  # with the shares, then even
             speed, slowest, scale = (np.repeat([getattr(p[k], f) for p in paces], counts)
                                      for f in ("speed", "slowest", "comm_scale"))
-            t = self.model.sample_time(self.tokens[flat], self.work[flat], sizes, intra, speed, slowest=slowest,
-                                       comm_scale=scale)
-            ends = np.cumsum(counts)
+            t = self.model.sample_time(tokens, work, sizes, intra, speed, slowest=slowest, comm_scale=scale)
             seconds.append([float(t[e - c : e].sum()) + len(mbs) * self.model.microbatch_overhead(len(ranks), p[k].slowest)
                             for e, c, (ranks, mbs), p in zip(ends.tolist(), counts, groups, paces)])
         return [with_shares < even for with_shares, even in zip(*seconds)]
