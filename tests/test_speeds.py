@@ -20,6 +20,7 @@ from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.base import PlannerUnsupported
 from megatron_dhp.solver.random_plan import random_plan
 from megatron_dhp.workload import LengthSource
+from megatron_dhp.workload.sample import Batch, Sample
 from tests.configs import GPT7B
 from tests.test_bound import random_batch, variants
 
@@ -60,6 +61,27 @@ def test_speed_aware_bound_never_above_a_valid_plan(overrides, seed, size, speed
         step = simulate(plan, model).step_time_s
         assert bound <= step * (1 + 1e-9), (plan.planner, bound, step)
         assert model.lower_bound(batch.samples) <= step * (1 + 1e-9), (plan.planner, step)
+
+
+def test_the_area_term_charges_communication_at_the_mean_of_the_slowest_ranks():
+    """One rank at 0.25 and the rest at 0.8, no overlap: a 4-rank sample's communication costs at least the 4
+    slowest ranks' speeds (2.65) in speed-weighted rank-seconds, not 4 x 0.25, so the bound rises 3 % above
+    that older form and stays below a plan. Fails with the area priced at the slowest rank's speed alone."""
+    config = replace(BASE, overlap_comm=False)
+    speeds = (0.25,) + (0.8,) * (config.world_size - 1)
+    model = build_cost_model(with_speeds(config, speeds))
+    samples = [Sample(i, 4 * model.domain.max_tokens_per_rank) for i in range(config.world_size)]
+    tokens, work = np.array([s.tokens for s in samples], dtype=np.float64), model.sample_work(samples)
+    footprint = model.footprint(samples)
+    assert (footprint.min_degree() == 4).all()
+    overheads = config.microbatch_overhead_s * float(footprint.shared.sum()) / footprint.cap
+    comm = config.comm_bytes_per_token * tokens * 3 / 4 / config.intra_node_bytes_per_s
+    older = (float(work.sum() + 4 * 0.25 * comm.sum()) + overheads) / sum(speeds)
+    bound = model.lower_bound_arrays(tokens, work, footprint)
+    assert bound == pytest.approx((float(work.sum() + 2.65 * comm.sum()) + overheads) / sum(speeds), rel=1e-9)
+    assert bound > older * 1.03
+    plan = run_planner(build_planner("dhp"), Batch(tuple(samples)), model)
+    assert best_lower_bound(model, samples) <= simulate(plan, model).step_time_s
 
 
 @pytest.mark.parametrize("scales_comm", [False, True])

@@ -95,8 +95,8 @@ def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
     samples' `Footprint` (a sample's fill of a microbatch on d ranks: its memory per rank over the cap).
 
     With rank speeds, as `ReferenceCostModel.lower_bound_arrays` argues, the larger of two: the speed-blind
-    T* over the fastest rank's speed (if above 1), and T* with each degree's area priced at the slowest
-    rank's speed and spread over the sum of the speeds, each sample ending no sooner than on the d fastest
+    T* over the fastest rank's speed (if above 1), and T* with each degree d's area priced at the mean speed
+    of the d slowest ranks (`Domain.slowest_groups`) and spread over the sum of the speeds, each sample ending no sooner than on the d fastest
     (at the d-th fastest's speed, or with uneven shards the mean of the d fastest: `Domain.fastest_groups`)."""
     n, m = model.domain.world_size, model.microbatch_overhead(1)
     tokens = np.asarray(tokens, dtype=np.float64)
@@ -109,9 +109,9 @@ def coupled_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray,
         return _event_bound(times, times, m, m, lo, footprint, share, float(n))
     speeds = model.domain.speeds
     blind = coupled_bound_arrays(model.with_speeds(()), tokens, work, footprint, share) / max(1.0, float(speeds.max()))
-    slow, fastest = float(speeds.min()), model.domain.fastest_groups(model.uneven_shards)
+    slow, fastest = model.domain.slowest_groups(), model.domain.fastest_groups(model.uneven_shards)
     times = best_times(model, tokens, work, fastest)
-    area_times = slow * best_times(model, tokens, work, slow)
+    area_times = slow[None, :] * best_times(model, tokens, work, slow)
     return max(blind, _event_bound(times, area_times, m, (m / fastest)[None, :], lo, footprint, share, float(speeds.sum())))
 
 

@@ -92,6 +92,13 @@ class Domain:
         fastest = np.sort(self.speeds)[::-1]
         return np.cumsum(fastest) / np.arange(1, len(fastest) + 1) if uneven else fastest
 
+    def slowest_groups(self) -> np.ndarray:
+        """u_d, d = 1..N: the mean speed of the d slowest ranks. Any d ranks' speeds sum to at least d u_d, so a
+        sample on d ranks costs at least d u_d times its communication in speed-weighted rank-seconds (the
+        bounds' area term; pricing it at d times the slowest rank's speed credits every wide sample with a
+        whole group of the one slowest rank)."""
+        return np.cumsum(np.sort(self.speeds)) / np.arange(1, self.world_size + 1)
+
     def speed_levels(self, uneven: bool = False) -> list[tuple[float, int, int]]:
         """(v, a, b): the fastest group of d ranks, a <= d <= b, computes at most at speed v, `fastest_groups`
         rounded up to the speed grid (`plan.rank_speeds.SPEED_GRID`: few levels, and a speed the closed loop

@@ -260,11 +260,10 @@ class ReferenceCostModel:
         """The groups' part of `lower_bound` (without sigma) from the samples' token counts, `sample_work` and
         `footprint`, for planners that compare it with their own makespans.
 
-        With rank speeds (docs/cost-model.md) the work spreads over the sum of the speeds S: a rank of speed s
-        in a group whose slowest runs at s_g <= s delivers s t(L, d, s_g) >= s_lo t(L, d, s_lo) of nominal
-        work (s_lo the slowest rank), so the first term is sum_s lo s_lo t(L, lo, s_lo) + m sum L / M, over
-        S (with uneven shards too: the group's ranks deliver sum_r s_r t >= the work and d s_lo times the
-        even comm, which no split lowers); and a sample on d ranks runs no faster than on the d fastest, so
+        With rank speeds (docs/cost-model.md) the work spreads over the sum of the speeds S: the d ranks of a
+        sample's group deliver sum_r s_r t(L, d) >= its work, and at least d u_d times its communication (u_d
+        the mean of the d slowest speeds, `Domain.slowest_groups`; with uneven shards too: no split lowers
+        the even comm), so the first term is sum_s lo u_lo t(L, lo, u_lo) + m sum L / M, over S; and a sample on d ranks runs no faster than on the d fastest, so
         the second takes each degree at the d-th fastest speed, or with uneven shards at the mean of the d
         fastest (`Domain.speed_levels`: a larger speed, so a smaller time, for comm and m too). No time is shorter than at speed 1 over the fastest
         rank's speed (if above 1), so the speed-blind bound over that holds too; the largest counts (the
@@ -281,7 +280,7 @@ class ReferenceCostModel:
             return max((float(area.sum()) + overheads) / n, m + float(best_t.max()))
         speeds = self.domain.speeds
         nominal = self.with_speeds(()).lower_bound_arrays(tokens, work, footprint) / max(1.0, float(speeds.max()))
-        slow = float(speeds.min())
+        slow = self.domain.slowest_groups()[lo - 1]
         area = lo * slow * self.sample_time(tokens, work, lo, self.best_placement_intra(lo), slow)
         return max(nominal, (float(area.sum()) + overheads) / float(speeds.sum()), self._longest(tokens, work, lo))
 
