@@ -4,12 +4,17 @@ changes without speeds or where no slow window exists."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from megatron_dhp.cost import CostConfig, build_cost_model
+from megatron_dhp.cost import CostConfig, build_cost_model, simulate
+from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.solver import build_planner, run_planner
+from megatron_dhp.solver.dhp import planner as planner_module
 from megatron_dhp.solver.dhp.instance import Instance
-from megatron_dhp.solver.dhp.planner import slow_window_degrees, wide_degrees, window_speeds
+from megatron_dhp.solver.dhp.planner import one_speed_cell, slow_window_degrees, wide_degrees, window_speeds
 from megatron_dhp.workload import LengthSource
 from megatron_dhp.workload.sample import Batch, Sample
 
@@ -60,3 +65,39 @@ def test_no_slow_window_no_wider_degree():
 
 def _blind(inst: Instance) -> Batch:
     return Batch(tuple(Sample(int(i), int(t)) for i, t in zip(inst.ids, inst.tokens)), seed=None)
+
+
+def test_one_speed_cell():
+    speeds = np.random.default_rng(0).uniform(0.4, 1.0, 64)
+    assert not one_speed_cell(speeds, 8) and one_speed_cell(speeds, 1)
+    speeds[8:16] = 0.7
+    assert one_speed_cell(speeds, 8)
+
+
+@pytest.mark.parametrize("uniform_node, cells", [(False, [1]), (True, [1, 8])])
+def test_cells_of_mixed_speeds_are_not_candidates(monkeypatch, uniform_node, cells):
+    """Where no node runs at one speed, dhp builds only the one-rank candidate (a whole-node cell's bins would
+    be its runs of one speed anyway, and its samples sized for the cell would find no bin); where one node
+    does, the whole-node cell is still tried. Fails if every cell is built."""
+    base = CostConfig.load("gpt7b-64").with_overrides(world_size=64, rank_speeds=())
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, index=0, capacity=64 * 8192)
+    speeds = np.random.default_rng(1).uniform(0.4, 1.0, 64)
+    if uniform_node:
+        speeds[8:16] = 0.7
+    built, real = [], planner_module.build
+    monkeypatch.setattr(planner_module, "build", lambda inst, cand, *a, **k: built.append(cand.cell) or real(inst, cand, *a, **k))
+    run_planner(build_planner("dhp"), batch, build_cost_model(base).with_speeds(tuple(speeds.tolist())))
+    assert sorted(set(built)) == cells
+
+
+def test_a_sample_at_its_memory_minimum_on_mixed_windows_may_take_one_more_rank_for_shares():
+    """A sample that fills 3 ranks' memory holds even shards there (at the slowest rank's speed); with every
+    3-rank window mixing speeds it takes the 4-rank window, where shares follow the speeds: 2:2:1:1, 31 %
+    sooner. Fails with wide samples kept to their degree's windows."""
+    base = CostConfig.load("gpt7b-64").with_overrides(world_size=4, gpus_per_node=4, rank_speeds=())
+    model = build_cost_model(base).with_speeds((1.0, 1.0, 0.5, 0.5))
+    batch = Batch((Sample(0, 3 * base.max_tokens_per_rank),))
+    plan = run_planner(build_planner("dhp"), batch, model)
+    assert [(g.ranks, g.shares) for g in plan.groups if g.microbatches] == [((0, 1, 2, 3), (2, 2, 1, 1))]
+    even = replace(plan, groups=(PlanGroup((1, 2, 3), ((0,),)), PlanGroup((0,), ())))
+    assert plan.predicted_step_time_s < 0.7 * simulate(even, model).step_time_s

@@ -157,23 +157,33 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     (`window_starts`). With rank speeds and without a limit, a sample takes, among the windows that end it
     by `bound_s`, the one whose ranks give up the least speed-weighted time (each rank's speed times its
     wait and run): a sample that runs about as fast on slow ranks (communication-bound) takes slow ones and
-    leaves the fast ranks to the work that needs them. Every window of every allowed size is priced at once
-    (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
+    leaves the fast ranks to the work that needs them; a sample at its memory's minimum degree, where every
+    window of that degree mixes speeds, may also take the next size up (`mixed_windows`: memory-full, it
+    would hold even shards at its slowest rank's speed). Every window of every allowed size is priced at
+    once (`Windows`). False, with the rest unplaced, as soon as a group ends at or after `stop_s`."""
     sizes = inst.sizes
     order = np.lexsort((inst.ids[items], -inst.work[items], -degrees)).tolist()  # widest, then longest first
     by = limit_s if limit_s is not None else None if inst.nominal else bound_s
     speeds = inst.speeds if by is not None and limit_s is None else None  # with speeds: a weighted cost
     choose = choose_window if native.draft is None else native_choose_window
+    # with speeds, a sample at its memory's minimum degree holds even shards (at its window's slowest rank's
+    # speed): where every window of that degree mixes speeds, it may also take the next size up, where
+    # shares can follow them
+    full = (inst.min_degree[items] == degrees) if speeds is not None else np.zeros(len(items), dtype=bool)
+    for k in np.flatnonzero(full).tolist():
+        full[k] = mixed_windows(inst, int(degrees[k]), cell, straddle)
     for k in order:
         i, degree = int(items[k]), int(degrees[k])
-        key = ("windows", degree, grow, cell, straddle)
+        top = max(grow * degree, int(sizes[min(np.searchsorted(sizes, degree) + 1, len(sizes) - 1)]) if full[k] else 0)
+        key = ("windows", degree, top if full[k] else grow, cell, straddle, bool(full[k]))
         if key not in inst.memo:
-            inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= grow * degree)].tolist(), cell, straddle)
+            inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= max(top, grow * degree))].tolist(),
+                                        cell, straddle)
         w = inst.memo[key]
         assert len(w.sizes), f"no window of {degree}+ ranks"  # every degree is an allowed size
         seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
         if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
-            todo = [int(j) for j in items[degrees == degree] if int(j) not in seconds]
+            todo = [int(j) for j in items[(degrees == degree) & (full == full[k])] if int(j) not in seconds]
             table = inst.wide_seconds(np.array(todo), w.size, w.intra, w.capacity, w.slowest, w.fastest)
             seconds.update(zip(todo, table))
         time = seconds[i]
@@ -182,6 +192,20 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
         if skyline.wide[-1].finish_s >= stop_s:
             return False
     return True
+
+
+def mixed_windows(inst: Instance, degree: int, cell: int, straddle: bool) -> bool:
+    """Whether every window of `degree` ranks holds ranks of different speeds: none starts a run of at least
+    `degree` ranks of one speed."""
+    key = ("mixed", degree, cell, straddle)
+    if key not in inst.memo:
+        n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+        if "run ends" not in inst.memo:  # each rank's end of its run of one speed
+            changes = np.flatnonzero(np.diff(inst.speeds) != 0) + 1
+            inst.memo["run ends"] = np.r_[changes, n][np.searchsorted(changes, np.arange(n), side="right")]
+        starts = inst.family.starts(degree) if inst.family else window_starts(n, degree, cell, gpn, straddle)
+        inst.memo[key] = not bool(np.any(inst.memo["run ends"][starts] >= starts + degree))
+    return inst.memo[key]
 
 
 def choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: float | None,

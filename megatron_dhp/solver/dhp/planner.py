@@ -147,6 +147,17 @@ def window_speeds(speeds: np.ndarray, top: int, uneven: bool) -> tuple[np.ndarra
     return slowest, fastest
 
 
+def one_speed_cell(speeds: np.ndarray, cell: int) -> bool:
+    """Whether some cell of `cell` ranks (from a multiple of it) runs at one speed. Where none does (speeds
+    that drift on every rank), `open_bins` cuts each cell into runs of one speed, so the cell's bins are
+    the one-rank candidate's and the samples sized for the cell find no bin: they become wide at their
+    fastest degree, and on bench/straggler_sim.py's drift such a draft took 3 to 6 times the step of the
+    one-rank candidate's, and a third of the solve."""
+    whole = len(speeds) // cell * cell
+    cells = speeds[:whole].reshape(-1, cell)
+    return bool((cells.min(axis=1) == cells.max(axis=1)).any())
+
+
 def is_wide_for(inst: Instance, cell: int, target_s: float) -> np.ndarray:
     """Samples that need more ranks than a cell holds, or would run past the target on one cell."""
     return (inst.min_degree > cell) | (inst.times(cell, True) + inst.overhead(cell) > target_s)
@@ -332,6 +343,7 @@ class DhpPlanner(Planner):
         cells = self.cells or cell_sizes(domain.world_size, domain.gpus_per_node)
         if not self.cells and not inst.nominal:  # with rank speeds the ends: bins of one rank, or whole nodes
             cells = sorted({cells[0], cells[-1]})  # (the middle ones changed dhp's drift step by <= 0.02 %)
+            cells = [c for c in cells if c == cells[0] or one_speed_cell(inst.speeds, c)]
         maybe_wide = np.flatnonzero(np.logical_or.reduce([is_wide_for(inst, c, target) for c in cells]))
         degrees_of = np.zeros(len(inst.ids), dtype=np.int64)
         degrees_of[maybe_wide] = wide_degrees(inst, maybe_wide, target)
