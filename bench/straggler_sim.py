@@ -14,7 +14,7 @@ repeats exactly):
                clipped to [0.4, 1.0], from 1.0), and two ranks held at 0.5 from a quarter of the trace on, one
                recovering at half of it and one at three quarters. A fresh batch per step (index = step - 1);
                dhp plans with the speeds the closed loop predicts from the steps before (its predictor,
-               `closed_loop.speed_estimator.predict_log_speeds`, at its default window, one step ahead),
+               `closed_loop.speed_estimator.LogSpeedPredictor`, at its default window, one step ahead),
                rounded to powers of 1 + `--speed-grid` as the closed loop publishes them (its grid by
                default); every plan is priced under the current exact speeds. dhp-prev plans with the
                previous step's (rounded) speeds, dhp-nolag with the current ones: beside them, dhp shows
@@ -54,7 +54,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from megatron_dhp.closed_loop.speed_estimator import TREND_WINDOWS, predict_log_speeds
+from megatron_dhp.closed_loop.speed_estimator import LogSpeedPredictor
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.bound import best_lower_bound
 from megatron_dhp.cost.model import CostModel
@@ -122,12 +122,15 @@ def on_grid(speeds: np.ndarray, grid: float) -> np.ndarray:
     return np.minimum(on_speed_grid(speeds, grid=1 + grid), 1.0)
 
 
-def predicted(trace: np.ndarray, t: int) -> np.ndarray:
-    """Step `t`'s speeds as the closed loop predicts them from the trace's steps before it (`predict_log_speeds`
-    over as many as it keeps, at the loop's default window)."""
-    window = DhpConfig.adaptive_window
-    past = np.log(trace[max(0, t - TREND_WINDOWS * window) : t])
-    return np.exp(predict_log_speeds(past, window=window, lead=1))
+def predicted(trace: np.ndarray) -> np.ndarray:
+    """Row t: step t's speeds as the closed loop predicts them from the trace's steps before it (its
+    `LogSpeedPredictor` at the loop's default window, fed one step at a time; row 0 is the trace's)."""
+    predictor, out = LogSpeedPredictor(DhpConfig.adaptive_window), np.empty_like(trace)
+    out[0] = trace[0]
+    for t in range(1, len(trace)):
+        predictor.update(np.log(trace[t - 1]))
+        out[t] = np.exp(predictor.predict(1.0))
+    return out
 
 
 def cell_units(scenario: str, n: int, gpn: int,
@@ -137,11 +140,10 @@ def cell_units(scenario: str, n: int, gpn: int,
     large = n >= LARGE_RANKS
     if scenario == "drift":
         trace = drift_trace(n, args.drift_steps, args.seed)
-        measured = on_grid(trace, args.speed_grid)
+        measured, ahead = on_grid(trace, args.speed_grid), on_grid(predicted(trace), args.speed_grid)
         steps = range(1, args.drift_steps + 1) if not large else \
             np.unique(np.linspace(1, args.drift_steps, min(args.drift_steps_large, args.drift_steps)).round().astype(int))
-        return [(int(t) - 1, on_grid(predicted(trace, t), args.speed_grid), measured[t], measured[t - 1], trace[t])
-                for t in steps]
+        return [(int(t) - 1, ahead[t], measured[t], measured[t - 1], trace[t]) for t in steps]
     speeds = fixed_speeds(scenario, n, gpn, args.seed)
     return [(k, speeds, speeds, speeds, speeds) for k in range(args.batches_large if large else args.batches)]
 

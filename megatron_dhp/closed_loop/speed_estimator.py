@@ -11,7 +11,7 @@ model whose coefficients are 3x too small makes every rank report about 3. So:
   steps swung between 0.5 and 1.3 of predicted on both ranks together, each rank's median picked a different
   step's level, and equal ranks were published at 0.80 while their step-by-step ratio was within 3 % in 6 of
   7 steps);
-* per rank, `predict_log_speeds` over those: the median of its last `window` reports (one outlier step moves
+* per rank, `LogSpeedPredictor` over those: the median of its last `window` reports (one outlier step moves
   no median) carried along its trend to the step the estimate plans, from its third report on (the first
   steps run with cold caches);
 * the fast ranks are those whose median is within `hysteresis` of the fastest one's; each rank's speed is its
@@ -71,25 +71,59 @@ def theil_sen(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 
 def predict_log_speeds(history: np.ndarray, *, window: int, lead: float = 1.0) -> np.ndarray:
-    """Each column of `history` (steps x ranks, log speeds, NaN where a rank did not report) predicted `lead` steps
-    after its last row, by whichever of two predictors was closer one step ahead over the history's own last
-    `window` steps (pooled over the ranks): `smoothed_log_speeds` (noisy reports, trends), or each rank's last
-    report (a random walk, whose best prediction it is: a smoothed walk lags). The data decides, not a setting.
-    One-step-ahead RMS error (log), window 5, 64 ranks, 200 steps, 3 % lognormal noise, smoothed -> this (the
-    last report alone): 0.029 -> 0.029 (0.036) on a ramp of 2 % a step, 0.017 -> 0.017 (0.030) on a flat speed,
-    0.089 -> 0.074 (0.060) on a step to half speed, 0.048 -> 0.043 (0.043) on `bench/straggler_sim.py`'s drift
-    walk, and without the noise 0.045 -> 0.030 (0.030) on that walk.
-    """
-    smoothed = smoothed_log_speeds(history, window=window, lead=lead)
-    tests = range(max(2 * window, len(history) - window), len(history))  # where the smoothing has its trend
-    if not len(tests):
-        return smoothed
-    errors = np.array([[history[t] - smoothed_log_speeds(history[:t], window=window, lead=1.0),
-                        history[t] - _last_report(history[:t])] for t in tests])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        smooth_error, last_error = np.nanmean(np.square(errors), axis=(0, 2))
-    return np.where(np.isnan(last := _last_report(history)), smoothed, last) if last_error < smooth_error else smoothed
+    """`LogSpeedPredictor`'s prediction `lead` steps after the last row of `history` (steps x ranks, log speeds,
+    NaN where a rank did not report; at most `TREND_WINDOWS` windows of rows), fed one row at a time."""
+    predictor = LogSpeedPredictor(window)
+    for row in history:
+        predictor.update(row)
+    return predictor.predict(lead)
+
+
+class LogSpeedPredictor:
+    """Each rank's log speed predicted from its reports, by whichever of two predictors was closer one step
+    ahead over the last `window` steps (pooled over the ranks): `smoothed_log_speeds` (noisy reports, trends),
+    or each rank's last report (a random walk, whose best prediction it is: a smoothed walk lags). The data
+    decides, not a setting. Each predictor is scored on the predictions it made, so an update prices one
+    smoothing. One-step-ahead RMS error (log), window 5, 64 ranks, 200 steps, 3 % lognormal noise,
+    smoothed -> this fed step by step (the last report alone): 0.029 -> 0.029 (0.036) on a ramp of 2 % a
+    step, 0.017 -> 0.017 (0.030) on a flat speed, 0.089 -> 0.074 (0.060) on a step to half speed, 0.048 ->
+    0.044 (0.043) on `bench/straggler_sim.py`'s drift walk, and without the noise 0.045 -> 0.030 (0.030) on
+    that walk."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._rows: deque[np.ndarray] = deque(maxlen=TREND_WINDOWS * window)
+        self._ahead: tuple[np.ndarray, np.ndarray] | None = None
+        """(smoothed, last report) one step after the last row, where the smoothing had its trend there."""
+        self._errors: deque[tuple[float, int, float, int]] = deque(maxlen=window)
+        """Per scored step: the smoothed and the last report's squared errors summed over the ranks, and counts."""
+        self._smoothed = Smoothed.of(np.zeros((0, 0)), window)
+
+    @property
+    def history(self) -> np.ndarray:
+        """The rows it keeps (steps x ranks)."""
+        return np.array(self._rows)
+
+    def update(self, row: np.ndarray) -> None:
+        """Take one step's log speeds (NaN where a rank did not report)."""
+        if self._ahead is not None:
+            errors = [np.square(row - guess) for guess in self._ahead]
+            known = [np.isfinite(e) for e in errors]
+            self._errors.append((float(errors[0][known[0]].sum()), int(known[0].sum()),
+                                 float(errors[1][known[1]].sum()), int(known[1].sum())))
+        self._rows.append(np.asarray(row, dtype=np.float64))
+        history = self.history
+        self._smoothed = Smoothed.of(history, self.window)
+        self._ahead = (self._smoothed.at(1.0), _last_report(history)) if len(history) >= 2 * self.window else None
+
+    def predict(self, lead: float = 1.0) -> np.ndarray:
+        """Each rank's log speed `lead` steps after the last row."""
+        smoothed = self._smoothed.at(lead)
+        smooth_sum, smooth_n, last_sum, last_n = (sum(column) for column in zip(*self._errors)) if self._errors else (0, 0, 0, 0)
+        if not (smooth_n and last_n and last_sum / last_n < smooth_sum / smooth_n):
+            return smoothed
+        last = _last_report(self.history)
+        return np.where(np.isnan(last), smoothed, last)
 
 
 def _last_report(history: np.ndarray) -> np.ndarray:
@@ -100,35 +134,58 @@ def _last_report(history: np.ndarray) -> np.ndarray:
 
 
 def smoothed_log_speeds(history: np.ndarray, *, window: int, lead: float = 1.0) -> np.ndarray:
-    """Each column of `history` predicted `lead` steps after its last row: the median of its last `window`
-    reports, moved along its trend from their middle.
+    """Each column of `history` predicted `lead` steps after its last row (`Smoothed`)."""
+    return Smoothed.of(history, window).at(lead)
 
-    The trend is the smaller of the Theil-Sen slopes over the last `window` rows and over all of `history` (at
-    least two windows), 0 where they disagree in sign (after a step change the short window is flat again: no
-    overshoot), shrunk by 1 - var / slope^2 (at least 0), var the long slope's own variance: a slope within its
-    noise is noise. Log speeds, because a time is work over speed. One-step-ahead RMS error (log) with window
-    5, 64 ranks, 200 steps, 3 % noise, the lagged median -> this: 0.033 -> 0.021 on a ramp of 2 % a step,
-    0.022 -> 0.020 on 0.5 % a step, 0.048 -> 0.046 on `bench/straggler_sim.py`'s drift walk, 0.089 -> 0.089 on
-    a step to half speed, 0.016 -> 0.017 on a flat speed (the noise it adds). A plain line through the history
-    had 0.022, 0.018, 0.051, 0.092 and 0.019; the last report alone 0.032, 0.030, 0.042 (a random walk has no
-    trend to find), 0.059 and 0.030.
+
+@dataclass(frozen=True)
+class Smoothed:
+    """The median of each column's last `window` reports, moved along its trend from their middle.
+
+    The trend is the smaller of the Theil-Sen slopes over the last `window` rows and over all of the history
+    (at least two windows), 0 where they disagree in sign (after a step change the short window is flat
+    again: no overshoot), shrunk by 1 - var / slope^2 (at least 0), var the long slope's own variance: a slope
+    within its noise is noise. Log speeds, because a time is work over speed. One-step-ahead RMS error (log)
+    with window 5, 64 ranks, 200 steps, 3 % noise, the lagged median -> this: 0.033 -> 0.021 on a ramp of 2 %
+    a step, 0.022 -> 0.020 on 0.5 % a step, 0.048 -> 0.046 on `bench/straggler_sim.py`'s drift walk, 0.089 ->
+    0.089 on a step to half speed, 0.016 -> 0.017 on a flat speed (the noise it adds). A plain line through the
+    history had 0.022, 0.018, 0.051, 0.092 and 0.019; the last report alone 0.032, 0.030, 0.042 (a random
+    walk has no trend to find), 0.059 and 0.030.
     """
-    steps = np.arange(len(history), dtype=np.float64)
-    recent, recent_steps = history[-window:], steps[-window:]
-    level = _median(recent)
-    if len(history) < 2 * window:  # a slope needs more than one window to be told from the noise
-        return level
-    times = np.where(np.isnan(history), np.nan, steps[:, None])
-    middle = _median(times[-window:])
-    slope, short = theil_sen(history, steps), theil_sen(recent, recent_steps)
-    trend = np.where(np.sign(slope) == np.sign(short), np.sign(slope) * np.minimum(abs(slope), abs(short)), 0.0)
-    residuals = history - slope * steps[:, None]
-    sigma = 1.4826 * _median(np.abs(residuals - _median(residuals)))  # the long line's noise, robust to outliers
-    mean_time = np.nansum(times, axis=0) / np.maximum(np.isfinite(times).sum(axis=0), 1)
-    spread = np.nansum((times - mean_time) ** 2, axis=0)  # the long slope's variance is sigma^2 / spread
-    with np.errstate(divide="ignore", invalid="ignore"):
-        shrink = np.nan_to_num(np.clip(1 - sigma**2 / spread / trend**2, 0.0, 1.0))
-    return level + shrink * trend * (steps[-1] + lead - middle)
+
+    level: np.ndarray
+    rate: np.ndarray | float
+    """The shrunk trend per step (0 before two windows)."""
+    last: float = 0.0
+    """The last row's step."""
+    middle: np.ndarray | float = 0.0
+    """The step in the middle of each column's last `window` reports."""
+
+    @classmethod
+    def of(cls, history: np.ndarray, window: int) -> Smoothed:
+        """The level and trend of `history`'s columns (steps x ranks)."""
+        steps = np.arange(len(history), dtype=np.float64)
+        recent, recent_steps = history[-window:], steps[-window:]
+        level = _median(recent) if len(history) else np.zeros(history.shape[1:])
+        if len(history) < 2 * window:  # a slope needs more than one window to be told from the noise
+            return cls(level, 0.0)
+        times = np.where(np.isnan(history), np.nan, steps[:, None])
+        middle = _median(times[-window:])
+        slope, short = theil_sen(history, steps), theil_sen(recent, recent_steps)
+        trend = np.where(np.sign(slope) == np.sign(short), np.sign(slope) * np.minimum(abs(slope), abs(short)), 0.0)
+        residuals = history - slope * steps[:, None]
+        sigma = 1.4826 * _median(np.abs(residuals - _median(residuals)))  # the long line's noise, robust to outliers
+        mean_time = np.nansum(times, axis=0) / np.maximum(np.isfinite(times).sum(axis=0), 1)
+        spread = np.nansum((times - mean_time) ** 2, axis=0)  # the long slope's variance is sigma^2 / spread
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shrink = np.nan_to_num(np.clip(1 - sigma**2 / spread / trend**2, 0.0, 1.0))
+        return cls(level, shrink * trend, float(steps[-1]), middle)
+
+    def at(self, lead: float) -> np.ndarray:
+        """The prediction `lead` steps after the last row."""
+        if np.isscalar(self.rate):  # before two windows: the level
+            return self.level
+        return self.level + self.rate * (self.last + lead - self.middle)
 
 
 @dataclass(frozen=True)
@@ -172,7 +229,7 @@ class SpeedEstimator:
         self.lead = lead
         """Steps from the last report to the step the estimate plans (`closed_loop.loop.LEAD`)."""
         self._speeds = tuple(float(v) for v in initial) or (1.0,) * world_size
-        self._relative: deque[np.ndarray] = deque(maxlen=TREND_WINDOWS * window)
+        self._relative = LogSpeedPredictor(window)
         """Per step, each rank's log speed against the step's median rank (NaN: no report, or no other rank's)."""
         self._levels: deque[float] = deque(maxlen=window)
         """Per step, log rho of its median rank."""
@@ -197,14 +254,14 @@ class SpeedEstimator:
         self._steps += 1
         level = float(_median(log_rho, axis=None))
         self._levels.append(level)
-        self._relative.append(level - log_rho if known.sum() > 1 else np.full(self.world_size, np.nan))
-        history = np.array(self._relative)
+        self._relative.update(level - log_rho if known.sum() > 1 else np.full(self.world_size, np.nan))
+        history = self._relative.history
         reports = np.isfinite(history[-self.window :]).sum(axis=0)
         enough = reports >= min(MIN_REPORTS, self.window)
         if not enough.any():
             return self.estimate
         median = np.where(enough, _median(history[-self.window :]), np.nan)
-        predicted = predict_log_speeds(history, window=self.window, lead=self.lead)
+        predicted = self._relative.predict(self.lead)
         fast = enough & (median >= np.nanmax(median) + math.log(1 - self.hysteresis))
         top, top_predicted = float(np.median(median[fast])), float(np.median(predicted[fast]))
         self._scale = math.exp(float(np.median(self._levels)) - top)

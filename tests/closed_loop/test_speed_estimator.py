@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from megatron_dhp.closed_loop.loop import ClosedLoop
-from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator, predict_log_speeds, smoothed_log_speeds
+from megatron_dhp.closed_loop.speed_estimator import (
+    LogSpeedPredictor,
+    SpeedEstimator,
+    predict_log_speeds,
+    smoothed_log_speeds,
+)
 from megatron_dhp.cost import build_cost_model
 from megatron_dhp.plan.rank_speeds import on_speed_grid
 from megatron_dhp.solver import build_planner, run_planner
@@ -42,38 +47,60 @@ def lagged_median(history: np.ndarray) -> np.ndarray:
     return np.median(history[-WINDOW:], axis=0)
 
 
+def measured_log(truth: np.ndarray, seed: int = 0, noise: float = 0.03) -> np.ndarray:
+    """`truth`'s log speeds as reported under lognormal `noise`."""
+    return np.log(truth) + np.random.default_rng(seed).normal(0.0, noise, truth.shape)
+
+
 def rms_error(truth: np.ndarray, predict, seed: int = 0, noise: float = 0.03) -> float:
     """RMS error (log) of `predict` over the log speeds before each step, measured under lognormal `noise`."""
-    measured = np.log(truth) + np.random.default_rng(seed).normal(0.0, noise, truth.shape)
+    measured = measured_log(truth, seed, noise)
     errors = [predict(measured[t - HISTORY : t]) - np.log(truth[t]) for t in range(HISTORY, len(truth))]
     return float(np.sqrt(np.mean(np.square(errors))))
 
 
-def lead_one(history: np.ndarray) -> np.ndarray:
-    return predict_log_speeds(history, window=WINDOW, lead=1)
+def online(truth: np.ndarray, seed: int = 0, noise: float = 0.03) -> tuple[float, list[np.ndarray]]:
+    """`rms_error` of the estimator's predictor fed the reports one step at a time (as the loop feeds it), and
+    its prediction before each of the same steps."""
+    predictor, predictions = LogSpeedPredictor(WINDOW), []
+    for t, row in enumerate(measured_log(truth, seed, noise)):
+        if t >= HISTORY:
+            predictions.append(predictor.predict(1.0))
+        predictor.update(row)
+    errors = np.array(predictions) - np.log(truth[HISTORY:])
+    return float(np.sqrt(np.mean(np.square(errors)))), predictions
 
 
 def test_a_linear_drift_is_predicted_closer_than_the_lagged_median_and_noise_is_not_amplified():
     steps = np.arange(120)[:, None]
     drift = np.broadcast_to(0.98**steps, (120, 16))  # 2 % slower every step
-    assert rms_error(drift, lead_one) < 0.7 * rms_error(drift, lagged_median)
+    assert online(drift)[0] < 0.7 * rms_error(drift, lagged_median)
     flat = np.ones((120, 16))
-    assert rms_error(flat, lead_one) < 1.1 * rms_error(flat, lagged_median)
+    assert online(flat)[0] < 1.1 * rms_error(flat, lagged_median)
     # a step change is no trend: once the window is past it, the prediction is the new speed, not beyond it
-    step = np.log(np.where(steps >= 60, 0.5, 1.0) * np.ones((1, 16)))
-    for t in range(60 + WINDOW, 120):
-        assert np.allclose(lead_one(step[t - HISTORY : t]), math.log(0.5))
+    step = np.where(steps >= 60, 0.5, 1.0) * np.ones((1, 16))
+    assert np.allclose(online(step, noise=0.0)[1][60 + WINDOW - HISTORY :], math.log(0.5))
 
 
 def test_a_random_walk_is_predicted_by_its_last_report_and_noise_by_the_smoothing():
     rng = np.random.default_rng(1)
     walk = np.exp(np.cumsum(rng.normal(0.0, 0.03, (120, 16)), axis=0))  # no trend to find: the last value is best
     smoothed = rms_error(walk, lambda h: smoothed_log_speeds(h, window=WINDOW, lead=1), noise=0.0)
-    assert rms_error(walk, lead_one, noise=0.0) == pytest.approx(rms_error(walk, last_report, noise=0.0))
-    assert rms_error(walk, lead_one, noise=0.0) < 0.8 * smoothed
+    assert online(walk, noise=0.0)[0] == pytest.approx(rms_error(walk, last_report, noise=0.0))
+    assert online(walk, noise=0.0)[0] < 0.8 * smoothed
     flat = np.ones((120, 16))  # noisy reports of a steady speed: the smoothing (the choice itself errs now and then)
-    assert rms_error(flat, lead_one) < 1.05 * rms_error(flat, lambda h: smoothed_log_speeds(h, window=WINDOW))
-    assert rms_error(flat, lead_one) < 0.7 * rms_error(flat, last_report)
+    assert online(flat)[0] < 1.05 * rms_error(flat, lambda h: smoothed_log_speeds(h, window=WINDOW))
+    assert online(flat)[0] < 0.7 * rms_error(flat, last_report)
+
+
+def test_the_pure_form_is_the_predictor_fed_the_rows():
+    history = measured_log(np.exp(np.cumsum(np.random.default_rng(2).normal(0.0, 0.03, (HISTORY, 8)), axis=0)))
+    predictor = LogSpeedPredictor(WINDOW)
+    for row in history:
+        predictor.update(row)
+    np.testing.assert_array_equal(predict_log_speeds(history, window=WINDOW, lead=2), predictor.predict(2))
+    # before two windows: the median of the last window, whatever the lead
+    np.testing.assert_array_equal(predict_log_speeds(history[:7], window=WINDOW, lead=3), np.median(history[2:7], axis=0))
 
 
 def last_report(history: np.ndarray) -> np.ndarray:
