@@ -76,3 +76,12 @@ def test_the_planner_gives_uneven_shards_only_where_the_attention_runs_them():
     assert te.cost.uneven_shards is False and local.cost.uneven_shards is True
     model = build_cost_model(te.cost)
     assert model.group_shares(range(8)) == () and build_cost_model(local.cost).group_shares(range(8)) == (2,) * 4 + (1,) * 4
+
+
+def test_a_slow_rank_past_the_world_size_is_refused_where_the_world_size_is_known():
+    """Megatron-LM's and Bridge's hooks build the spec with `for_domain`: `--dhp-slow-rank 7:2` on 2 ranks would
+    slow nobody."""
+    domain = DynamicDomain(global_ranks=(0, 1), rank=0, all_domains=((0, 1),))
+    with pytest.raises(DhpError, match=r"slow rank 7:2 names rank 7, but the job has 2 ranks \(0 to 1\)"):
+        JobSpec.for_domain(DhpConfig(slow_ranks=("7:2",)), domain, world_size=2)
+    assert JobSpec.for_domain(DhpConfig(slow_ranks=("1:2",)), domain, world_size=2).domain_size == 2

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from megatron_dhp.closed_loop.injection import check_injection
+from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.cost.tensor_parallel import token_cap as budget_token_cap
 from megatron_dhp.errors import DhpError
@@ -90,7 +90,9 @@ class JobSpec:
     @classmethod
     def for_domain(cls, config: DhpConfig, domain: DynamicDomain, *, world_size: int, **sizes: object) -> JobSpec:
         """The spec of a live job on `domain` (its node size from `gpus_per_node` or torchrun's LOCAL_WORLD_SIZE
-        out of the job's `world_size`; its device the domain's); `sizes` are the other fields."""
+        out of the job's `world_size`; its device the domain's); `sizes` are the other fields. A slow rank the
+        job does not have (`slow_ranks`, `--dhp-slow-rank`) is an error here, where the world size is known."""
+        check_injected_ranks(config.slow_ranks, world_size, given="slow rank")
         return cls(config, domain.size, domain_node_size(config, domain.global_ranks, world_size),
                    device_type=domain.device.type, **sizes)
 
