@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
-from megatron_dhp.plan.plan import PlanGroup
+from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.solver import build_planner, run_planner
 from megatron_dhp.solver.dhp import planner as planner_module
 from megatron_dhp.solver.dhp.instance import Instance
+from megatron_dhp.solver.dhp.layout import Skyline, put
 from megatron_dhp.solver.dhp.planner import one_speed_cell, slow_window_degrees, wide_degrees, window_speeds
 from megatron_dhp.workload import LengthSource
 from megatron_dhp.workload.sample import Batch, Sample
@@ -101,3 +102,24 @@ def test_a_sample_at_its_memory_minimum_on_mixed_windows_may_take_one_more_rank_
     assert [(g.ranks, g.shares) for g in plan.groups if g.microbatches] == [((0, 1, 2, 3), (2, 2, 1, 1))]
     even = replace(plan, groups=(PlanGroup((1, 2, 3), ((0,),)), PlanGroup((0,), ())))
     assert plan.predicted_step_time_s < 0.7 * simulate(even, model).step_time_s
+
+
+def test_a_wide_group_of_two_samples_on_mixed_speeds_is_priced_with_its_one_split():
+    """The plan gives a group one split for all its microbatches, as even as its fullest needs; the draft
+    prices a second sample joining a wide group that way, so its end is the simulated one (8.97 s). Fails with
+    each sample priced at its own split (the second, smaller one, as if it held shares in proportion to the
+    speeds: the group ended at 8.34 s)."""
+    base = CostConfig.load("gpt7b-64").with_overrides(world_size=8, gpus_per_node=8, rank_speeds=())
+    model = build_cost_model(base).with_speeds((1.0, 0.9, 0.8, 0.7, 1.0, 0.6, 0.9, 0.8))
+    cap = base.max_tokens_per_rank
+    batch = Batch((Sample(0, 7 * cap + cap // 2), Sample(1, 5 * cap)))
+    inst = Instance.from_batch(batch, model, cap, None)
+    skyline = Skyline.empty(8)
+    for item in (0, 1):
+        begin = float(skyline.ready.max())
+        put(inst, skyline, item, 0, 8, begin, inst.window_seconds(item, 0, 8, True))
+    (group,) = skyline.wide
+    assert group.microbatches == [[0], [1]]
+    planned = inst.plan_groups([(group.ranks, group.microbatches, 0)])
+    plan = Plan("dhp", 8, 8, batch.samples, tuple(planned), max_tokens_per_rank=cap)
+    assert planned[0].shares and simulate(plan, model).step_time_s == pytest.approx(group.finish_s, rel=1e-3)

@@ -112,19 +112,22 @@ class Instance:
         return (self.footprint.cap - self.footprint.held) / np.maximum(self.footprint.shared, 1)
 
     def wide_seconds(self, items: np.ndarray, size: np.ndarray, intra: np.ndarray, speed_sum: np.ndarray | float,
-                     slowest: np.ndarray | float, fastest: np.ndarray | float) -> np.ndarray:
+                     slowest: np.ndarray | float, fastest: np.ndarray | float,
+                     limit: np.ndarray | None = None) -> np.ndarray:
         """(items, windows): each sample's seconds alone on each window of `size` ranks (placement `intra`,
         sum, slowest and fastest of its ranks' speeds). A window of mixed speeds runs with shares in proportion
-        to them, mixed toward even as far as the sample's memory needs (`plan.shares.blend`), when the model
-        allows uneven shards and that is faster than even shards (it is not where communication binds: the
-        largest share's block sets every step's); else at its slowest rank's speed."""
+        to them, mixed toward even as far as the sample's memory needs (`plan.shares.blend`; or as far as
+        `limit`, each item's largest part, asks), when the model allows uneven shards and that is faster than
+        even shards (it is not where communication binds: the largest share's block sets every step's); else
+        at its slowest rank's speed."""
         tokens, work = self.tokens[items][:, None], self.work[items][:, None]  # (an index array keeps
         if self.nominal:                                                          # `SampleWork`'s fixed part)
             return self.model.sample_time(tokens, work, size[None, :], intra[None, :], 1.0)
         mixed = np.asarray(fastest > slowest)
         if not (self.model.uneven_shards and mixed.any()):
             return self.model.sample_time(tokens, work, size[None, :], intra[None, :], np.asarray(slowest)[None, :])
-        alpha = blend(self.share_limit[items][:, None], size[None, :], (fastest / speed_sum)[None, :])
+        limit = self.share_limit[items] if limit is None else limit
+        alpha = blend(limit[:, None], size[None, :], (fastest / speed_sum)[None, :])
         speed, comm_scale = blended_pace(alpha, size[None, :], speed_sum[None, :], slowest[None, :], fastest[None, :])
         even = self.model.sample_time(tokens, work, size[None, :], intra[None, :], np.asarray(slowest)[None, :])
         return np.minimum(even, self.model.sample_time(tokens, work, size[None, :], intra[None, :],
@@ -134,9 +137,21 @@ class Instance:
 
     def window_seconds(self, item: int, first: int, size: int, intra: bool) -> float:
         """`wide_seconds` of one sample on ranks [first, first + size)."""
+        return float(self._on_window(np.array([item]), first, size, intra)[0])
+
+    def shared_seconds(self, microbatches: Sequence[Sequence[int]], first: int, size: int, intra: bool) -> float:
+        """The seconds of a group's microbatches' samples on ranks [first, first + size) under the one split the
+        plan gives the group (`plan_groups`: as even as its fullest microbatch needs, `Footprint.fitting_shares`),
+        without the microbatches' overheads."""
+        items = np.fromiter((i for mb in microbatches for i in mb), dtype=np.int64)
+        limit = min(self.footprint.largest_part(mb) for mb in microbatches)
+        return float(self._on_window(items, first, size, intra, np.full(len(items), limit)).sum())
+
+    def _on_window(self, items: np.ndarray, first: int, size: int, intra: bool,
+                   limit: np.ndarray | None = None) -> np.ndarray:
         s = self.speeds[first : first + size]
-        return float(self.wide_seconds(np.array([item]), np.array([size]), np.array([intra]), np.array([s.sum()]),
-                                       np.array([s.min()]), np.array([s.max()]))[0, 0])
+        return self.wide_seconds(items, np.array([size]), np.array([intra]), np.array([s.sum()]), np.array([s.min()]),
+                                 np.array([s.max()]), limit)[:, 0]
 
     def plan_groups(self, drafts: Sequence[tuple[tuple[int, ...], Sequence[Sequence[int]], int]]) -> list[PlanGroup]:
         """The `PlanGroup`s of draft groups (ranks, `microbatches` of instance indices, phase), each with the

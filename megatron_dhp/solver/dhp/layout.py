@@ -261,6 +261,12 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
     last = skyline.wide[-1] if skyline.wide else None
     if last is not None and (last.first, last.size) == (s, d) and last.finish_s == begin_s:
         add_to_group(last, item, inst.load(item, d), time_s)
+        if inst.model.uneven_shards and inst.speeds[s : s + d].min() < inst.speeds[s : s + d].max():
+            # one split serves all its microbatches, as even as the fullest needs: each sample's own was priced
+            gpn = inst.model.domain.gpus_per_node
+            intra = d <= gpn and s // gpn == (s + d - 1) // gpn
+            last.finish_s = (last.start_s + inst.shared_seconds(last.microbatches, s, d, intra)
+                             + len(last.microbatches) * last.overhead_s)
     else:
         phase = int(skyline.phase[s : s + d].max())
         skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
