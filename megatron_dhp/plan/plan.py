@@ -59,8 +59,8 @@ class PlanGroup:
     shares are stored as empty, so a plan has one form."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        object.__setattr__(self, "microbatches", tuple(tuple(int(i) for i in mb) for mb in self.microbatches))
+        object.__setattr__(self, "ranks", tuple(map(int, self.ranks)))
+        object.__setattr__(self, "microbatches", tuple(tuple(map(int, mb)) for mb in self.microbatches))
         object.__setattr__(self, "phase", int(self.phase))
         try:
             object.__setattr__(self, "shares", normalize_shares(self.shares, len(self.ranks)))

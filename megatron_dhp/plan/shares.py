@@ -103,7 +103,7 @@ def blend(limit: np.ndarray | float, size: np.ndarray | int, phi_max: np.ndarray
     even = 1.0 / np.asarray(size, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         alpha = (np.asarray(limit, dtype=np.float64) - even) / (np.asarray(phi_max, dtype=np.float64) - even)
-    return np.clip(np.nan_to_num(alpha, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
+    return np.clip(np.where(np.isnan(alpha), 1.0, alpha), 0.0, 1.0)  # +-inf clip to 1 and 0
 
 
 def blended_pace(alpha: np.ndarray | float, size: np.ndarray | int, speed_sum: np.ndarray | float,
