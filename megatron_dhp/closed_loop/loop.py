@@ -28,6 +28,7 @@ import numpy as np
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimate, SpeedEstimator
 from megatron_dhp.cost import CostConfig, CostModel, build_cost_model, simulate
+from megatron_dhp.cost.simulate import PlanTimes
 from megatron_dhp.plan.plan import Plan
 from megatron_dhp.plan.rank_speeds import slow_ranks_text
 from megatron_dhp.runtime.slot_timer import UNTIMED_UNDER_PP
@@ -187,12 +188,12 @@ class ClosedLoop:
         """(group index, predicted seconds at speed 1, its attention part as the model prices it,
         `CostModel.attention_time`) of each microbatch `position` runs, by its sample ids."""
         model = self._nominal.with_placement(plan.encoder_placement)
-        timeline = simulate(plan, model)
+        own = [k for k, g in enumerate(plan.groups) if position in g.ranks]  # priced alone: a plan of thousands
+        times = PlanTimes(replace(plan, groups=tuple(plan.groups[k] for k in own)), model)  # of groups costs ms
         out = {}
-        for span in timeline.spans:
-            group = plan.groups[span.group_index]
-            if position in group.ranks:
-                for mb, seconds in zip(group.microbatches, span.microbatch_s):
-                    attention = float(model.attention_time([plan.sample(i) for i in mb], group.size).sum())
-                    out[tuple(sorted(mb))] = (span.group_index, seconds, min(attention, seconds))
+        for j, k in enumerate(own):
+            group = plan.groups[k]
+            for mb, seconds in zip(group.microbatches, times.group(j)[0]):
+                attention = float(model.attention_time([plan.sample(i) for i in mb], group.size).sum())
+                out[tuple(sorted(mb))] = (k, seconds, min(attention, seconds))
         return out
