@@ -36,7 +36,7 @@ def test_valid_plan_passes():
         ([((0,), ((0, 3),)), ((1,), ((1,), ())), ((2, 3), ((2,),))], "group 1, microbatch 1 is empty"),
         ([((), ((0,),))], "group 0 has no ranks"),
         ([((0,), ((0, 3),)), ((1,), ((1,),)), ((2, 3), ((2,),), -1)], "negative phase"),
-        ([((0,), ((0, 1, 3),)), ((1,), ((),)), ((2, 3), ((2,),))], "puts 9500 tokens on each of its 1 ranks, above the cap of 8192"),
+        ([((0,), ((0, 1, 3),)), ((1,), ()), ((2, 3), ((2,),))], "puts 9500 tokens on each of its 1 ranks, above the cap of 8192"),
     ],
 )
 def test_invalid_plans_name_the_offender(groups, match):

@@ -245,17 +245,8 @@ class Plan:
                     if sid in placed:
                         raise PlanError(f"sample {sid} is assigned twice (groups {placed[sid]} and {gi})")
                     placed[sid] = gi
-                members = self.positions(mb)
-                if footprint is not None and not footprint.fits(members, g.size, g.shares):
-                    encoder = ", encoder activations included" if self.enc_memory_per_token else ""
-                    encoder += ", gathered keys and values included" if self.kv_memory_per_token else ""
-                    where = f"each of its {g.size} ranks" if not g.shares else \
-                        f"its rank of the largest share ({max(g.shares)} of {sum(g.shares)})"
-                    raise PlanError(
-                        f"group {gi}, microbatch {mi} puts {footprint.per_rank(members, g.size, g.shares):.0f} tokens "
-                        f"on {where}{encoder}, above the cap of {footprint.cap}; split the microbatch or use more "
-                        "ranks" + (" or evener shares" if g.shares else "")
-                    )
+        if footprint is not None:
+            self._validate_memory(footprint)
         missing = [s.id for s in self.samples if s.id not in placed]
         if missing:
             raise PlanError(f"sample {missing[0]} is in no group ({len(missing)} samples unassigned)")
@@ -264,6 +255,25 @@ class Plan:
             raise PlanError(f"rank {idle[0]} is in no group ({len(idle)} ranks idle); every rank must join one")
         if footprint is not None and self.pipeline_stages > 1:
             self._validate_in_flight(footprint)
+
+    def _validate_memory(self, footprint: Footprint) -> None:
+        """No microbatch above the cap on any of its ranks (with uneven shares, its rank of the largest share)."""
+        where = [(gi, mi, g) for gi, g in enumerate(self.groups) for mi in range(len(g.microbatches))]
+        members = [self.positions(mb) for g in self.groups for mb in g.microbatches]
+        fits = footprint.fits_each(members, [g.size for _, _, g in where], [g.shares for _, _, g in where])
+        if all(fits):
+            return
+        k = fits.index(False)
+        (gi, mi, g), index = where[k], members[k]
+        encoder = ", encoder activations included" if self.enc_memory_per_token else ""
+        encoder += ", gathered keys and values included" if self.kv_memory_per_token else ""
+        rank = f"each of its {g.size} ranks" if not g.shares else \
+            f"its rank of the largest share ({max(g.shares)} of {sum(g.shares)})"
+        raise PlanError(
+            f"group {gi}, microbatch {mi} puts {footprint.per_rank(index, g.size, g.shares):.0f} tokens "
+            f"on {rank}{encoder}, above the cap of {footprint.cap}; split the microbatch or use more "
+            "ranks" + (" or evener shares" if g.shares else "")
+        )
 
     def memory_rule(self, cap: int) -> MemoryRule:
         """The plan's memory rule at a per-rank cap of `cap` tokens (`plan.memory`)."""
