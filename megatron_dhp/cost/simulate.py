@@ -93,12 +93,14 @@ class PlanTimes:
         enc = np.asarray(model.encoder_time(samples, size), dtype=np.float64) / at if len(samples) else np.zeros(0)
         bounds = np.cumsum([0] + [len(mb) for g in groups for mb in g.microbatches]).tolist()
         self._groups: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
+        encodes = bool(enc.any())  # (text alone: no encoder seconds to sum)
         k = 0
         for g, p in zip(groups, paces):
             m = model.microbatch_overhead(g.size, p.slowest)
             spans = list(zip(bounds[k : k + len(g.microbatches)], bounds[k + 1 : k + 1 + len(g.microbatches)]))
             # (each microbatch summed on its own, as numpy sums a slice: the same seconds to the last bit)
-            self._groups.append((tuple(m + float(t[a:b].sum()) for a, b in spans), tuple(float(enc[a:b].sum()) for a, b in spans)))
+            self._groups.append((tuple(m + float(t[a:b].sum()) for a, b in spans),
+                                 tuple(float(enc[a:b].sum()) for a, b in spans) if encodes else (0.0,) * len(spans)))
             k += len(g.microbatches)
 
     def group(self, group_index: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
