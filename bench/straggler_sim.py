@@ -13,12 +13,14 @@ repeats exactly):
     drift      a trace of `--drift-steps` steps: every rank on a bounded random walk (x exp(N(0, 3 %)) a step,
                clipped to [0.4, 1.0], from 1.0), and two ranks held at 0.5 from a quarter of the trace on, one
                recovering at half of it and one at three quarters. A fresh batch per step (index = step - 1);
-               dhp plans with the speeds the closed loop predicts from the steps before (its predictor,
-               `closed_loop.speed_estimator.LogSpeedPredictor`, at its default window, one step ahead),
-               rounded to powers of 1 + `--speed-grid` as the closed loop publishes them (its grid by
-               default); every plan is priced under the current exact speeds. dhp-prev plans with the
-               previous step's (rounded) speeds, dhp-nolag with the current ones: beside them, dhp shows
-               what the lag costs and how much of it the predictor wins back.
+               dhp plans with the speeds the closed loop predicts (its predictor,
+               `closed_loop.speed_estimator.LogSpeedPredictor`, at its default window) from the steps up to
+               `--lead` before (default the loop's `LEAD`, 2: with read-ahead, `overlap_planning`, a step is
+               planned before the one before it has reported; 1 without), rounded to powers of
+               1 + `--speed-grid` as the closed loop publishes them (its grid by default); every plan is
+               priced under the current exact speeds. dhp-prev plans with the last reported step's (rounded)
+               speeds, dhp-nolag with the current ones: beside them, dhp shows what the lag costs and how
+               much of it the predictor wins back.
 
 Planners: dhp (speed-aware), dhp-blind (dhp on the speed-blind model), static and fcp-ref (speed-blind as
 published; static and fcp-ref take the batch's longest sample as the dataset's). Every plan is priced under
@@ -54,6 +56,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from megatron_dhp.closed_loop.loop import LEAD
 from megatron_dhp.closed_loop.speed_estimator import LogSpeedPredictor
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.cost.bound import best_lower_bound
@@ -69,7 +72,7 @@ PLANNERS = ("dhp", "dhp-blind", "static", "fcp-ref")
 NOLAG = "dhp-nolag"
 """dhp planned with the current step's speeds (drift only): the closed loop without its step of lag."""
 PREV = "dhp-prev"
-"""dhp planned with the previous step's speeds (drift only): the step of lag, nothing predicted."""
+"""dhp planned with the last reported step's speeds (drift only): the lag, nothing predicted."""
 LARGE_RANKS = 256
 """From this many ranks on, a cell runs `--batches-large` batches and drift plans `--drift-steps-large` of its steps."""
 DRIFT_STD, DRIFT_FLOOR, DRIFT_DIP = 0.03, 0.4, 0.5
@@ -122,14 +125,14 @@ def on_grid(speeds: np.ndarray, grid: float) -> np.ndarray:
     return np.minimum(on_speed_grid(speeds, grid=1 + grid), 1.0)
 
 
-def predicted(trace: np.ndarray) -> np.ndarray:
-    """Row t: step t's speeds as the closed loop predicts them from the trace's steps before it (its
-    `LogSpeedPredictor` at the loop's default window, fed one step at a time; row 0 is the trace's)."""
-    predictor, out = LogSpeedPredictor(DhpConfig.adaptive_window), np.empty_like(trace)
-    out[0] = trace[0]
-    for t in range(1, len(trace)):
-        predictor.update(np.log(trace[t - 1]))
-        out[t] = np.exp(predictor.predict(1.0))
+def predicted(trace: np.ndarray, lead: int) -> np.ndarray:
+    """Row t: step t's speeds as the closed loop predicts them from the trace's steps up to t - `lead` (its
+    `LogSpeedPredictor` at the loop's default window, fed one step at a time; the trace's first row until a
+    step has reported)."""
+    predictor, out = LogSpeedPredictor(DhpConfig.adaptive_window), np.repeat(trace[:1], len(trace), axis=0)
+    for t in range(len(trace) - lead):
+        predictor.update(np.log(trace[t]))
+        out[t + lead] = np.exp(predictor.predict(float(lead)))
     return out
 
 
@@ -140,10 +143,10 @@ def cell_units(scenario: str, n: int, gpn: int,
     large = n >= LARGE_RANKS
     if scenario == "drift":
         trace = drift_trace(n, args.drift_steps, args.seed)
-        measured, ahead = on_grid(trace, args.speed_grid), on_grid(predicted(trace), args.speed_grid)
+        measured, ahead = on_grid(trace, args.speed_grid), on_grid(predicted(trace, args.lead), args.speed_grid)
         steps = range(1, args.drift_steps + 1) if not large else \
             np.unique(np.linspace(1, args.drift_steps, min(args.drift_steps_large, args.drift_steps)).round().astype(int))
-        return [(int(t) - 1, ahead[t], measured[t], measured[t - 1], trace[t]) for t in steps]
+        return [(int(t) - 1, ahead[t], measured[t], measured[max(0, t - args.lead)], trace[t]) for t in steps]
     speeds = fixed_speeds(scenario, n, gpn, args.seed)
     return [(k, speeds, speeds, speeds, speeds) for k in range(args.batches_large if large else args.batches)]
 
@@ -289,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                         help=f"drift: dhp plans with the speeds rounded to powers of 1 + G (default "
                              f"{SPEED_GRID - 1:g}, the closed loop's grid; 0: the exact speeds, whose solve is "
                              "O(samples x distinct speeds): seconds a step at N = 256)")
+    parser.add_argument("--lead", type=int, default=LEAD, metavar="K",
+                        help=f"drift: steps from the last report to the step it plans (default {LEAD}, the closed "
+                             "loop's under read-ahead; 1 without overlap_planning)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"default {','.join(SCENARIOS)}")
     parser.add_argument("--dist", default="wlbllm", help="length distribution (default wlbllm)")
     parser.add_argument("--cost", default="gpt7b-64", help="cost preset or YAML; its world size is overridden (default gpt7b-64)")
@@ -300,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
+    if args.lead < 1:
+        parser.error(f"--lead {args.lead}: a step is planned at least 1 step after the last report")
     gpn = CostConfig.load(args.cost).gpus_per_node
     small = [n for _, n in args.sizes if n < 2 * gpn]
     if small:

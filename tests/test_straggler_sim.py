@@ -40,3 +40,14 @@ def test_scenarios_slow_the_ranks_they_name():
     trace = straggler_sim.drift_trace(64, 40, 0)
     assert trace.shape == (41, 64) and trace.min() >= 0.4 and trace.max() <= 1.0
     assert (trace[10:20] <= 0.5).any(axis=0).sum() >= 2  # the two dips
+
+
+def test_drift_plans_from_the_steps_up_to_lead_before():
+    """Under read-ahead (lead 2) a step is planned from the reports one step older than without (lead 1): a
+    step change at step 10, with no trend to carry, reaches the plans one step later."""
+    trace = np.ones((20, 4))
+    trace[10:, 1] = 0.5
+    one, two = straggler_sim.predicted(trace, 1), straggler_sim.predicted(trace, 2)
+    assert (two[0] == 1.0).all() and (two[1] == 1.0).all() and (one[0] == 1.0).all()
+    np.testing.assert_array_equal(two[2:], one[1:-1])
+    assert one[12, 1] == 0.5 and two[12, 1] == 1.0 and two[13, 1] == 0.5  # the median of 5 moves at the 3rd
