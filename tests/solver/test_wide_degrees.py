@@ -117,7 +117,7 @@ def test_a_wide_group_of_two_samples_on_mixed_speeds_is_priced_with_its_one_spli
     skyline = Skyline.empty(8)
     for item in (0, 1):
         begin = float(skyline.ready.max())
-        put(inst, skyline, item, 0, 8, begin, inst.window_seconds(item, 0, 8, True))
+        put(inst, skyline, item, 0, 8, begin, inst.window_seconds(item, 0, 8))
     (group,) = skyline.wide
     assert group.microbatches == [[0], [1]]
     planned = inst.plan_groups([(group.ranks, group.microbatches, 0)])

@@ -127,14 +127,12 @@ def balance(inst: Instance, columns: list[tuple[int, int, list[int]]], degree_of
             is_window: Callable[[int, int], bool]) -> None:
     """Move or swap samples between the column that ends last and another while that ends the pair
     sooner (packing to a height balances by estimate; this by the columns' real times)."""
-    gpn = inst.model.domain.gpus_per_node
 
     @functools.cache  # a sample's seconds in a column depend on the column's place, not on its members
     def seconds(i: int, column: int) -> float:
         start, w, _ = columns[column]
         d = run_size(start, w, degree_of[i], is_window)
-        intra = d <= gpn and start // gpn == (start + d - 1) // gpn
-        return float(inst.times(d, intra)[i]) + inst.overhead(d)
+        return float(inst.times(d, inst.model.is_intra(range(start, start + d)))[i]) + inst.overhead(d)
 
     heights = [sum(seconds(i, c) for i in members) for c, (_, _, members) in enumerate(columns)]
     for _ in range(BALANCE_MOVES):

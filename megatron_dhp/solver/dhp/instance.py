@@ -135,21 +135,20 @@ class Instance:
                                                        slowest=slowest[None, :],
                                                        comm_scale=np.where(mixed[None, :], comm_scale, 1.0)))
 
-    def window_seconds(self, item: int, first: int, size: int, intra: bool) -> float:
+    def window_seconds(self, item: int, first: int, size: int) -> float:
         """`wide_seconds` of one sample on ranks [first, first + size)."""
-        return float(self._on_window(np.array([item]), first, size, intra)[0])
+        return float(self._on_window(np.array([item]), first, size)[0])
 
-    def shared_seconds(self, microbatches: Sequence[Sequence[int]], first: int, size: int, intra: bool) -> float:
+    def shared_seconds(self, microbatches: Sequence[Sequence[int]], first: int, size: int) -> float:
         """The seconds of a group's microbatches' samples on ranks [first, first + size) under the one split the
         plan gives the group (`plan_groups`: as even as its fullest microbatch needs, `Footprint.fitting_shares`),
         without the microbatches' overheads."""
         items = np.fromiter((i for mb in microbatches for i in mb), dtype=np.int64)
         limit = min(self.footprint.largest_part(mb) for mb in microbatches)
-        return float(self._on_window(items, first, size, intra, np.full(len(items), limit)).sum())
+        return float(self._on_window(items, first, size, np.full(len(items), limit)).sum())
 
-    def _on_window(self, items: np.ndarray, first: int, size: int, intra: bool,
-                   limit: np.ndarray | None = None) -> np.ndarray:
-        s = self.speeds[first : first + size]
+    def _on_window(self, items: np.ndarray, first: int, size: int, limit: np.ndarray | None = None) -> np.ndarray:
+        s, intra = self.speeds[first : first + size], self.model.is_intra(range(first, first + size))
         return self.wide_seconds(items, np.array([size]), np.array([intra]), np.array([s.sum()]), np.array([s.min()]),
                                  np.array([s.max()]), limit)[:, 0]
 

@@ -166,24 +166,22 @@ def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.
     by = limit_s if limit_s is not None else None if inst.nominal else bound_s
     speeds = inst.speeds if by is not None and limit_s is None else None  # with speeds: a weighted cost
     choose = choose_window if native.draft is None else native_choose_window
-    # with speeds, a sample at its memory's minimum degree holds even shards (at its window's slowest rank's
-    # speed): where every window of that degree mixes speeds, it may also take the next size up, where
-    # shares can follow them
-    full = (inst.min_degree[items] == degrees) if speeds is not None else np.zeros(len(items), dtype=bool)
-    for k in np.flatnonzero(full).tolist():
-        full[k] = mixed_windows(inst, int(degrees[k]), cell, straddle)
+    tops = grow * degrees  # each sample's widest size
+    if speeds is not None:  # a sample at its memory's minimum degree holds even shards (at its window's slowest
+        # rank's speed): where every window of that degree mixes speeds, the next size up, where shares can follow
+        for k in np.flatnonzero(inst.min_degree[items] == degrees).tolist():
+            if mixed_windows(inst, int(degrees[k]), cell, straddle):
+                tops[k] = max(tops[k], sizes[min(np.searchsorted(sizes, degrees[k]) + 1, len(sizes) - 1)])
     for k in order:
-        i, degree = int(items[k]), int(degrees[k])
-        top = max(grow * degree, int(sizes[min(np.searchsorted(sizes, degree) + 1, len(sizes) - 1)]) if full[k] else 0)
-        key = ("windows", degree, top if full[k] else grow, cell, straddle, bool(full[k]))
+        i, degree, top = int(items[k]), int(degrees[k]), int(tops[k])
+        key = ("windows", degree, top, cell, straddle)
         if key not in inst.memo:
-            inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= max(top, grow * degree))].tolist(),
-                                        cell, straddle)
+            inst.memo[key] = Windows.of(inst, sizes[(sizes >= degree) & (sizes <= top)].tolist(), cell, straddle)
         w = inst.memo[key]
         assert len(w.sizes), f"no window of {degree}+ ranks"  # every degree is an allowed size
         seconds = inst.memo.setdefault(("seconds", *key), {})  # per sample: its seconds on each window
         if i not in seconds:  # every draft of the solve asks again; priced for all its degree's samples at once
-            todo = [int(j) for j in items[(degrees == degree) & (full == full[k])] if int(j) not in seconds]
+            todo = [int(j) for j in items[(degrees == degree) & (tops == top)] if int(j) not in seconds]
             table = inst.wide_seconds(np.array(todo), w.size, w.intra, w.capacity, w.slowest, w.fastest)
             seconds.update(zip(todo, table))
         time = seconds[i]
@@ -248,10 +246,8 @@ def native_choose_window(w: Windows, ready: np.ndarray, time: np.ndarray, by: fl
 
 def place_columns(inst: Instance, skyline: Skyline, placed: list[tuple[int, int, int]]) -> None:
     """Run each (sample, start, size) after the last group on its window, in order (`columns.column_layout`)."""
-    gpn = inst.model.domain.gpus_per_node
     for i, s, d in placed:
-        intra = d <= gpn and s // gpn == (s + d - 1) // gpn
-        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), inst.window_seconds(i, s, d, intra))
+        put(inst, skyline, i, s, d, float(skyline.ready[s : s + d].max()), inst.window_seconds(i, s, d))
 
 
 def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begin_s: float, time_s: float) -> None:
@@ -263,10 +259,7 @@ def put(inst: Instance, skyline: Skyline, item: int, start: int, size: int, begi
         add_to_group(last, item, inst.load(item, d), time_s)
         if inst.model.uneven_shards and inst.speeds[s : s + d].min() < inst.speeds[s : s + d].max():
             # one split serves all its microbatches, as even as the fullest needs: each sample's own was priced
-            gpn = inst.model.domain.gpus_per_node
-            intra = d <= gpn and s // gpn == (s + d - 1) // gpn
-            last.finish_s = (last.start_s + inst.shared_seconds(last.microbatches, s, d, intra)
-                             + len(last.microbatches) * last.overhead_s)
+            last.finish_s = last.start_s + inst.shared_seconds(last.microbatches, s, d) + len(last.microbatches) * last.overhead_s
     else:
         phase = int(skyline.phase[s : s + d].max())
         skyline.holes += [(r, float(skyline.ready[r]), begin_s) for r in range(s, s + d) if skyline.ready[r] < begin_s]
