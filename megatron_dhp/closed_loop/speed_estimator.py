@@ -97,12 +97,9 @@ class LogSpeedPredictor:
         """(smoothed, last report) one step after the last row, where the smoothing had its trend there."""
         self._errors: deque[tuple[float, int, float, int]] = deque(maxlen=window)
         """Per scored step: the smoothed and the last report's squared errors summed over the ranks, and counts."""
-        self._smoothed = Smoothed.of(np.zeros((0, 0)), window)
-
-    @property
-    def history(self) -> np.ndarray:
-        """The rows it keeps (steps x ranks)."""
-        return np.array(self._rows)
+        self.history = np.zeros((0, 0))
+        """The rows it keeps, as one array (steps x ranks)."""
+        self._smoothed = Smoothed(np.zeros(0), 0.0)  # (nothing reported yet: no rank)
 
     def update(self, row: np.ndarray) -> None:
         """Take one step's log speeds (NaN where a rank did not report)."""
@@ -112,9 +109,9 @@ class LogSpeedPredictor:
             self._errors.append((float(errors[0][known[0]].sum()), int(known[0].sum()),
                                  float(errors[1][known[1]].sum()), int(known[1].sum())))
         self._rows.append(np.asarray(row, dtype=np.float64))
-        history = self.history
-        self._smoothed = Smoothed.of(history, self.window)
-        self._ahead = (self._smoothed.at(1.0), _last_report(history)) if len(history) >= 2 * self.window else None
+        self.history = np.array(self._rows)
+        self._smoothed = Smoothed.of(self.history, self.window)
+        self._ahead = (self._smoothed.at(1.0), _last_report(self.history)) if len(self.history) >= 2 * self.window else None
 
     def predict(self, lead: float = 1.0) -> np.ndarray:
         """Each rank's log speed `lead` steps after the last row."""
@@ -166,7 +163,7 @@ class Smoothed:
         """The level and trend of `history`'s columns (steps x ranks)."""
         steps = np.arange(len(history), dtype=np.float64)
         recent, recent_steps = history[-window:], steps[-window:]
-        level = _median(recent) if len(history) else np.zeros(history.shape[1:])
+        level = _median(recent)
         if len(history) < 2 * window:  # a slope needs more than one window to be told from the noise
             return cls(level, 0.0)
         times = np.where(np.isnan(history), np.nan, steps[:, None])
