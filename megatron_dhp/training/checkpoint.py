@@ -94,10 +94,16 @@ def saved_steps(directory: Path) -> list[Path]:
     return sorted(steps, key=_step, reverse=True)
 
 
+def latest_name(directory: Path) -> str | None:
+    """The step folder `directory`'s `latest` names (None without one)."""
+    marker = directory / LATEST
+    return marker.read_text().strip() if marker.is_file() else None
+
+
 def resume_candidates(directory: Path) -> list[Path]:
     """What `load: auto` tries, in order: the folder `latest` names, then every other saved step, newest first."""
-    marker = directory / LATEST
-    named = [directory / marker.read_text().strip()] if marker.is_file() else []
+    latest = latest_name(directory)
+    named = [directory / latest] if latest is not None else []
     return named + [f for f in saved_steps(directory) if f not in named]
 
 
@@ -144,17 +150,17 @@ def _within(resume: str | None, save: Path) -> bool:
 
 
 def _clear_for_fresh_run(save: Path, *, overwrite: bool) -> list[str]:
-    saved, marker = saved_steps(save), save / LATEST
-    if not saved and not marker.is_file():
+    saved, latest = saved_steps(save), latest_name(save)
+    if not saved and latest is None:
         return []
     if not overwrite:
-        newest = f"latest {marker.read_text().strip()}" if marker.is_file() else f"newest {saved[0].name}, no latest"
+        newest = f"latest {latest}" if latest is not None else f"newest {saved[0].name}, no latest"
         raise DhpError(f"--save {save} holds checkpoints of another run ({newest}); resume with --load auto, or pass "
                        "--overwrite to replace them, or another --save")
     folders = [f for f in save.glob("step_*") if f.is_dir()]
     for folder in folders:
         shutil.rmtree(folder)
-    marker.unlink(missing_ok=True)
+    (save / LATEST).unlink(missing_ok=True)
     return [f"removed {len(folders)} step folders ({len(saved)} checkpoints) and latest of another run from {save}: "
             "--overwrite"]
 
@@ -172,9 +178,8 @@ def _clear_after(save: Path, resume: Path, *, overwrite: bool) -> list[str]:
         raise DhpError(f"--load {resume} resumes at step {_step(resume)}, but --save {save} holds later checkpoints "
                        f"of the run it rolls back ({', '.join(f.name for f in later[:3])}"
                        f"{', ...' if len(later) > 3 else ''}); pass --overwrite to remove them, or another --save")
-    marker = save / LATEST
-    if marker.is_file() and marker.read_text().strip() in {f.name for f in later}:
-        marker.unlink()
+    if latest_name(save) in {f.name for f in later}:
+        (save / LATEST).unlink()
     for folder in later:
         shutil.rmtree(folder)
     return [f"removed {len(later)} later checkpoint{'s' * (len(later) > 1)} than {resume.name} from {save}: --overwrite"]
@@ -293,7 +298,7 @@ class Checkpointer:
 
     def _publish(self, folder: Path, entries: list) -> None:
         """Rank 0: meta.json, then `latest`, then remove the checkpoints beyond the newest `keep`."""
-        step = int(folder.name.removeprefix("step_"))
+        step = _step(folder)
         files = {name: {"bytes": size, "sha256": digest} for name, size, digest in entries}
         meta = json.dumps({"schema": SCHEMA, "step": step, "fingerprint": self.fingerprint, "files": files},
                           indent=1).encode()
@@ -399,7 +404,7 @@ def _latest(directory: Path) -> Path:
     if not marker.is_file():
         raise DhpError(f"no checkpoint in {str(directory)!r} (no 'latest' file); pass the --save folder of a run "
                        "that saved at least once")
-    folder = directory / marker.read_text().strip()
+    folder = directory / latest_name(directory)
     if not (folder / "meta.json").is_file():
         raise DhpError(f"{str(marker)!r} names {folder.name!r}, which has no meta.json; the checkpoint folder "
                        "was removed or renamed")
@@ -469,8 +474,8 @@ def _write_failure(error: BaseException, folder: Path, rank: int, needed: int) -
     cause = error
     while cause is not None and not isinstance(cause, OSError):  # torch.save wraps its file's error
         cause = cause.__cause__ or cause.__context__
-    marker = folder.parent / LATEST
-    kept = (f"latest still names {marker.read_text().strip()}" if marker.is_file() else
+    latest = latest_name(folder.parent)
+    kept = (f"latest still names {latest}" if latest is not None else
             f"{folder.parent} holds no complete checkpoint of this run yet")
     if cause is not None and cause.errno == errno.ENOSPC:
         free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
