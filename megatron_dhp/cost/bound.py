@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megatron_dhp.cost.class_bound import class_lower_bound
 from megatron_dhp.cost.model import CostModel
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.memory import Footprint
@@ -169,12 +170,12 @@ def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
 
 
 def best_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
-    """The larger of `CostModel.lower_bound` and `coupled_lower_bound` (both valid). Under encoder placement
-    `auto`, which plans under each concrete placement and keeps the fastest, the least of that over the
+    """The largest of `CostModel.lower_bound`, `coupled_lower_bound` and, where ranks run at different
+    speeds, `cost.class_bound.class_lower_bound` (each valid). Under encoder placement `auto`, which plans under each concrete placement and keeps the fastest, the least of that over the
     concrete placements whose memory holds the samples."""
     if model.encoder_placement == "auto":  # (split alone where none holds them: its error names the sample)
         n = model.domain.world_size
         held = [m for m in map(model.with_placement, CONCRETE_PLACEMENTS)
                 if m.footprint(samples).min_degree().max(initial=1) <= n]
         return min(best_lower_bound(m, samples) for m in held or [model.with_placement("split")])
-    return max(model.lower_bound(samples), coupled_lower_bound(model, samples))
+    return max(model.lower_bound(samples), coupled_lower_bound(model, samples), class_lower_bound(model, samples))
