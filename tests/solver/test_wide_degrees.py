@@ -18,6 +18,7 @@ from megatron_dhp.solver.dhp.layout import Skyline, put
 from megatron_dhp.solver.dhp.planner import one_speed_cell, slow_window_degrees, wide_degrees, window_speeds
 from megatron_dhp.workload import LengthSource
 from megatron_dhp.workload.sample import Batch, Sample
+from tests.configs import GPT7B
 
 
 @pytest.mark.parametrize("uneven", [True, False])
@@ -123,3 +124,19 @@ def test_a_wide_group_of_two_samples_on_mixed_speeds_is_priced_with_its_one_spli
     planned = inst.plan_groups([(group.ranks, group.microbatches, 0)])
     plan = Plan("dhp", 8, 8, batch.samples, tuple(planned), max_tokens_per_rank=cap)
     assert planned[0].shares and simulate(plan, model).step_time_s == pytest.approx(group.finish_s, rel=1e-3)
+
+
+def test_static_layouts_far_from_the_bound_take_the_shares_dhp_groups_take():
+    """Where dhp's draft is far from the bound it also weighs static CP's layouts. On 4 ranks, one at 0.45, a
+    4,351-token sample needs 3 ranks' memory, so static CP's layout is one group of all 4 with the batch in
+    one microbatch; with shares in proportion to the speeds (as dhp's own groups take them) it beats the
+    draft by 30 %. Fails with static layouts at even shards (dhp then kept its 0.72 s draft)."""
+    config = replace(GPT7B, world_size=4, gpus_per_node=4, max_tokens_per_rank=2048, overlap_comm=False)
+    model = build_cost_model(config).with_speeds((0.45, 1.0, 1.0, 1.0))
+    batch = Batch((Sample(0, 4351), Sample(1, 1516), Sample(2, 1)))
+    plan = run_planner(build_planner("dhp"), batch, model)
+    assert [(g.ranks, g.microbatches) for g in plan.groups] == [((0, 1, 2, 3), ((0, 1, 2),))]
+    assert plan.groups[0].shares == (9, 20, 20, 20)
+    even = replace(plan, groups=(PlanGroup((0, 1, 2, 3), ((0, 1, 2),)),))
+    assert plan.predicted_step_time_s < 0.75 * simulate(even, model).step_time_s
+    assert plan.predicted_step_time_s == pytest.approx(0.5067, abs=1e-4)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -429,9 +429,10 @@ class DhpPlanner(Planner):
 
 def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[PlanGroup]]:
     """Static CP's layouts of the batch: at its smallest CP (`StaticPlanner`'s choice) and at every double of it
-    that divides the domain, but those whose replicas' mean time alone (each at its slowest rank's speed)
-    reaches `beat_s`: replica r takes its samples' time T_r at speed v_r, so the longest is at least
-    sum T / sum v, and such a layout cannot beat the draft."""
+    that divides the domain, but those whose replicas' mean time alone reaches `beat_s`: replica r takes its
+    samples' time T_r at speed v_r, so the longest is at least sum T / sum v, and such a layout cannot beat
+    the draft. With rank speeds each replica runs with the shares dhp's groups take (`Instance.plan_groups`),
+    so v_r is its ranks' mean speed where shards may be uneven, else its slowest's."""
     model = inst.model
     layouts, n, cap = [], model.domain.world_size, model.domain.max_tokens_per_rank
     longest = int(batch.lengths.max())
@@ -439,11 +440,22 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
     first = True
     while cp <= n and n % cp == 0:
         total_s = float(inst.times(cp, model.is_intra(range(cp))).sum())
-        mean_s = total_s * cp / n if inst.nominal else total_s / float(inst.speeds.reshape(-1, cp).min(axis=1).sum())
+        if inst.nominal:
+            mean_s = total_s * cp / n
+        else:
+            replicas = inst.speeds.reshape(-1, cp)
+            mean_s = total_s / float((replicas.mean(axis=1) if model.uneven_shards else replicas.min(axis=1)).sum())
         if (first and inst.nominal) or mean_s < beat_s:  # (nominal: the first always, as it always was)
-            layouts.append(StaticPlanner(dataset_max_tokens=None if first else cp * cap).solve(batch, model))
+            groups = StaticPlanner(dataset_max_tokens=None if first else cp * cap).solve(batch, model)
+            layouts.append(groups if inst.nominal else with_speed_shares(inst, groups))
         cp, first = 2 * cp, False
     return layouts
+
+
+def with_speed_shares(inst: Instance, groups: Sequence[PlanGroup]) -> list[PlanGroup]:
+    """`groups` with the shares their speeds ask for where those make them faster (`Instance.plan_groups`)."""
+    index = dict(zip(inst.id_list, range(len(inst.id_list))))
+    return inst.plan_groups([(g.ranks, [[index[i] for i in mb] for mb in g.microbatches], g.phase) for g in groups])
 
 
 def pipeline_groups(inst: Instance, draft: Draft) -> list[PlanGroup]:
