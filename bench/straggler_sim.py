@@ -151,6 +151,14 @@ def cell_units(scenario: str, n: int, gpn: int,
     return [(k, speeds, speeds, speeds, speeds) for k in range(args.batches_large if large else args.batches)]
 
 
+def fluid_floor(planned_with: np.ndarray, runs_at: np.ndarray) -> float:
+    """Step / bound of the ideal plan made on `planned_with`: every rank's work in proportion to the speed it is
+    planned with, perfectly divisible. At the speeds it runs at, rank r ends at p_r / s_r of the balanced
+    time, so the step is max_r(p_r / s_r) sum s / sum p of the bound's fluid step: what planning ahead of
+    the speeds costs before any planner's own loss (1 where the speeds are known)."""
+    return float(np.max(planned_with / runs_at) * runs_at.sum() / planned_with.sum())
+
+
 def price(planner_name: str, batch, seen: CostModel, true: CostModel) -> tuple[float | None, float | None]:
     """(step seconds under `true`, solve ms) of one planner's plan made on `seen`; None where it cannot plan."""
     if planner_name in ("dhp", NOLAG, PREV):
@@ -191,7 +199,8 @@ def run(args: argparse.Namespace, console: Console) -> list[dict]:
                     records.append({"size": f"{global_batch}x{n}", "ranks": n, "global_batch": global_batch,
                                     "scenario": scenario, "batch": k, "planner": name, "step_s": step, "lb_s": lb,
                                     "ratio": None if step is None else step / lb, "solve_ms": solve_ms,
-                                    "min_speed": float(runs_at.min()), "mean_speed": float(runs_at.mean())})
+                                    "min_speed": float(runs_at.min()), "mean_speed": float(runs_at.mean()),
+                                    "fluid_floor": fluid_floor(planned_with, runs_at)})
                 progress.advance(task)
     return records
 
@@ -214,6 +223,7 @@ def summarize(records: list[dict]) -> list[dict]:
             row[f"{p}/dhp"] = float(np.mean(vs)) if vs else None
             if p == "dhp-blind":
                 row["worst dhp/dhp-blind"] = float(1 / np.min(vs)) if vs else None
+        row["fluid floor"] = float(np.mean([r["fluid_floor"] for r in dhp.values()]))
         solve = np.array([r["solve_ms"] for r in dhp.values()])
         row["solve p50 ms"], row["solve p99 ms"] = (float(np.percentile(solve, q)) for q in (50, 99))
         rows.append(row)
@@ -236,7 +246,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
 
 
 COLUMNS = ("scenario", "batches", "dhp/LB", "dhp-blind/LB", "static/LB", "fcp-ref/LB", "dhp-blind/dhp",
-           "static/dhp", "fcp-ref/dhp", "dhp-nolag/LB", "dhp-prev/LB", "solve p50 ms", "solve p99 ms")
+           "static/dhp", "fcp-ref/dhp", "dhp-nolag/LB", "dhp-prev/LB", "fluid floor", "solve p50 ms", "solve p99 ms")
 
 
 def cells_of(row: dict) -> list[str]:

@@ -51,3 +51,11 @@ def test_drift_plans_from_the_steps_up_to_lead_before():
     assert (two[0] == 1.0).all() and (two[1] == 1.0).all() and (one[0] == 1.0).all()
     np.testing.assert_array_equal(two[2:], one[1:-1])
     assert one[12, 1] == 0.5 and two[12, 1] == 1.0 and two[13, 1] == 0.5  # the median of 5 moves at the 3rd
+
+
+def test_the_fluid_floor_is_what_lagged_speeds_cost_a_perfectly_balanced_plan():
+    """Two ranks planned at 1.0 each take half of 2 s of work; the second runs at 0.5 and ends at 2 s, where
+    work spread by the true speeds ends at 2 / 1.5 s: 1.5x. Known speeds cost nothing."""
+    assert straggler_sim.fluid_floor(np.array([1.0, 1.0]), np.array([1.0, 0.5])) == 1.5
+    speeds = np.array([0.4, 0.7, 1.0])
+    assert straggler_sim.fluid_floor(speeds, speeds) == 1.0
