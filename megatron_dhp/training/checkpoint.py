@@ -45,11 +45,15 @@ import torch.distributed as dist
 
 from megatron_dhp.config_io import to_mapping
 from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.files import MB, parse_json, read_text
 from megatron_dhp.training.config import AUTO_LOAD, RunConfig, TrainConfig
 
 SCHEMA = "megatron-dhp/checkpoint/v1"
 LATEST = "latest"
 STEP_FOLDER = re.compile(r"step_(\d+)")
+
+META_BYTES = 16 * MB
+"""The most a meta.json may hold (its fingerprint and one entry per rank file are a few KB): it is read whole."""
 
 T = TypeVar("T")
 
@@ -230,8 +234,12 @@ class CheckpointMeta:
     @classmethod
     def read(cls, path: Path) -> CheckpointMeta:
         """Parse and type-check every field; every rank checks all of them, so all reach the same verdict."""
+        name = f"checkpoint metadata {str(path)!r}"
+        if not path.is_file():
+            raise UnloadableCheckpoint(f"{str(path.parent)!r} has no meta.json (missing, or its save was cut off)",
+                                       "point --load at another checkpoint")
         try:
-            meta = json.loads(path.read_text())
+            meta = parse_json(read_text(path, what="checkpoint metadata", limit=META_BYTES), name=name)
             if not isinstance(meta, dict):
                 raise ValueError(f"a JSON {type(meta).__name__}, not an object")
             if meta.get("schema") != SCHEMA:
@@ -242,9 +250,8 @@ class CheckpointMeta:
             if not isinstance(files, dict):
                 raise ValueError(f"files is a JSON {type(files).__name__}, not an object of rank files")
             entries = {name: _file_entry(name, entry) for name, entry in files.items()}
-        except FileNotFoundError:
-            raise UnloadableCheckpoint(f"{str(path.parent)!r} has no meta.json (missing, or its save was cut off)",
-                                       "point --load at another checkpoint") from None
+        except DhpError as e:  # too large, not text, not JSON, gone since: named by the reader
+            raise UnloadableCheckpoint(str(e), "point --load at another checkpoint") from None
         except (OSError, ValueError) as e:
             raise _unreadable(path, e) from None
         return cls(step, meta.get("fingerprint"), entries)

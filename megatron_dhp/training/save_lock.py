@@ -22,6 +22,8 @@ from megatron_dhp.errors import DhpError
 
 LOCK_NAME = ".lock"
 
+LOCK_BYTES = 4096
+"""The most a lock record is read of (one is about 100 characters): a lock file is never read whole."""
 READ_TRIES = 10
 """Reads of a lock that is still empty (its run created it and is writing it) before it counts as unreadable."""
 
@@ -47,7 +49,11 @@ class LockRecord:
     @classmethod
     def read(cls, path: Path) -> LockRecord:
         """The record in `path`; ValueError or TypeError when it is not one, OSError when it cannot be read."""
-        return cls(**json.loads(path.read_text()))
+        with open(path, encoding="utf-8") as f:
+            text = f.read(LOCK_BYTES + 1)
+        if len(text) > LOCK_BYTES:
+            raise ValueError(f"{str(path)!r} holds more than {LOCK_BYTES} characters, not a lock record")
+        return cls(**json.loads(text))
 
     def is_alive(self) -> bool | None:
         """Whether the holding process still runs; None when this host cannot tell (another host's lock)."""

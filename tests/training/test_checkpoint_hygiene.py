@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dhp.training.checkpoint import CheckpointMeta
+from megatron_dhp.training.checkpoint import CheckpointMeta, UnloadableCheckpoint
 from megatron_dhp.training.save_lock import LOCK_NAME, LockRecord
 from tests.training.test_faults import config_file, finish, start
 
@@ -190,6 +190,23 @@ def test_malformed_metadata_is_named_in_one_line(pair, tmp_path):
         meta_path.write_text(json.dumps({**meta, field: value}))
         with pytest.raises(ValueError, match=f"is unreadable \\({named}\\)"):
             CheckpointMeta.read(meta_path)
+    with open(meta_path, "r+b") as f:  # a meta.json far larger than any checkpoint writes is never read whole
+        f.truncate(17 * 2**20)
+    with pytest.raises(UnloadableCheckpoint, match=r"is 17\.0 MB, over the 16 MB a checkpoint metadata may hold"):
+        CheckpointMeta.read(meta_path)
+    meta_path.write_bytes(b"\xff{}")
+    with pytest.raises(UnloadableCheckpoint, match=r"is not UTF-8 text \(byte 0xff at offset 0\)"):
+        CheckpointMeta.read(meta_path)
+
+
+def test_a_lock_file_is_read_only_as_far_as_a_lock_record_goes(tmp_path):
+    lock = tmp_path / LOCK_NAME
+    record = LockRecord.of_this_process()
+    lock.write_text(json.dumps(asdict(record)))
+    assert LockRecord.read(lock) == record
+    lock.write_text(json.dumps(asdict(record)) + " " * 5000)
+    with pytest.raises(ValueError, match="holds more than 4096 characters, not a lock record"):
+        LockRecord.read(lock)
 
 
 def test_a_full_disk_stops_every_rank_in_one_line_and_keeps_the_last_checkpoint(pair, tmp_path):

@@ -107,7 +107,7 @@ def test_resume_at_step_10_reproduces_steps_11_to_20_exactly(runs):
     ("truncated", r"checkpoint file '.*broken_truncated/rank1\.pt' is corrupt or truncated"),
     ("flipped", r"checkpoint file '.*broken_flipped/rank1\.pt' is corrupt or truncated"),
     ("missing", r"checkpoint file '.*broken_missing/rank0\.pt' is missing"),
-    ("bad_meta", r"checkpoint metadata '.*broken_bad_meta/meta\.json' is unreadable"),
+    ("bad_meta", r"checkpoint metadata '.*broken_bad_meta/meta\.json' is not valid JSON \(.* at column 2\)"),
     ("other_model", r"saved with model\.hidden_size = 32 but this run has 48; resume with the saved settings"),
     ("other_data", r"saved with data\.seed = 3 but this run has 4"),
     ("empty_folder", r"no checkpoint in '.*nothing_here'"),
