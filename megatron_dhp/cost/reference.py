@@ -201,10 +201,10 @@ class ReferenceCostModel:
         return type(self)(replace(self.config, max_tokens_per_rank=max_tokens_per_rank))
 
     # ------------------------------------------------------------------ best degree
-    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: int,
-                  speed: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def best_time(self, tokens: np.ndarray, work: np.ndarray, *, lo: np.ndarray | int, hi: np.ndarray | int,
+                  speed: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """min over d in [lo, hi] of t(L, d) with the best placement (on ranks at `speed`), and the d that
-        attains it.
+        attains it; `lo`, `hi` and `speed` broadcast against the samples (several speed levels at once).
 
         Within one bandwidth regime t(d) = max((W - F)/d + F, c(d-1)/d) (F: the undivided part, 0 but under
         `replicate`) is minimised where the two terms cross, at d* = 1 + W/(c - F), and t(d) = (W - F)/d + F +
@@ -213,25 +213,27 @@ class ReferenceCostModel:
         d from 2 on, so the range ends and the node boundary hold it (the crossings are merely evaluated too).
         """
         tokens = np.asarray(tokens, dtype=np.float64)
+        shape = np.broadcast_shapes(tokens.shape, np.shape(lo), np.shape(hi), np.shape(speed))
         fixed = fixed_work(work)
         fixed = np.zeros_like(tokens) if fixed is None else np.broadcast_to(fixed, tokens.shape)
         plain = np.asarray(work, dtype=np.float64)
-        if speed != 1.0:  # compute at `speed` is compute at 1 with the work scaled
+        if not (np.isscalar(speed) and speed == 1.0):  # compute at `speed` is compute at 1 with the work scaled
             fixed, plain = fixed / speed, plain / speed
         c = self.config
         g = self.domain.gpus_per_node
-        lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), tokens.shape)
+        lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), shape)
+        hi = np.broadcast_to(np.asarray(hi, dtype=np.int64), shape)
         slowed = speed if c.speed_scales_comm else 1.0  # and comm too where it runs on the ranks' cores
         comm_intra = c.comm_bytes_per_token * tokens / c.intra_node_bytes_per_s / slowed
         comm_inter = c.comm_bytes_per_token * tokens / c.inter_node_bytes_per_s / slowed
         with np.errstate(divide="ignore", invalid="ignore"):
             cross_intra = 1.0 + plain / np.where(comm_intra - fixed > 0, comm_intra - fixed, np.inf)
             cross_inter = 1.0 + plain / np.where(comm_inter - fixed > 0, comm_inter - fixed, np.inf)
-        cands = [lo, np.full_like(lo, hi), np.full_like(lo, g), np.full_like(lo, g + 1)]
+        cands = [lo, hi, np.full(shape, g, dtype=np.int64), np.full(shape, g + 1, dtype=np.int64)]
         for cross in (cross_intra, cross_inter):
             f = np.floor(np.minimum(cross, hi)).astype(np.int64)
             cands += [f, f + 1]
-        best_t = np.full(tokens.shape, np.inf)
+        best_t = np.full(shape, np.inf)
         best_d = lo.copy()
         for d in cands:
             d = np.clip(d, lo, hi)
@@ -293,17 +295,14 @@ class ReferenceCostModel:
         were taken."""
         m, levels = self.config.microbatch_overhead_s, self.domain.speed_levels(self.uneven_shards)
 
-        def minimum(index: np.ndarray) -> np.ndarray:
-            out = np.full(len(index), np.inf)
-            for v, a, b in levels:
-                reach = lo[index] <= b
-                if reach.any():
-                    t, _ = self.best_time(tokens[index], work[index], lo=np.maximum(lo[index], a), hi=b, speed=v)
-                    out = np.minimum(out, np.where(reach, m / v + t, np.inf))
-            return out
+        v, a, b = (np.array(column)[:, None] for column in zip(*levels))
 
-        v, a, b = levels[-1]  # b = N: every sample fits it
-        upper = m / v + self.best_time(tokens, work, lo=np.maximum(lo, a), hi=b, speed=v)[0]
+        def minimum(index: np.ndarray) -> np.ndarray:  # every level at once: (levels, samples)
+            t, _ = self.best_time(tokens[index], work[index], lo=np.maximum(lo[index], a), hi=b, speed=v)
+            return np.where(lo[index] <= b, m / v + t, np.inf).min(axis=0)
+
+        widest_v, widest_a, widest_b = levels[-1]  # b = N: every sample fits it
+        upper = m / widest_v + self.best_time(tokens, work, lo=np.maximum(lo, widest_a), hi=widest_b, speed=widest_v)[0]
         order = np.argsort(-upper, kind="stable")
         first = order[:SCREENED]
         longest = float(minimum(first).max())

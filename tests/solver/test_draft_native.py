@@ -98,6 +98,7 @@ class Drawn:
     per_size: list[float]
     tables: dict = dataclasses.field(default_factory=dict)
     family: SimpleNamespace | None = None
+    memo: dict = dataclasses.field(default_factory=dict)
 
     @property
     def model(self) -> SimpleNamespace:

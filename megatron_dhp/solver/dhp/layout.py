@@ -112,33 +112,57 @@ class Windows:
 
     @classmethod
     def of(cls, inst: Instance, sizes: list[int], cell: int, straddle: bool) -> Windows:
-        """The windows of the allowed `sizes` (with a family, its groups of those sizes)."""
-        n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
-        starts = [inst.family.starts(d) if inst.family else window_starts(n, d, cell, gpn, straddle) for d in sizes]
-        kept = [k for k, st in enumerate(starts) if len(st)]
-        size = np.repeat([sizes[k] for k in kept], [len(starts[k]) for k in kept]).astype(np.int64)
-        start = np.concatenate([starts[k] for k in kept]).astype(np.int64)
-        segment = np.repeat(np.arange(len(kept)), [len(starts[k]) for k in kept])
-        intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
-        end = start + size
-        slowest: np.ndarray | float = 1.0
-        fastest: np.ndarray | float = 1.0
-        capacity = None
-        if not inst.nominal:  # each window's slowest and fastest rank's speed, and the sum of its speeds
-            slides = [np.lib.stride_tricks.sliding_window_view(inst.speeds, sizes[k])[starts[k]] for k in kept]
-            slowest = np.concatenate([w.min(axis=1) for w in slides])
-            fastest = np.concatenate([w.max(axis=1) for w in slides])
-            total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
-            capacity = total[end] - total[start]
-        if inst.nominal:  # one overhead per size
-            overhead = np.repeat([inst.overhead(sizes[k]) for k in kept], [len(starts[k]) for k in kept]).astype(np.float64)
-        else:
-            pairs = list(zip(size.tolist(), np.broadcast_to(slowest, size.shape).tolist()))
-            over = {pair: inst.overhead(*pair) for pair in set(pairs)}
-            overhead = np.array([over[pair] for pair in pairs])
-        firsts = np.concatenate([[0], np.cumsum([len(starts[k]) for k in kept])[:-1]]).astype(np.int64)
-        return cls(size, start, segment, [sizes[k] for k in kept], firsts, intra, slowest, fastest, overhead,
-                   capacity, end)
+        """The windows of the allowed `sizes` (with a family, its groups of those sizes): each size's, made
+        once per solve (`size_windows`: a sample's sizes overlap the next degree's), side by side."""
+        parts = [size_windows(inst, d, cell, straddle) for d in sizes]
+        kept = [k for k, part in enumerate(parts) if len(part.start)]
+        counts = [len(parts[k].start) for k in kept]
+        size = np.repeat([sizes[k] for k in kept], counts).astype(np.int64)
+        start = np.concatenate([parts[k].start for k in kept]).astype(np.int64)
+        segment = np.repeat(np.arange(len(kept)), counts)
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+        def joined(field: str) -> np.ndarray:
+            return np.concatenate([getattr(parts[k], field) for k in kept])
+
+        nominal = inst.nominal
+        return cls(size, start, segment, [sizes[k] for k in kept], firsts, joined("intra"),
+                   1.0 if nominal else joined("slowest"), 1.0 if nominal else joined("fastest"), joined("overhead"),
+                   None if nominal else joined("capacity"), start + size)
+
+
+@dataclass(frozen=True)
+class SizeWindows:
+    """The windows of one size (`Windows` of one size, without the bookkeeping across sizes)."""
+
+    start: np.ndarray
+    intra: np.ndarray
+    slowest: np.ndarray | None
+    fastest: np.ndarray | None
+    capacity: np.ndarray | None
+    overhead: np.ndarray
+
+
+def size_windows(inst: Instance, size: int, cell: int, straddle: bool) -> SizeWindows:
+    """Every window of `size` ranks a wide group may take, with each one's placement, slowest and fastest
+    rank's speed, sum of speeds and microbatch overhead; made once per solve."""
+    key = ("size windows", size, cell, straddle)
+    if key in inst.memo:
+        return inst.memo[key]
+    n, gpn = inst.num_ranks, inst.model.domain.gpus_per_node
+    start = (inst.family.starts(size) if inst.family else window_starts(n, size, cell, gpn, straddle)).astype(np.int64)
+    intra = (size <= gpn) & (start // gpn == (start + size - 1) // gpn)
+    if inst.nominal:  # one overhead per size
+        out = SizeWindows(start, intra, None, None, None, np.full(len(start), inst.overhead(size), dtype=np.float64))
+    else:  # each window's slowest and fastest rank's speed, the sum of its speeds, and its slowest's overhead
+        slides = np.lib.stride_tricks.sliding_window_view(inst.speeds, size)[start]
+        slowest = slides.min(axis=1)
+        total = np.concatenate([[0.0], np.cumsum(inst.speeds)])
+        levels, level_of = np.unique(slowest, return_inverse=True)
+        overhead = np.array([inst.overhead(size, v) for v in levels.tolist()], dtype=np.float64)[level_of]
+        out = SizeWindows(start, intra, slowest, slides.max(axis=1), total[start + size] - total[start], overhead)
+    inst.memo[key] = out
+    return out
 
 
 def place_wide(inst: Instance, skyline: Skyline, items: np.ndarray, degrees: np.ndarray, cell: int,
