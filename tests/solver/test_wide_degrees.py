@@ -4,6 +4,7 @@ changes without speeds or where no slow window exists."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -140,3 +141,20 @@ def test_static_layouts_far_from_the_bound_take_the_shares_dhp_groups_take():
     even = replace(plan, groups=(PlanGroup((0, 1, 2, 3), ((0, 1, 2),)),))
     assert plan.predicted_step_time_s < 0.75 * simulate(even, model).step_time_s
     assert plan.predicted_step_time_s == pytest.approx(0.5067, abs=1e-4)
+
+
+def test_dhp_groups_are_in_the_normal_form_plan_group_gives_them():
+    """`Instance.plan_groups` builds its groups without `PlanGroup.__post_init__`'s copies: each must equal the
+    group built through it, field by field and type by type (Python ints, normalized shares), so the plan
+    round-trips through JSON."""
+    base = CostConfig.load("gpt7b-64").with_overrides(world_size=64, rank_speeds=())
+    speeds = np.random.default_rng(0).uniform(0.4, 1.0, 64).round(2)
+    model = build_cost_model(base).with_speeds(tuple(speeds.tolist()))
+    batch = LengthSource.from_args(dist="wlbllm").draw(global_batch=512, seed=0, capacity=model.domain.capacity)
+    plan = run_planner(build_planner("dhp"), batch, model)
+    assert any(g.shares for g in plan.groups)
+    for g in plan.groups:
+        rebuilt = PlanGroup(g.ranks, g.microbatches, g.phase, g.shares)
+        assert rebuilt == g and rebuilt.shares == g.shares
+        assert {type(v) for v in (*g.ranks, *(i for mb in g.microbatches for i in mb), g.phase, *g.shares)} == {int}
+    assert Plan.from_dict(json.loads(plan.to_json())).groups == plan.groups

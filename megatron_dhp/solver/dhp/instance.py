@@ -162,9 +162,9 @@ class Instance:
             faster = self._faster_with_shares([drafts[k][:2] for k in mixed], [shares[k] for k in mixed])
             for k, keep in zip(mixed, faster):
                 shares[k] = shares[k] if keep else ()
-        ids = self.id_list
-        return [PlanGroup(ranks=ranks, microbatches=tuple(tuple(ids[i] for i in mb) for mb in mbs), phase=phase,
-                          shares=w) for (ranks, mbs, phase), w in zip(drafts, shares)]
+        id_of = self.id_list.__getitem__  # ids and ranks are Python ints, shares normalized: no copies
+        return [PlanGroup.of_normal_form(tuple(ranks), tuple([tuple(map(id_of, mb)) for mb in mbs]), int(phase), w)
+                for (ranks, mbs, phase), w in zip(drafts, shares)]
 
     def _speed_shares(self, ranks: tuple[int, ...], microbatches: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """A group's shares in proportion to its speeds, fitted to its microbatches' memory; () where even."""
