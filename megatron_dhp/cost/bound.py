@@ -171,8 +171,9 @@ def coupled_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
 
 def best_lower_bound(model: CostModel, samples: Sequence[Sample]) -> float:
     """The largest of `CostModel.lower_bound`, `coupled_lower_bound` and, where ranks run at different
-    speeds, `cost.class_bound.class_lower_bound` (each valid). Under encoder placement `auto`, which plans under each concrete placement and keeps the fastest, the least of that over the
-    concrete placements whose memory holds the samples."""
+    speeds, `cost.class_bound.class_lower_bound` (each valid). Under encoder placement `auto`, which plans
+    under each concrete placement and keeps the fastest, the least of that over the concrete placements whose
+    memory holds the samples."""
     if model.encoder_placement == "auto":  # (split alone where none holds them: its error names the sample)
         n = model.domain.world_size
         held = [m for m in map(model.with_placement, CONCRETE_PLACEMENTS)

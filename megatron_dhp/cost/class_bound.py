@@ -18,8 +18,8 @@ step time T then gives a feasible point of the linear program
 
 (x_sc = 1 for the configuration sample s runs on; o_sc its share of the microbatch overhead, m over the
 group's slowest speed times its fill, as `cost.bound` charges it), so the LP's optimum, or the longest
-sample's least end, whichever is larger, bounds every plan (HiGHS). The LP keeps, per sample, only the
-configurations no other beats in both classes' rank-seconds.
+sample's least end, whichever is larger, bounds every plan. It is taken through the LP's dual
+(`class_bound_arrays`), a concave function of one weight.
 
 The least time over splits. Shares within a class may as well be equal: a group's compute is W max_r(phi_r /
 s_r) and its communication d phi_max times the even split's (`plan.shares.pace`), and replacing a class's
@@ -27,9 +27,9 @@ shares by their mean raises neither maximum nor the largest share memory sees. W
 and b = (1 - k a) / j the slow ones', compute is convex and piecewise linear in a (one kink, where shares
 follow speeds) and so is communication (one kink, at even shares); their maximum or sum is convex, and
 between the two kinks both are linear. The least time on a's feasible interval (memory: a, b <= (cap -
-held) / shared) is therefore at the interval's end nearest the unconstrained optimum, which is one of the
-two kinks or the point between them where compute meets communication: `split_times` evaluates all three,
-clipped to the interval, under the cost model itself.
+held) / shared) is therefore at the unconstrained optimum clipped to the interval, and that optimum is one
+of the two kinks or the point between them where compute meets communication: `split_times` evaluates all
+three, clipped, under the cost model itself.
 
 Cost: O(samples x (N_f + 1)(N_s + 1)) times; above `MAX_ENTRIES` (about 256 ranks of two equal halves) the
 bound is not taken and `class_lower_bound` returns 0 (the other bounds still hold).
