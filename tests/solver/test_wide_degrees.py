@@ -158,3 +158,16 @@ def test_dhp_groups_are_in_the_normal_form_plan_group_gives_them():
         assert rebuilt == g and rebuilt.shares == g.shares
         assert {type(v) for v in (*g.ranks, *(i for mb in g.microbatches for i in mb), g.phase, *g.shares)} == {int}
     assert Plan.from_dict(json.loads(plan.to_json())).groups == plan.groups
+
+
+def test_static_layouts_with_speeds_also_run_one_sample_a_microbatch():
+    """Two samples that each fill two ranks' memory, on two ranks at 1.0 and two at 0.45. Static CP packs both
+    into one microbatch on all four ranks, whose memory then holds only even shards (at 0.45); one sample a
+    microbatch lets each take shares in proportion to the speeds: 0.80 s, where dhp's draft (two 3-rank groups
+    in two phases) took 1.03 s. Fails without the one-sample layouts."""
+    config = replace(GPT7B, world_size=4, gpus_per_node=4, max_tokens_per_rank=2048)
+    model = build_cost_model(config).with_speeds((1.0, 1.0, 0.45, 0.45))
+    batch = Batch((Sample(0, 4096), Sample(1, 4096)))
+    plan = run_planner(build_planner("dhp"), batch, model)
+    assert [(g.ranks, g.microbatches, g.shares) for g in plan.groups] == [((0, 1, 2, 3), ((0,), (1,)), (20, 20, 9, 9))]
+    assert plan.predicted_step_time_s == pytest.approx(0.8013, abs=1e-4)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -432,7 +432,9 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
     that divides the domain, but those whose replicas' mean time alone reaches `beat_s`: replica r takes its
     samples' time T_r at speed v_r, so the longest is at least sum T / sum v, and such a layout cannot beat
     the draft. With rank speeds each replica runs with the shares dhp's groups take (`Instance.plan_groups`),
-    so v_r is its ranks' mean speed where shards may be uneven, else its slowest's."""
+    so v_r is its ranks' mean speed where shards may be uneven, else its slowest's; and each layout comes
+    twice, as static packs it and with one sample a microbatch (a full microbatch holds even shards, at its
+    slowest rank's pace: more microbatches can be faster)."""
     model = inst.model
     layouts, n, cap = [], model.domain.world_size, model.domain.max_tokens_per_rank
     longest = int(batch.lengths.max())
@@ -448,6 +450,9 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
         if (first and inst.nominal) or mean_s < beat_s:  # (nominal: the first always, as it always was)
             groups = StaticPlanner(dataset_max_tokens=None if first else cp * cap).solve(batch, model)
             layouts.append(groups if inst.nominal else with_speed_shares(inst, groups))
+            if not inst.nominal and model.uneven_shards:
+                layouts.append(with_speed_shares(inst, [replace(g, microbatches=tuple((i,) for i in g.sample_ids))
+                                                        for g in groups]))
         cp, first = 2 * cp, False
     return layouts
 
