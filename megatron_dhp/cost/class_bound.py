@@ -177,8 +177,7 @@ def class_bound_arrays(model: CostModel, tokens: np.ndarray, work: np.ndarray, f
     m = np.where(slowest == classes.fast, model.microbatch_overhead(1, classes.fast),
                  model.microbatch_overhead(1, classes.slow))
     ends = np.array([model.microbatch_overhead(int(g), float(v)) for g, v in zip(d, slowest)])
-    room = footprint.cap - footprint.held
-    limit = np.where(footprint.shared > 0, room / np.maximum(footprint.shared, 1), np.inf)
+    limit = footprint.largest_parts()
     costs = np.empty((tokens.size, d.size))  # a sample's time and overhead on each configuration (inf: no fit)
     longest = 0.0
     for start in range(0, tokens.size, CHUNK):

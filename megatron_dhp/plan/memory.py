@@ -141,6 +141,10 @@ class Footprint:
         shared, room = self._sums(index)
         return room / max(shared, 1)
 
+    def largest_parts(self) -> np.ndarray:
+        """`largest_part` of each sample alone in a microbatch, for all at once."""
+        return (self.cap - self.held) / np.maximum(self.shared, 1)
+
     def fitting_shares(self, shares: Sequence[int], microbatches: Sequence[Sequence[int]],
                        degree: int) -> tuple[int, ...]:
         """`shares` mixed toward even as far as every microbatch (samples' indices) on `degree` ranks needs to

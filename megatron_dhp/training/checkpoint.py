@@ -234,12 +234,12 @@ class CheckpointMeta:
     @classmethod
     def read(cls, path: Path) -> CheckpointMeta:
         """Parse and type-check every field; every rank checks all of them, so all reach the same verdict."""
-        name = f"checkpoint metadata {str(path)!r}"
         if not path.is_file():
             raise UnloadableCheckpoint(f"{str(path.parent)!r} has no meta.json (missing, or its save was cut off)",
                                        "point --load at another checkpoint")
         try:
-            meta = parse_json(read_text(path, what="checkpoint metadata", limit=META_BYTES), name=name)
+            meta = parse_json(read_text(path, what="checkpoint metadata", limit=META_BYTES),
+                              name=f"checkpoint metadata {str(path)!r}")
             if not isinstance(meta, dict):
                 raise ValueError(f"a JSON {type(meta).__name__}, not an object")
             if meta.get("schema") != SCHEMA:

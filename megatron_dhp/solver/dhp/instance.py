@@ -107,9 +107,9 @@ class Instance:
 
     @functools.cached_property
     def share_limit(self) -> np.ndarray:
-        """`Footprint.largest_part` of each sample alone in a microbatch, for all at once (uneven shards give
-        the fastest rank more than 1 / d, `plan.shares.blend`)."""
-        return (self.footprint.cap - self.footprint.held) / np.maximum(self.footprint.shared, 1)
+        """`Footprint.largest_parts`, once per solve (uneven shards give the fastest rank more than 1 / d,
+        `plan.shares.blend`)."""
+        return self.footprint.largest_parts()
 
     def wide_seconds(self, items: np.ndarray, size: np.ndarray, intra: np.ndarray, speed_sum: np.ndarray | float,
                      slowest: np.ndarray | float, fastest: np.ndarray | float,
@@ -201,6 +201,11 @@ class Instance:
     def id_list(self) -> list[int]:
         """`ids` as Python ints (a plan's thousands of microbatch entries read them one by one)."""
         return self.ids.tolist()
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """Each sample id's index in the instance (a planned layout's microbatches hold ids)."""
+        return dict(zip(self.id_list, range(len(self.id_list))))
 
     def layout_times(self, groups: Sequence[PlanGroup]) -> list[tuple[float, ...]]:
         """Seconds of each microbatch (overhead plus its samples) of every planned group, from the tables, in

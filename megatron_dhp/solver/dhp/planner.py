@@ -459,7 +459,7 @@ def static_layouts(inst: Instance, batch: Batch, beat_s: float) -> list[list[Pla
 
 def with_speed_shares(inst: Instance, groups: Sequence[PlanGroup]) -> list[PlanGroup]:
     """`groups` with the shares their speeds ask for where those make them faster (`Instance.plan_groups`)."""
-    index = dict(zip(inst.id_list, range(len(inst.id_list))))
+    index = inst.position
     return inst.plan_groups([(g.ranks, [[index[i] for i in mb] for mb in g.microbatches], g.phase) for g in groups])
 
 

@@ -95,7 +95,7 @@ def fit_to_family(family: GroupFamily, groups: list[PlanGroup], inst: Instance) 
     window of the largest family size between its microbatches' memory minimum (the instance's footprint)
     and its own size (or the next family size up); ranks it leaves free sit the phase out. None where a
     phase does not fit."""
-    position = {int(sid): k for k, sid in enumerate(inst.ids)}
+    position = inst.position
     out: list[PlanGroup] = []
     for phase in sorted({g.phase for g in groups}):
         members = sorted((g for g in groups if g.phase == phase), key=lambda g: (-g.size, g.ranks[0]))
