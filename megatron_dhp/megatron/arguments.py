@@ -11,6 +11,7 @@ hooks do with any `DhpError` at start-up (`exits_on_dhp_error`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,8 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import refusals
 from megatron_dhp.plan.comm import STEP_COMMS
+
+logger = logging.getLogger(__name__)
 
 # torchrun stops every rank within 0.1 s of the first one's exit: the silent ranks wait that long and more, so
 # that rank 0 has printed before the job is stopped
@@ -151,8 +154,23 @@ def refuse_or_config(args: argparse.Namespace) -> DhpConfig | None:
     A run with multi-token prediction has its MTP blocks built with dynamic-CP attention from here on."""
     config = validate_dhp_args(args)
     if config is not None:
+        drop_loader_attention_mask(args)
         route_mtp_blocks(args, config)
     return config
+
+
+def drop_loader_attention_mask(args: argparse.Namespace) -> None:
+    """Have Megatron's loader build no attention mask, in one line on rank 0 when it would have.
+
+    megatron-dhp never reads it (documents come from the position ids), and the loader's mask is a dense
+    S x S fp32 tensor per row: 64 GiB at --seq-length 131072, the lengths where dhp gains.
+    """
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
+        if _rank() == 0:
+            mib = 4 * args.seq_length ** 2 / 2 ** 20
+            logger.warning("megatron-dhp: --no-create-attention-mask-in-dataloader set: the loader's %d x %d mask "
+                           "(%s MiB a row) is never read under --dhp", args.seq_length, args.seq_length, f"{mib:,.0f}")
 
 
 def route_mtp_blocks(args: argparse.Namespace, config: DhpConfig) -> None:

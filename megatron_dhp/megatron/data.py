@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -146,21 +147,71 @@ def _share_over_model_parallel(found: list[Sequence] | None, runtime: DhpRuntime
     return [(p[:, 0], p[:, 1], p[:, 2]) for p in parts]
 
 
-def wrap_data_iterator(iterator: object, runtime: DhpRuntime, *, lookahead: bool) -> object:
-    """Megatron's data iterator (a `RerunDataIterator`, a list of them, or None) as one of planned steps.
+@dataclass(frozen=True)
+class IteratorShape:
+    """How Megatron-LM nests one split's data iterators, read from its arguments, never from the Python type: a
+    list is either the model chunks of one loader or several validation sets, each with its own data."""
+
+    chunks: bool = False
+    """Virtual pipelining: one iterator per model chunk, every one over the same loader."""
+    sets: int = 0
+    """--multiple-validation-sets (the validation split): one iterator per set, this many; 0: one split."""
+
+    @classmethod
+    def of(cls, args: object, *, sets: int = 0) -> IteratorShape:
+        """The shape of a split's iterators under Megatron-LM's parsed `args` (`sets`: the validation sets)."""
+        return cls(chunks=getattr(args, "virtual_pipeline_model_parallel_size", None) is not None, sets=sets)
+
+
+def wrap_data_iterator(iterator: object, runtime: DhpRuntime, *, lookahead: bool,
+                       shape: IteratorShape = IteratorShape()) -> object:
+    """Megatron's data iterator (a `RerunDataIterator`, None, or lists of them as `shape` says) as one of planned
+    steps, in the same nesting.
 
     Ranks that do not read the loader get a step iterator even where Megatron gave them None (TP ranks other
     than 0, middle pipeline stages): they take part in every step's collectives and are sent their data.
     Under virtual pipelining Megatron builds a loader per model chunk; a planned step serves every chunk, so
-    the list holds one step iterator over the first chunk's loader (the first stage reads it) V times.
+    the list holds one step iterator over the first chunk's loader (the first stage reads it) V times. Several
+    validation sets each get their own step iterator over their own loader.
     """
+    if shape.sets:
+        # a rank that reads no loader was handed None (or Nones): it runs every set's steps all the same
+        sets = _nested(iterator, "validation set (--multiple-validation-sets)") or [None] * shape.sets
+        return [wrap_data_iterator(it, runtime, lookahead=lookahead, shape=replace(shape, sets=False)) for it in sets]
+    if shape.chunks:
+        chunks = _nested(iterator, "model chunk (--virtual-pipeline-model-parallel-size)")
+        return [wrap_data_iterator(chunks[0], runtime, lookahead=lookahead)] * len(chunks) if chunks else []
     if isinstance(iterator, list):
-        return [wrap_data_iterator(iterator[0], runtime, lookahead=lookahead)] * len(iterator) if iterator else []
+        raise DhpError(f"Megatron-LM handed megatron-dhp a list of {len(iterator)} data iterators where its arguments "
+                       "ask for one (no virtual pipelining, one validation set); a training script that builds its own "
+                       "iterators must nest them as Megatron-LM's pretrain() does")
     reads_loader = dist.get_rank() == runtime.share_source
     if iterator is None and reads_loader:
         return None
     source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
     return RerunDataIterator(StepIterator(source if reads_loader else None, runtime, lookahead=lookahead))
+
+
+def _nested(iterator: object, what: str) -> list:
+    """A list level the arguments promise, or a clear error when the script built its iterators otherwise."""
+    if iterator is None:
+        return []
+    if not isinstance(iterator, list):
+        raise DhpError(f"Megatron-LM's arguments ask for a list of data iterators, one per {what}, and megatron-dhp "
+                       f"was handed one {type(iterator).__name__}; build the iterators as Megatron-LM's pretrain() does")
+    return iterator
+
+
+def validation_sets(iterator: object, runtime: DhpRuntime) -> int:
+    """How many validation sets the loader-reading rank of this model-parallel group was handed (the others get
+    None from Megatron-LM). Collective over the model-parallel group."""
+    count = [len(iterator) if isinstance(iterator, list) else -1]
+    if runtime.share_group is not None:
+        dist.broadcast_object_list(count, src=runtime.share_source, group=runtime.share_group)
+    if count[0] < 1:
+        raise DhpError("--multiple-validation-sets is given, but Megatron-LM's validation iterator is not a list of "
+                       "sets; build the iterators as Megatron-LM's pretrain() does")
+    return count[0]
 
 
 def step_iterator(data_iterator: object) -> StepIterator:

@@ -19,7 +19,7 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.integration.step_runtime import build_step_runtime
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
-from megatron_dhp.megatron.data import step_iterator, wrap_data_iterator
+from megatron_dhp.megatron.data import IteratorShape, step_iterator, validation_sets, wrap_data_iterator
 from megatron_dhp.megatron.state import DhpRuntime
 from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.runtime.domain import DynamicDomain, host_groups
@@ -85,11 +85,14 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         split_documents=bool(args.reset_attention_mask),
         max_sample_tokens=cap,
     )
+    # The nesting of each split's iterators comes from the arguments: a list is model chunks or validation sets.
+    shape = IteratorShape.of(args)
+    sets = validation_sets(valid_data_iterator, runtime) if getattr(args, "multiple_validation_sets", False) else 0
     # Only training reads ahead to plan the next step in the background; evaluation plans when it runs.
     wrapped = (
-        wrap_data_iterator(train_data_iterator, runtime, lookahead=config.overlap_planning),
-        wrap_data_iterator(valid_data_iterator, runtime, lookahead=False),
-        wrap_data_iterator(test_data_iterator, runtime, lookahead=False),
+        wrap_data_iterator(train_data_iterator, runtime, lookahead=config.overlap_planning, shape=shape),
+        wrap_data_iterator(valid_data_iterator, runtime, lookahead=False, shape=IteratorShape.of(args, sets=sets)),
+        wrap_data_iterator(test_data_iterator, runtime, lookahead=False, shape=shape),
     )
     # At exit our iterators let go of Megatron's loaders before multiprocessing joins their workers: a worker
     # forked after --exit-signal-handler took SIGTERM ignores the terminate() that join waits on, so a loader
@@ -108,12 +111,11 @@ def _model_memory(args: argparse.Namespace, stages: int) -> ModelMemory:
                               full_recompute=args.recompute_granularity == "full")
 
 
-def _flat(iterators: tuple) -> list:
-    """The wrapped iterators, lists (one per virtual pipeline stage) flattened, None left out."""
-    out = []
-    for it in iterators:
-        out += [x for x in it if x is not None] if isinstance(it, list) else [it] if it is not None else []
-    return out
+def _flat(iterators: object) -> list:
+    """The wrapped iterators, lists (per validation set, per virtual pipeline stage) flattened, None left out."""
+    if isinstance(iterators, (list, tuple)):
+        return [x for it in iterators for x in _flat(it)]
+    return [] if iterators is None else [iterators]
 
 
 def _loader_sharing(domain: DynamicDomain) -> tuple[dist.ProcessGroup | None, int]:

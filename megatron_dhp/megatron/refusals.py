@@ -105,6 +105,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "megatron-dhp trains each document as its own sequence (positions from 0) and finds documents "
             "where positions restart",
             "add `--reset-position-ids`"),
+    Refusal("`--multiple-validation-sets` with virtual pipelining",
+            lambda a, c: getattr(a, "multiple_validation_sets", False) and
+            getattr(a, "virtual_pipeline_model_parallel_size", None),
+            "--multiple-validation-sets with --virtual-pipeline-model-parallel-size {value}",
+            "Megatron-LM nests the validation iterators per model chunk, then per set, and its evaluation reads "
+            "the outer list as the sets (each set would be scored on another chunk's data)",
+            "drop `--multiple-validation-sets`, or train without virtual pipelining"),
     Refusal("`--iterations-to-skip`",
             lambda a, c: getattr(a, "iterations_to_skip", None),
             "--iterations-to-skip with --dhp",

@@ -31,6 +31,8 @@ LOADER_MICROBATCHES = 2
 """K: loader microbatches per rank and step (Megatron's get_num_microbatches())."""
 
 DENSE = TinyGPTConfig()
+VALIDATION_SETS = (100, 200)
+"""The oracle's first step of each validation set's loader (`Harness.valid_sets`)."""
 
 
 def megatron_args(**overrides: object) -> argparse.Namespace:
@@ -121,8 +123,10 @@ class Harness:
         if parallel_state.get_tensor_model_parallel_rank() == 0 and ends:
             self.train = RerunDataIterator(self._loader(steps))
             self.valid = RerunDataIterator(self._loader(range(100, 102)))
+            # --multiple-validation-sets: one loader per set, as Megatron-LM's pretrain() builds them
+            self.valid_sets = [RerunDataIterator(self._loader(range(first, first + 2))) for first in VALIDATION_SETS]
         else:
-            self.train = self.valid = None
+            self.train = self.valid = self.valid_sets = None
 
     def _loader(self, steps: range):
         for step in steps:
@@ -260,11 +264,14 @@ def hooks_checks() -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(0)
     t = Harness(seed=5)
-    train, _, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2),
-                        t.train, None, None)
+    train, valid, _ = setup(megatron_args(dhp_comm="ring", dhp_max_tokens_per_rank=12, tensor_model_parallel_size=2,
+                                          multiple_validation_sets=True), t.train, t.valid_sets, None)
     tp2 = train.iterable.runtime
     out["tp2_domain"] = tp2.steps.domain.global_ranks
     out["tp2"] = [t.compare(step, t.run(train)[1]) for step in range(2)]
+    # each validation set on its own data, on the TP rank Megatron handed None too
+    out["valid_sets"] = [t.compare(first, t.run(it, forward_only=True)[1], grads=False)
+                         for it, first in zip(valid, VALIDATION_SETS, strict=True)]
     tp2.steps.planner.close()
 
     # --- TP 2 with --sequence-parallel: every shard padded to an even row count, LayerNorm grads over TP

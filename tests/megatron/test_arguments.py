@@ -95,6 +95,8 @@ def test_flags_override_the_yaml(tmp_path):
                                            "--use-distributed-optimizer"),
         ([], dict(reset_attention_mask=True), "--reset-attention-mask with --dhp needs --reset-position-ids"),
         ([], dict(iterations_to_skip=[5]), "--iterations-to-skip"),
+        ([], dict(multiple_validation_sets=True, virtual_pipeline_model_parallel_size=2),
+         "--multiple-validation-sets with --virtual-pipeline-model-parallel-size 2: .*each set would be scored"),
         ([], dict(rampup_batch_size=[16, 16, 1000]), "--rampup-batch-size with overlap_planning"),
         ([], dict(cuda_graph_impl="local"), "--cuda-graph-impl local with --dhp"),
         ([], dict(attention_backend="AttnBackend.local"), "--attention-backend local with --dhp"),

@@ -81,6 +81,14 @@ def test_tensor_parallel_ranks_share_rank_zeros_loader(ranks):
             assert_exact(result, r["tolerance"])
 
 
+def test_several_validation_sets_are_each_scored_on_their_own_data(ranks):
+    # --multiple-validation-sets: a list of sets, not of model chunks; TP rank 1 was handed None for them
+    for r in ranks:
+        assert len(r["valid_sets"]) == len(dist_workers.VALIDATION_SETS)
+        for result in r["valid_sets"]:
+            assert_exact(result, r["tolerance"])
+
+
 def test_pipeline_stages_run_the_plan_through_1f1b(ranks):
     # ranks 0, 1 are stage 0 and read the loader; 2, 3 are stage 1 and are sent the sequences
     assert [r["pp2_domain"] for r in ranks] == [((0, 1), True), ((0, 1), True), ((2, 3), False), ((2, 3), False)]

@@ -189,6 +189,19 @@ def test_schedule_without_setup_or_wrapped_iterator_says_what_to_do():
         step_iterator(iter([]))
 
 
+@pytest.mark.parametrize("iterator, shape, match", [
+    ([object(), object()], {}, "a list of 2 data iterators where its arguments ask for one"),
+    (object(), {"sets": 2}, "one per validation set .* handed one object"),
+    (object(), {"chunks": True}, "one per model chunk .* handed one object"),
+])
+def test_iterators_nested_otherwise_than_the_arguments_say_are_refused(iterator, shape, match):
+    from megatron_dhp.megatron.data import IteratorShape, wrap_data_iterator
+
+    # the nesting comes from the arguments; the runtime is never reached
+    with pytest.raises(DhpError, match=match):
+        wrap_data_iterator(iterator, None, lookahead=False, shape=IteratorShape(**shape))
+
+
 def test_te_layer_spec_allocates_te_cp_stream_and_states_comm_type_and_padding_at_static_cp_one(monkeypatch):
     """With a stand-in for TransformerEngine's attention (no TE or GPU here): the stream is made once; the
     attention keeps the job's --cp-comm-type (per layer when a list), which megatron-core passes TE only at
