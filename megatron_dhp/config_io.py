@@ -97,13 +97,28 @@ def load_yaml_file(path: str | Path, *, what: str) -> object:
     try:
         return load_yaml(text, source=name)
     except yaml.YAMLError as e:
-        raise DhpError(f"{name} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise DhpError(f"{name} is not valid YAML{_yaml_place(e)}") from None
     except RecursionError:
         raise DhpError(f"{name} nests its lists or mappings too deeply to read") from None
     except DhpError:
         raise
     except ValueError as e:  # an integer of 4300 digits or more, a date like 2024-13-01
         raise DhpError(f"{name} holds a value YAML cannot convert: {str(e).split(';')[0]}") from None
+
+
+def _yaml_place(error: yaml.YAMLError) -> str:
+    """Where and what a YAML syntax error is: `at line 2, column 2: expected ',' or ']', but got ':' (in the flow
+    sequence from line 1, column 4)`, or the parser's first line where it gives no place."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f": {str(error).splitlines()[0]}"
+    problem = getattr(error, "problem", None) or "cannot be parsed"
+    context, begun = getattr(error, "context", None), getattr(error, "context_mark", None)
+    where = ""
+    if context and begun is not None:
+        what = re.sub(r"^while \w+ ", "", context)
+        where = f" ({what} from line {begun.line + 1}, column {begun.column + 1})"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}{where}"
 
 
 def from_mapping(cls: type, obj: object, *, source: str) -> object:

@@ -174,8 +174,12 @@ def test_a_bad_value_gets_one_message_from_python_and_from_yaml(tmp_path, gpt7b_
 def test_yaml_not_a_mapping_and_invalid(tmp_path):
     with pytest.raises(DhpError, match="expected a mapping"):
         CostConfig.load(_write(tmp_path, "- 1\n- 2\n"))
-    with pytest.raises(DhpError, match="is not valid YAML"):
-        CostConfig.load(_write(tmp_path, "a: [1, 2\n"))
+    # the place of the error, and where the construct it broke began
+    with pytest.raises(DhpError, match=r"is not valid YAML at line 3, column 1: expected ',' or '\]', but got "
+                                       r"'<stream end>' \(a flow sequence from line 2, column 4\)"):
+        CostConfig.load(_write(tmp_path, "b: 1\na: [1, 2\n"))
+    with pytest.raises(DhpError, match="is not valid YAML at line 2, column 4: mapping values are not allowed here"):
+        CostConfig.load(_write(tmp_path, "b: 1\n  a: 2\n"))
 
 
 def test_yaml_never_constructs_objects(tmp_path):

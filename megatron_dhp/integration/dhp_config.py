@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
 from megatron_dhp.config_io import check_fields, from_mapping, load_yaml_file
@@ -22,6 +23,11 @@ from megatron_dhp.runtime.attention import BACKENDS
 @dataclass(frozen=True)
 class DhpConfig:
     """Planner, memory cap, attention variant and cost model of dynamic hybrid parallelism."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "comm": tuple(STEP_COMMS), "attention_backend": tuple(BACKENDS), "layer_spec": tuple(LAYER_SPECS),
+        "encoder_placement": tuple(ENCODER_PLACEMENTS)}
+    """The names each of these keys takes (its flag's choices too)."""
 
     planner: str = "dhp"
     """Planner name: dhp, static, megatron-hcp, fcp-ref or flexsp-milp (see `megatron-dhp simulate`)."""
@@ -103,14 +109,10 @@ class DhpConfig:
         check_fields(self)
         if self.planner not in PLANNERS:
             raise DhpError(f"planner {excerpt(self.planner)} is unknown; choose one of {', '.join(PLANNERS)}")
-        for name, value, allowed in (("comm", self.comm, STEP_COMMS),
-                                     ("attention_backend", self.attention_backend, BACKENDS),
-                                     ("layer_spec", self.layer_spec, LAYER_SPECS)):
-            if value not in allowed:
+        for name, allowed in self.CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
                 raise DhpError(f"{name} {excerpt(value)} is unknown; choose one of {', '.join(allowed)}")
-        if self.encoder_placement is not None and self.encoder_placement not in ENCODER_PLACEMENTS:
-            raise DhpError(f"encoder_placement {excerpt(self.encoder_placement)} is unknown; choose one of "
-                           f"{', '.join(ENCODER_PLACEMENTS)}")
         self.comm_policy(world_size=1, gpus_per_node=1)  # the comm, layer spec and family bound, checked together
         for name in ("max_tokens_per_rank", "max_groups"):
             if getattr(self, name) < 1:

@@ -11,19 +11,22 @@ hooks do with any `DhpError` at start-up (`exits_on_dhp_error`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from megatron_dhp.config_io import to_mapping
+from megatron_dhp.config_io import field_docs, to_mapping
 from megatron_dhp.cost import CostConfig
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.megatron.refusals import refusals
-from megatron_dhp.plan.comm import STEP_COMMS
+from megatron_dhp.presets import resolve_preset
 
 logger = logging.getLogger(__name__)
 
@@ -33,49 +36,57 @@ _SILENT_RANK_EXIT_DELAY_S = 3.0
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-# flag attribute -> DhpConfig field it overrides
-_OVERRIDES = {
-    "dhp_planner": "planner",
-    "dhp_max_tokens_per_rank": "max_tokens_per_rank",
-    "dhp_comm": "comm",
-    "dhp_cost": "cost",
-    "dhp_log_plans": "log_plans",
-    "dhp_max_groups_per_rank": "max_groups_per_rank",
-    "dhp_adaptive": "adaptive",
-    "dhp_slow_rank": "slow_ranks",
-}
+_REPEATED = {"slow_ranks": "slow_rank"}
+"""DhpConfig fields given by a repeatable flag, one value each time, named in the singular."""
+_METAVARS = {"max_tokens_per_rank": "M", "max_groups_per_rank": "K", "cost": "YAML|PRESET", "slow_ranks": "RANK:FACTOR",
+             "rank_speeds": "SPEED", "node_speeds": "SPEED"}
+
+
+def _flag_dest(field: str) -> str:
+    """The argparse attribute of the flag that overrides DhpConfig `field`."""
+    return "dhp_" + _REPEATED.get(field, field)
+
+
+def dhp_flag(field: str) -> str:
+    """The Megatron-LM flag of DhpConfig key `field` (`--dhp-max-tokens-per-rank` for max_tokens_per_rank)."""
+    return "--" + _flag_dest(field).replace("_", "-")
+
 
 def add_dhp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the megatron-dhp argument group; returns the parser, as Megatron's extra_args_provider must."""
+    """Add the megatron-dhp argument group; returns the parser, as Megatron's extra_args_provider must.
+
+    Every `DhpConfig` key is a flag `--dhp-<key>`, generated from the dataclass (type, choices, the field's
+    docstring as help) as Megatron-LM's own `ArgumentGroupFactory` does for its configs. Unlike Megatron's, every
+    default is None: a flag overrides the `--dhp-config` YAML only when given.
+    """
     group = parser.add_argument_group(title="dynamic hybrid parallelism (megatron-dhp)")
     group.add_argument("--dhp", action="store_true",
                        help="Form context-parallel groups of any size every step from the DP x CP ranks "
                        "(keep --context-parallel-size 1; needs --calculate-per-token-loss).")
-    group.add_argument("--dhp-config", type=str, default=None, metavar="YAML",
-                       help="DhpConfig YAML (see configs/*_dhp.yaml); the --dhp-* flags below override its keys.")
-    group.add_argument("--dhp-planner", type=str, default=None,
-                       help="Planner: dhp (default) or static; more when installed (megatron-dhp simulate lists them).")
-    group.add_argument("--dhp-max-tokens-per-rank", type=int, default=None, metavar="M",
-                       help="Most tokens one rank holds in a microbatch; a longer sequence gets more ranks.")
-    group.add_argument("--dhp-comm", type=str, default=None, choices=tuple(STEP_COMMS),
-                       help="CP communication of the 'local' layer spec: "
-                       + "; ".join(f"{name}: {what}" for name, what in STEP_COMMS.items()) + ".")
-    group.add_argument("--dhp-cost", type=str, default=None, metavar="YAML",
-                       help="Cost model: a YAML written by megatron-dhp profile, or a preset name from configs/.")
-    group.add_argument("--dhp-max-groups-per-rank", type=int, default=None, metavar="K",
-                       help="Plan only with a fixed family of groups, created at start-up, at most K per rank "
-                       "(default: the planner's own, 32 for dhp); 0: any groups, created as plans need them.")
-    group.add_argument("--dhp-log-plans", action="store_true", default=None,
-                       help="Log each step's plan in one line.")
-    group.add_argument("--dhp-adaptive", action=argparse.BooleanOptionalAction, default=None,
-                       help="Closed-loop planning: learn each rank's speed and the cost model's correction from "
-                       "timed slots, and give slow ranks less work (default on; --no-dhp-adaptive: plan with the "
-                       "stated speeds only). Off under pipeline parallelism, whose 1F1B slots are not timed; the "
-                       "start-up log says so.")
-    group.add_argument("--dhp-slow-rank", action="append", default=None, metavar="RANK:FACTOR",
-                       help="Fault injection: global rank RANK holds each slot FACTOR times as long (repeatable; "
-                       "refused with --pipeline-model-parallel-size > 1, whose slots are not timed).")
+    group.add_argument("--dhp-config", type=str, default=None, metavar="YAML|PRESET",
+                       help="DhpConfig YAML, or a preset name of configs/ (e.g. llama3_8b_dhp); the --dhp-* flags "
+                       "below override its keys.")
+    docs = field_docs(DhpConfig)
+    hints = typing.get_type_hints(DhpConfig)
+    for f in dataclasses.fields(DhpConfig):
+        group.add_argument(dhp_flag(f.name), dest=_flag_dest(f.name), default=None, help=docs[f.name],
+                           **_flag_kwargs(f.name, hints[f.name]))
     return parser
+
+
+def _flag_kwargs(field: str, hint: object) -> dict:
+    """argparse's type, action, choices and metavar for a DhpConfig field of type `hint`."""
+    if isinstance(hint, types.UnionType):  # X | None: X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    kind, kwargs = hint, {}
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: several values
+        kind = typing.get_args(hint)[0]
+        kwargs = {"action": "append"} if field in _REPEATED else {"nargs": "+"}
+    if field in DhpConfig.CHOICES:
+        return {**kwargs, "type": kind, "choices": DhpConfig.CHOICES[field]}
+    return {**kwargs, "type": kind, "metavar": _METAVARS.get(field, {int: "N", float: "X"}.get(kind, "NAME"))}
 
 
 def with_dhp_args(other: ArgsProvider | None = None) -> ArgsProvider:
@@ -95,10 +106,10 @@ def dhp_config_from_args(args: argparse.Namespace) -> DhpConfig:
     """The `--dhp-config` YAML (or the defaults) with the `--dhp-*` flags applied, validated."""
     # a DhpConfig in place of the YAML path: a caller that holds one already (the Bridge integration)
     given = args.dhp_config
-    base = given if isinstance(given, DhpConfig) else DhpConfig.load(given) if given else DhpConfig()
-    flags = {field: getattr(args, attr, None) for attr, field in _OVERRIDES.items() if getattr(args, attr, None) is not None}
-    if "slow_ranks" in flags:
-        flags["slow_ranks"] = tuple(flags["slow_ranks"])
+    base = given if isinstance(given, DhpConfig) else DhpConfig.load(resolve_preset(given, what="dhp config")) \
+        if given else DhpConfig()
+    flags = {f.name: getattr(args, _flag_dest(f.name), None) for f in dataclasses.fields(DhpConfig)}
+    flags = {name: tuple(v) if isinstance(v, list) else v for name, v in flags.items() if v is not None}
     if not flags:
         return base
     return DhpConfig.from_dict({**to_mapping(base), **flags}, source="--dhp flags")
@@ -110,7 +121,8 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
     Call it after Megatron's own `validate_args`, which fills in the derived sizes read here.
     """
     if not args.dhp:
-        given = [f"--{a.replace('_', '-')}" for a in ("dhp_config", *_OVERRIDES) if getattr(args, a, None) is not None]
+        dests = ["dhp_config", *(_flag_dest(f.name) for f in dataclasses.fields(DhpConfig))]
+        given = [f"--{a.replace('_', '-')}" for a in dests if getattr(args, a, None) is not None]
         if given:
             raise DhpError(f"{', '.join(given)} given without --dhp; add --dhp to train with dynamic hybrid parallelism")
         return None

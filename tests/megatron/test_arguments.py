@@ -6,6 +6,8 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import fields
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,31 @@ def test_flags_parse_into_the_argument_group():
     assert unset.dhp is False and unset.dhp_config is None and unset.dhp_log_plans is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--dhp-comm", "a2a"])
+
+
+def test_every_dhp_config_key_is_a_flag_that_overrides_the_yaml_only_when_given(tmp_path):
+    from megatron_dhp.integration.dhp_config import DhpConfig
+
+    parser = add_dhp_args(argparse.ArgumentParser(allow_abbrev=False))
+    dests = {a.dest for a in parser._actions}
+    assert {"dhp_" + ("slow_rank" if f == "slow_ranks" else f) for f in map(attrgetter("name"), fields(DhpConfig))} <= dests
+    config = tmp_path / "dhp.yaml"
+    config.write_text("layer_spec: te\ntruncate: true\nrank_speeds: [1.0, 0.5]\n")
+    yaml_only = dhp_config_from_args(parser.parse_args(["--dhp-config", str(config)]))
+    assert (yaml_only.layer_spec, yaml_only.truncate, yaml_only.rank_speeds, yaml_only.log_plans) == ("te", True, (1.0, 0.5), True)
+    flags = parser.parse_args(["--dhp-config", str(config), "--dhp-layer-spec", "local", "--no-dhp-truncate",
+                               "--dhp-rank-speeds", "1", "0.25", "--no-dhp-log-plans", "--dhp-attention-backend", "math",
+                               "--dhp-slow-rank", "1:2", "--dhp-slow-rank", "3:1.5"])
+    got = dhp_config_from_args(flags)
+    assert (got.layer_spec, got.truncate, got.rank_speeds, got.log_plans, got.attention_backend, got.slow_ranks) == (
+        "local", False, (1.0, 0.25), False, "math", ("1:2", "3:1.5"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dhp-layer-spec", "fast"])
+
+
+def test_dhp_config_takes_a_preset_name():
+    args = add_dhp_args(argparse.ArgumentParser()).parse_args(["--dhp-config", "llama3_8b_dhp"])
+    assert dhp_config_from_args(args).layer_spec == "te"
 
 
 def test_with_dhp_args_keeps_the_other_provider():
@@ -109,7 +136,8 @@ def test_flags_override_the_yaml(tmp_path):
         (["--dhp-planner", "magic"], {}, "planner 'magic' is unknown; choose one of dhp, static"),
         (["--dhp-max-tokens-per-rank", "0"], {}, "max_tokens_per_rank = 0 must be >= 1"),
         (["--dhp-cost", "nope"], {}, "cost config 'nope' is neither a file nor a preset"),
-        (["--dhp-config", "missing.yaml"], {}, "dhp config 'missing.yaml' does not exist"),
+        (["--dhp-config", "missing.yaml"], {}, "dhp config 'missing.yaml' is neither a file nor a preset in configs/; "
+         "presets: .*llama3_8b_dhp"),
     ],
 )
 def test_combinations_that_cannot_work_are_rejected(argv, megatron, match):
