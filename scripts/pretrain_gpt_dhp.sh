@@ -4,6 +4,11 @@
 # Every training step megatron-dhp splits each TP coordinate's data-parallel ranks into context-parallel
 # groups of any size, sized to that step's documents; TP stays 2 and the static CP size stays 1.
 #
+# --seq-length is the longest context a row may hold (SEQ_LENGTH, 128K here); max_tokens_per_rank in the YAML
+# is what one GPU holds (M, 16K). dhp gains only where the first is larger: a row's documents longer than M get
+# a group of ranks, the short ones one rank each. The domain (NNODES x 8 / TP ranks) must hold a whole row:
+# 128K rows at M 16K need 8 ranks, so NNODES >= 2 (docs/megatron-lm.md#choosing---seq-length-and-m).
+#
 # Once:  pip install -e /path/to/megatron-dhp               (or put it on PYTHONPATH)
 #        scripts/apply_patches.sh /path/to/Megatron-LM      (any core_v0.16.1 .. main, dev checkout), or
 #        DHP_HOOKS=import: leave the checkout unpatched, the launcher hooks it in memory
@@ -24,6 +29,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 GPUS_PER_NODE=8
+SEQ_LENGTH=${SEQ_LENGTH:-131072}
 
 # NCCL and CUDA. Megatron overlaps TP communication assuming one hardware queue per device.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -55,7 +61,7 @@ DISTRIBUTED_ARGS=(
 MODEL_ARGS=(
   --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
   --num-attention-heads 32 --group-query-attention --num-query-groups 8
-  --seq-length 8192 --max-position-embeddings 8192
+  --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
   --position-embedding-type rope --rotary-base 500000
   --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
   --disable-bias-linear --untie-embeddings-and-output-weights
@@ -65,7 +71,7 @@ MODEL_ARGS=(
 
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 2     # fixed for the run: weights never move
-  --pipeline-model-parallel-size 1   # the megatron-dhp schedule has no pipelining yet
+  --pipeline-model-parallel-size 1   # PP works too (the domain per stage holds M // PP tokens per rank)
   --context-parallel-size 1          # megatron-dhp forms the CP groups itself, every step
   --cp-comm-type p2p                 # TransformerEngine's CP inside each group (THD: p2p or all_gather)
   --use-distributed-optimizer
@@ -73,7 +79,7 @@ PARALLEL_ARGS=(
 )
 
 TRAINING_ARGS=(
-  --micro-batch-size 1 --global-batch-size 256 --train-iters 100000
+  --micro-batch-size 1 --global-batch-size 32 --train-iters 100000   # 32 rows of 128K: 4M tokens a step
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --bf16
@@ -81,7 +87,9 @@ TRAINING_ARGS=(
 )
 
 # Each document is its own sequence (positions restart, no attention across documents): megatron-dhp
-# plans documents, so a row of short documents costs what they cost, not what the full row would.
+# plans documents, so a row of short documents costs what they cost, not what the full row would. The corpus
+# needs EOD tokens between documents (tools/preprocess_data.py --append-eod), or every row is one sequence.
+# megatron-dhp never reads the loader's attention mask (S x S per row: 64 GiB at 128K), so it is not built.
 DATA_ARGS=(
   --data-path "$DATA_PATH" --split 99,1,0
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"

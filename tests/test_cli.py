@@ -178,6 +178,17 @@ def test_console_script_has_help_on_every_command():
         assert result.returncode == 0 and "usage: megatron-dhp" in result.stdout
 
 
+def test_help_imports_no_torch_megatron_or_matplotlib():
+    # --help on every command is instant only while no sub-command module imports them at its top
+    code = ("import sys, contextlib, io\nfrom megatron_dhp.cli import COMMANDS, main\n"
+            "for c in [[], *([c] for c in COMMANDS)]:\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        main([*c, '--help'])\n"
+            "print(sorted(m for m in ('torch', 'megatron', 'matplotlib') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 def test_console_script_error_has_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "megatron_dhp", "plan", "--lengths", str(tmp_path / "nope.json")],
                             capture_output=True, text=True)

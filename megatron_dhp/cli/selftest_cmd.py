@@ -21,7 +21,6 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
 from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
@@ -128,6 +127,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the flags, then run as a torchrun rank or spawn the ranks and wait for them."""
+    from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
     from megatron_dhp.errors import DhpError
 
     comms = tuple(c.strip() for c in args.comm.split(",") if c.strip())

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What each preset promises its users, written out independently of the files (a changed preset must
 # change this table too).
 PRESETS = {
-    "llama3_8b_dhp": dict(planner="dhp", max_tokens_per_rank=8192, effective_comm="allgather", layer_spec="te", cost="gpt7b-64",
+    "llama3_8b_dhp": dict(planner="dhp", max_tokens_per_rank=16384, effective_comm="allgather", layer_spec="te", cost="gpt7b-64",
                           gpus_per_node=8, truncate=False, max_groups=256),
     "gpt7b_64gpu": dict(planner="dhp", max_tokens_per_rank=8192, effective_comm="allgather", layer_spec="te", cost="gpt7b-64",
                         gpus_per_node=8, truncate=False, max_groups=512),
@@ -56,7 +56,14 @@ def test_launch_script_is_a_complete_dhp_command():
         assert expected in text, expected
     assert command[-2:] == ["--seed", "7"]  # extra arguments reach pretrain_gpt.py
     args, _ = add_dhp_args(argparse.ArgumentParser()).parse_known_args(command[command.index("pretrain_gpt.py") + 1:])
-    assert dhp_config_from_args(args).layer_spec == "te"
+    config = dhp_config_from_args(args)
+    assert config.layer_spec == "te"
+    # the recipe can gain: its rows are longer than one rank holds, and its 8 nodes' domain holds a row
+    seq_length = int(command[command.index("--seq-length") + 1])
+    tp = int(command[command.index("--tensor-model-parallel-size") + 1])
+    assert config.max_tokens_per_rank < seq_length <= 8 * 8 // tp * config.max_tokens_per_rank
+    for documents in ("--reset-position-ids", "--reset-attention-mask", "--no-create-attention-mask-in-dataloader"):
+        assert documents in command
 
 
 def test_launch_script_runs_pretrain_gpt_through_the_launcher_with_dhp_hooks_import():
@@ -65,6 +72,25 @@ def test_launch_script_runs_pretrain_gpt_through_the_launcher_with_dhp_hooks_imp
     at = plain.index("pretrain_gpt.py")
     assert hooked[:at] == plain[:at] and hooked[at:at + 3] == ["-m", "megatron_dhp.megatron.run", "pretrain_gpt.py"]
     assert hooked[at + 3:] == plain[at + 1:]
+
+
+def test_slurm_script_runs_one_torchrun_per_node_with_its_node_rank(tmp_path):
+    # stand-ins for Slurm's commands: srun runs its command as node 1 would, scontrol names the nodes
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                                  'SLURM_NODEID=1 exec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\nnodeC\\nnodeD\\n'\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NUM_NODES": "4",
+           "SLURM_JOB_NODELIST": "node[A-D]", "DRY_RUN": "1", "MEGATRON_LM": "/mlm", "DATA_PATH": "/data/c",
+           "TOKENIZER_MODEL": "tok", "CHECKPOINT_DIR": "/ckpt"}
+    out = subprocess.run([str(REPO / "scripts" / "slurm_pretrain_gpt_dhp.sbatch"), "--seed", "7"], capture_output=True,
+                         text=True, env=env, check=True)
+    command = shlex.split(out.stdout)
+    assert "--nproc-per-node 8 --nnodes 4 --node-rank 1 --master-addr nodeA" in " ".join(command)
+    assert command[-2:] == ["--seed", "7"]
 
 
 def test_launch_script_names_what_is_missing():
