@@ -15,12 +15,14 @@ from megatron_dhp.cli.common import (
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `plan`."""
     p = sub.add_parser("plan", help="plan one batch and write plan.json",
-                       description="Plan one global batch with a planner and write the validated plan as JSON.")
+                       description="Plan one global batch with a planner and write the validated plan as JSON. With "
+                                   "--data-path the batch is step --batch-index of a Megatron-LM run.")
     add_planning_args(p)
     from megatron_dhp.solver import PLANNERS
 
     p.add_argument("--planner", default="dhp", choices=sorted(PLANNERS), help="planner (default dhp)")
-    p.add_argument("--batch-index", type=int, default=0, help="which batch of the seeded sequence to plan")
+    p.add_argument("--batch-index", type=int, default=0,
+                   help="which batch of the seeded sequence to plan (with --data-path: which step of the run)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(run=run)
 
@@ -39,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     plan = run_planner(planner, inputs.batches[0], build_cost_model(inputs.config), family=policy.planning_family,
                        pipeline_stages=inputs.pipeline_stages, virtual_stages=inputs.virtual_stages)
     plan.save(args.out)
+    if inputs.corpus is not None:
+        print(f"step {args.batch_index} of {inputs.source_name}: {len(inputs.batches[0])} sequences")
     print(plan.summary())
     if plan.pipeline_stages > 1:
         print(f"lower bound at {plan.pipeline_stages} pipeline stages: {plan.lower_bound_s:.3f}s")

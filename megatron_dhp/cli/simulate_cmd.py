@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,11 @@ from megatron_dhp.cli.common import (
     group_usage,
     planning_inputs,
 )
+
+if TYPE_CHECKING:
+    from megatron_dhp.cost.config import CostConfig
+    from megatron_dhp.workload.megatron_corpus import MegatronCorpus
+    from megatron_dhp.workload.sample import Batch
 
 TUNED = "static-best"
 """The row of --tuned: static at the (TP, CP) layout a user would tune (`solver.static_best`)."""
@@ -28,9 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "step / lower bound and solver time side by side. The lower bound is the best "
                                    "one the cost model knows (the larger of the reference bound and the coupled "
                                    "one, cost.bound; under --pp the pipeline bound), so a plan's LB here may be "
-                                   "above the one `plan` records.")
+                                   "above the one `plan` records. With --data-path it is the dry run of a "
+                                   "Megatron-LM run: its first K steps, as Megatron feeds them, planned for the "
+                                   "domain, with dhp's predicted step and its speed-up over static (and "
+                                   "static-best with --tuned).")
     add_planning_args(p, default_dist="wlbllm", default_batch=512)
-    p.add_argument("--batches", type=int, default=5, metavar="K", help="batches to draw (default 5)")
+    p.add_argument("--batches", type=int, default=5, metavar="K",
+                   help="batches to draw (default 5); with --data-path, the run's first K steps")
     fast = [n for n in PLANNERS if n != "flexsp-milp"]
     p.add_argument("--planners", default=",".join(fast),
                    help=f"comma-separated planners out of {', '.join(PLANNERS)} (default {','.join(fast)}; "
@@ -73,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise DhpError(f"--tuned tunes single-stage layouts; it cannot be combined with --pp {args.pp}")
     names = [n.strip() for n in args.planners.split(",") if n.strip()]
     inputs = planning_inputs(args, count=args.batches)
-    config, source, batches = inputs.config, inputs.source, inputs.batches
+    config, source, batches = inputs.config, inputs.source_name, inputs.batches
     model = build_cost_model(config)
     planners = [(n, build_planner(n, inputs.context)) for n in names]
     if not config.domain.nominal and "dhp" in names:  # what knowing the speeds buys: dhp planning without them
@@ -127,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 progress.advance(task)
 
     d = config.domain
-    table = Table(title=f"{source.name}: {len(batches)} batches of {len(batches[0])} samples, "
+    shape = (f"{len(batches)} steps of {inputs.corpus.spec.global_batch_size} rows" if inputs.corpus is not None
+             else f"{len(batches)} batches of {len(batches[0])} samples")
+    table = Table(title=f"{source}: {shape}, "
                         f"N={d.world_size} ({d.gpus_per_node}/node), M={d.max_tokens_per_rank}, cost {args.cost}"
                         + (f", PP={inputs.pipeline_stages}" if inputs.pipeline_stages > 1 else "")
                         + (f" x VPP={inputs.virtual_stages}" if inputs.virtual_stages > 1 else ""))
@@ -162,9 +174,15 @@ def run(args: argparse.Namespace) -> int:
             batches_na = ", ".join(str(r["batch"]) for r in unsupported)
             console.print(f"{n}: n/a on batch {batches_na}: {unsupported[0]['unsupported']}", highlight=False)
     console.print(group_usage(used), highlight=False)
+    if inputs.corpus is not None:
+        for line in corpus_notes(inputs.corpus, batches, config):
+            console.print(line, highlight=False, soft_wrap=True)
+    line = speedup_line(results, ("static", *(label for label, *_ in tuned)))
+    if line:
+        console.print(line, highlight=False, soft_wrap=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"source": source.name, "cost": config.to_dict(), "results": results}, f, indent=1)
+            json.dump({"source": source, "cost": config.to_dict(), "results": results}, f, indent=1)
         console.print(f"wrote {args.json}")
     if args.plot:
         from megatron_dhp.viz import save_simulation_figure
@@ -198,3 +216,35 @@ def tuned_line(label: str, layout, model, config) -> str:
         line += ("; the cost config states no tensor-parallel costs (tp_efficiency 1, tp_comm_bytes_per_token 0), "
                  "so TP is priced ideal")
     return line
+
+
+def speedup_line(results: dict[str, list[dict]], peers: tuple[str, ...]) -> str | None:
+    """dhp's predicted step and its mean speed-up over each peer that ran (peer step / dhp step, over the
+    batches both planned), or None without dhp."""
+    mine = {r["batch"]: r["step_time_s"] for r in results.get("dhp", []) if "step_time_s" in r}
+    if not mine:
+        return None
+    line = f"dhp: predicted step {np.mean(list(mine.values())):.3f} s (mean of {len(mine)})"
+    speedups = []
+    for peer in peers:
+        ratios = [r["step_time_s"] / mine[r["batch"]] for r in results.get(peer, [])
+                  if "step_time_s" in r and r["batch"] in mine]
+        if ratios:
+            speedups.append(f"{np.mean(ratios):.3f}x over {peer}")
+    return line + (f"; speed-up {', '.join(speedups)}" if speedups else "")
+
+
+def corpus_notes(corpus: MegatronCorpus, batches: list[Batch], config: CostConfig) -> list[str]:
+    """What a Megatron corpus's steps hold against the domain's M, and whether the rows are the run's."""
+    m, spec = config.domain.max_tokens_per_rank, corpus.spec
+    lengths = np.concatenate([b.lengths for b in batches])
+    notes = [f"sequences a step: {len(lengths) / len(batches):.1f} (mean) from {spec.global_batch_size} rows; length "
+             f"p50 {np.percentile(lengths, 50):,.0f}, p90 {np.percentile(lengths, 90):,.0f}, max {lengths.max():,}; "
+             f"{int((lengths > m).sum())} of {len(lengths)} longer than M {m:,}"]
+    if spec.seq_length <= m:
+        notes.append(f"note: --seq-length {spec.seq_length:,} <= M {m:,}: every sequence fits one rank, so static "
+                     "needs no context parallelism and dhp has little to gain (it gains where --seq-length > M)")
+    if spec.train_samples is None:
+        notes.append("note: rows as for a run of these steps only; pass the run's --train-iters (or --train-samples): "
+                     "the epochs a run needs shape Megatron's shuffle")
+    return notes
