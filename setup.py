@@ -41,7 +41,8 @@ setup(
     ],
     extras_require={
         "megatron": MEGATRON_LM,
-        "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", *MEGATRON_LM],
+        # tensorboard: the tests read back the event file dhp's scalars go to (docs/megatron-lm.md#what-dhp-logs)
+        "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", "tensorboard>=2.14", *MEGATRON_LM],
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],  # 2.1: bottom-right causal masks
         # megatron_dhp.bridge (Python 3.12): Bridge 0.6.2 and what its pretraining path imports
         "bridge": ["megatron-bridge==0.6.2", "datasets", "megatron-energon", "nvidia-modelopt", "diffusers", "tensorboard"],

@@ -18,7 +18,7 @@ from megatron_dhp.megatron.arguments import validate_dhp_args
 from megatron_dhp.megatron.refusals import refusals
 
 _FIELDS: dict[str, str] = {
-    # what `hooks.setup` and `hooks._model_memory` read
+    # what `hooks.setup` and `model_flags` read
     "seq_length": "dataset.seq_length",
     "distributed_timeout_minutes": "dist.distributed_timeout_minutes",
     "tensor_model_parallel_size": "model.tensor_model_parallel_size",
@@ -35,6 +35,9 @@ _FIELDS: dict[str, str] = {
     "bf16": "model.bf16",
     "fp16": "model.fp16",
     "recompute_granularity": "model.recompute_granularity",
+    # Bridge's logging cadence (`hooks._log_steps`; `args.iteration` is set once Bridge's setup loaded a checkpoint)
+    "log_interval": "logger.log_interval",
+    "tensorboard_log_interval": "logger.tensorboard_log_interval",
     # what the refusal table (`megatron.refusals.REFUSALS`) and `validate_dhp_args` read
     "context_parallel_size": "model.context_parallel_size",
     "calculate_per_token_loss": "model.calculate_per_token_loss",

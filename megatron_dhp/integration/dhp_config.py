@@ -19,6 +19,9 @@ from megatron_dhp.plan.encoder import ENCODER_PLACEMENTS
 from megatron_dhp.plan.memory import ModelMemory
 from megatron_dhp.runtime.attention import BACKENDS
 
+DEFAULT_COST = "gpt7b-64"
+"""The cost preset a job plans with when it names none (scaled to its model where the model is known)."""
+
 
 @dataclass(frozen=True)
 class DhpConfig:
@@ -46,9 +49,10 @@ class DhpConfig:
     layer_spec: str = "local"
     """Core attention: local (megatron-dhp's, any device, with any linear layers) or te
     (TransformerEngine's, GPU; Megatron-LM needs --transformer-impl transformer_engine)."""
-    cost: str = "gpt7b-64"
+    cost: str | None = None
     """Cost model: a preset name from configs/ or a YAML path (e.g. from `megatron-dhp profile`). Its
-    world_size, gpus_per_node and max_tokens_per_rank are replaced by the live job's."""
+    world_size, gpus_per_node and max_tokens_per_rank are replaced by the live job's. None: `DEFAULT_COST`,
+    scaled to the job's model where the entry point knows it (Megatron-LM's flags: `cost.model_shape`)."""
     encoder_placement: str | None = None
     """Where a multimodal batch's images are encoded: split (over the sample's group), replicate (on every
     rank of the group), global (over the whole domain) or auto (the planner picks the faster per step);
@@ -59,7 +63,8 @@ class DhpConfig:
     overlap_planning: bool = True
     """Plan step t+1 in a background thread while step t trains."""
     log_plans: bool = True
-    """Log the one-line plan summary every step."""
+    """Log the one-line plan summary on rank 0: every --log-interval iterations under Megatron-LM (its scalars go
+    to Megatron's TensorBoard and W&B writers either way), every step in `megatron-dhp train`."""
     max_groups: int = 256
     """Process groups kept alive in the pool before the least recently used is released."""
     max_groups_per_rank: int | None = None
@@ -128,6 +133,11 @@ class DhpConfig:
         if self.rank_speeds and self.node_speeds:
             raise DhpError("give rank_speeds or node_speeds, not both")
         self.slowdowns  # noqa: B018 - parses slow_ranks
+
+    @property
+    def cost_name(self) -> str:
+        """The cost preset or file this config plans with: `cost`, else `DEFAULT_COST`."""
+        return self.cost or DEFAULT_COST
 
     @property
     def slowdowns(self) -> dict[int, float]:

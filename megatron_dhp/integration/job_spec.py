@@ -27,9 +27,10 @@ from dataclasses import dataclass, replace
 
 from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
 from megatron_dhp.cost import CostConfig
+from megatron_dhp.cost.model_shape import ModelShape, scaled_cost
 from megatron_dhp.cost.tensor_parallel import token_cap as budget_token_cap
 from megatron_dhp.errors import DhpError
-from megatron_dhp.integration.dhp_config import DhpConfig
+from megatron_dhp.integration.dhp_config import DEFAULT_COST, DhpConfig
 from megatron_dhp.integration.planning import domain_node_size
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.memory import ModelMemory, longest_sample, ranks_cap_for
@@ -73,6 +74,9 @@ class JobSpec:
     device_type: str = "cpu"
     model: ModelMemory | None = None
     """What a token keeps on a rank (`plan.memory.ModelMemory`); None: not known."""
+    shape: ModelShape | None = None
+    """The job's model, whose work scales the default cost model when `DhpConfig.cost` names none; None: not
+    known (the default preset plans as it is)."""
 
     def __post_init__(self) -> None:
         for name in ("domain_size", "gpus_per_node", "tensor_parallel", "pipeline_stages", "virtual_stages",
@@ -107,9 +111,20 @@ class JobSpec:
         return self.model if self.device_type == "cuda" else None
 
     @functools.cached_property
+    def scaled(self) -> dict[str, float] | None:
+        """The factors the default cost model is scaled by to this job's model (`cost.model_shape`); None where it
+        plans as loaded (a cost named in the config, or no model known)."""
+        if self.config.cost is not None or self.shape is None:
+            return None
+        return scaled_cost(CostConfig.load(DEFAULT_COST), self.shape, tensor_parallel=self.tensor_parallel)[1]
+
+    @functools.cached_property
     def loaded_cost(self) -> CostConfig:
-        """The configured cost model on this job's domain, before the token cap is applied."""
-        cost = CostConfig.load(self.config.cost)
+        """The configured cost model on this job's domain (the default scaled to the job's model where it names
+        none), before the token cap is applied."""
+        cost = CostConfig.load(self.config.cost_name)
+        if self.scaled is not None:
+            cost = scaled_cost(cost, self.shape, tensor_parallel=self.tensor_parallel)[0]
         if cost.tensor_parallel > 1:
             raise DhpError(f"dhp.cost {self.config.cost!r} has tensor_parallel = {cost.tensor_parallel}, which prices "
                            "simulated layouts; a job's TP is its own (train.tp, --tensor-model-parallel-size) and its "
@@ -171,6 +186,21 @@ class JobSpec:
     def seq_multiple(self) -> int:
         """What each sample's shard divides by: the TP size under sequence parallelism."""
         return self.tensor_parallel if self.sequence_parallel else 1
+
+    def cost_line(self) -> str:
+        """One start-up line: which cost model plans, where it came from, and how it is corrected."""
+        cost = self.loaded_cost
+        if self.scaled is not None:
+            factors = ", ".join(f"{name} x{value:.3g}" for name, value in self.scaled.items())
+            source = (f"{DEFAULT_COST} (no cost given) scaled to this job's model, {self.shape.describe(self.tensor_parallel)}: "
+                      f"{factors}")
+        else:
+            given = "no cost given, no model known" if self.config.cost is None else "given"
+            source = f"{self.config.cost_name} ({given})"
+        loop = ("the closed loop corrects its attention and its other seconds from timed steps (adaptive)"
+                if self.config.adaptive and self.pipeline_stages == 1 else "no correction online (adaptive off)")
+        return (f"cost model {cost.kind}: {source}; a {cost.linear_s_per_token:.3g} s/token, a {cost.attn_s_per_token2:.3g} "
+                f"s/token^2, gamma {cost.comm_bytes_per_token:.3g} B/token; {loop}")
 
     def memory_line(self) -> str:
         """One start-up line: the token cap the planner holds and what it gave up, and the gathered keys and values."""

@@ -82,6 +82,7 @@ def build_step_runtime(spec: JobSpec, domain: DynamicDomain, *, dataset_max_toke
     if dist.get_rank() == 0:
         logger.info("dhp: %s", policy.summary())
         logger.info("dhp: %s", spec.memory_line())
+        logger.info("dhp: %s", spec.cost_line())
         logger.info("dhp: %s; %s", describe(config.attention_backend, domain.device), kernels)
         sharing = nccl_sharing()
         if sharing is not None and policy.startup_groups:

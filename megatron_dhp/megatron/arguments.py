@@ -127,7 +127,7 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
             raise DhpError(f"{', '.join(given)} given without --dhp; add --dhp to train with dynamic hybrid parallelism")
         return None
     config = dhp_config_from_args(args)
-    CostConfig.load(config.cost)  # a missing or malformed cost YAML fails now, not at the first step
+    CostConfig.load(config.cost_name)  # a missing or malformed cost YAML fails now, not at the first step
     problems = refusals(args, config)
     if problems:
         raise DhpError("\n".join(problems))

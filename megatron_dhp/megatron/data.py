@@ -25,7 +25,9 @@ import torch.distributed as dist
 from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_dhp.errors import DhpError
+from megatron_dhp.megatron.metrics import StepLog
 from megatron_dhp.megatron.state import DhpRuntime
+from megatron_dhp.plan.plan import Plan
 from megatron_dhp.runtime.step_data import StepInputs, TokenSample
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ def sequences(batch: Mapping[str, torch.Tensor], *, split_documents: bool) -> li
 
     A row is one sequence, as Megatron attends over it, unless the loader marks documents inside it:
     `cu_seqlens` (packed SFT, inter-document masking) or, with `split_documents`, restarting `position_ids`.
+    A packed row's end padding is no sequence and no part of one (`_unpadded_length`): it is never planned.
     """
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
     out = []
@@ -52,14 +55,57 @@ def _document_bounds(batch: Mapping[str, torch.Tensor], row: int, split_document
     length = batch["tokens"].shape[1]
     cu_seqlens = batch.get("cu_seqlens")
     if cu_seqlens is not None:
-        # padded entries repeat the last boundary; they mark no document
-        bounds = sorted({min(max(int(b), 0), length) for b in cu_seqlens.reshape(batch["tokens"].shape[0], -1)[row]})
+        # padded entries repeat the last boundary, and boundaries in the end padding collapse onto its start:
+        # none marks a document
+        end = _unpadded_length(batch, row)
+        bounds = sorted({min(max(int(b), 0), end) for b in cu_seqlens.reshape(batch["tokens"].shape[0], -1)[row]})
     elif split_documents:
         starts = torch.nonzero(batch["position_ids"][row] == 0).view(-1).tolist()
         bounds = sorted({0, *starts, length})
     else:
         bounds = [0, length]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _unpadded_length(batch: Mapping[str, torch.Tensor], row: int) -> int:
+    """A packed row's length without its end padding: the trailing run of one token id that is also the label
+    and carries no loss.
+
+    Megatron-LM's SFT dataset pads a row to --seq-length with the pad id as token and label (loss mask 0) and
+    counts the padding into the last sequence of `cu_seqlens` (`SFTDataset.__getitem__`). Dropping it changes no
+    loss: its loss mask is 0, and attention is causal, so no real token attends to it (upstream's THD attention
+    neither). With eod equal to pad the last sequence's final eod goes too: it carries no loss either.
+    """
+    tokens, labels, loss_mask = batch["tokens"][row], batch["labels"][row], batch["loss_mask"][row]
+    pad = tokens[-1]
+    real = torch.nonzero((tokens != pad) | (labels != pad) | (loss_mask != 0)).view(-1)
+    return int(real[-1]) + 1 if real.numel() else 0
+
+
+class DocumentCheck:
+    """After the first steps, one warning where every row was one sequence: no document boundaries, so dhp plans
+    rows as static parallelism does (unless rows are longer than a rank holds)."""
+
+    STEPS = 3
+    """Steps read before the verdict."""
+
+    def __init__(self, split_documents: bool) -> None:
+        self.split_documents = split_documents
+        self.rows = self.sequences = self.steps = 0
+
+    def see(self, rows: int, sequences: int) -> None:
+        """Count one step's rows and the sequences cut from them; warn once, after `STEPS` steps."""
+        self.rows, self.sequences, self.steps = self.rows + rows, self.sequences + sequences, self.steps + 1
+        if self.steps != self.STEPS or self.sequences > self.rows:
+            return
+        if self.split_documents:
+            cause = ("no EOD token ends a document inside them: build the corpus with tools/preprocess_data.py "
+                     "--append-eod, so that each document is its own sequence")
+        else:
+            cause = ("--reset-position-ids --reset-attention-mask are not given, so each row is trained whole: add "
+                     "them (and a corpus built with --append-eod) so that each document is its own sequence")
+        logger.warning("megatron-dhp: the first %d steps' %d rows were one sequence each: %s", self.STEPS, self.rows,
+                       cause)
 
 
 class StepIterator:
@@ -72,6 +118,11 @@ class StepIterator:
         self.engine = runtime.steps.engine(source=self._read, lookahead=lookahead)
         """Gathers, plans (one step ahead with `lookahead`), checks, prepares groups, moves tokens; walks the step."""
         self.num_microbatches: int | None = None
+        self.documents: DocumentCheck | None = None
+        """Warns once where the first steps' rows hold one sequence each (`hooks.setup` sets it on rank 0)."""
+        self.log = StepLog(log_plans=runtime.steps.config.log_plans, prints=dist.get_rank() == 0)
+        """When its steps are logged, and where (`megatron.metrics`): the plan line of every step on rank 0 until
+        `hooks.setup` sets Megatron's intervals, iteration and writers."""
 
     def __iter__(self) -> StepIterator:
         return self
@@ -85,13 +136,20 @@ class StepIterator:
         inputs = self.engine.next()
         if inputs is None:
             raise StopIteration
-        if self.runtime.steps.config.log_plans and dist.get_rank() == 0:
-            p2p = self.engine.groups_on_p2p(inputs.plan)
-            p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
-            loop = self.runtime.steps.planner.loop
-            measured = f" | {loop.summary()}" if loop is not None and loop.adaptive else ""
-            logger.info("dhp plan: %s | %s%s%s", inputs.plan.summary(), self.runtime.steps.pool.summary(), p2p, measured)
+        self.log.advance()
+        if self.log.line_due:
+            logger.info("dhp plan: %s", self._plan_line(inputs.plan))
+        if self.log.scalars_due:
+            self.log.write(inputs.plan, loop=self.runtime.steps.planner.loop, plan_wait_s=self.engine.plan_wait_s)
         return inputs
+
+    def _plan_line(self, plan: Plan) -> str:
+        """The plan's summary, the group pool's, the groups on p2p and the closed loop's summary, in one line."""
+        p2p = self.engine.groups_on_p2p(plan)
+        p2p = f"; {p2p} groups outside the family on p2p" if p2p else ""
+        loop = self.runtime.steps.planner.loop
+        measured = f" | {loop.summary()}" if loop is not None and loop.adaptive else ""
+        return f"{plan.summary()} | {self.runtime.steps.pool.summary()}{p2p}{measured}"
 
     def close(self) -> None:
         """Let go of Megatron's loader iterator, so that its worker processes shut down when nothing else holds
@@ -111,6 +169,8 @@ class StepIterator:
                 batches = None
             if batches is not None:
                 found = [s for b in batches for s in sequences(b, split_documents=self.runtime.split_documents)]
+                if self.documents is not None:
+                    self.documents.see(sum(len(b["tokens"]) for b in batches), len(found))
         found = _share_over_model_parallel(found, self.runtime)
         if found is None:
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import inspect
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -19,12 +20,22 @@ from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.integration.step_runtime import build_step_runtime
 from megatron_dhp.megatron.arguments import dhp_config_from_args, exits_on_dhp_error
-from megatron_dhp.megatron.data import IteratorShape, step_iterator, validation_sets, wrap_data_iterator
+from megatron_dhp.megatron.data import (
+    DocumentCheck,
+    IteratorShape,
+    step_iterator,
+    validation_sets,
+    wrap_data_iterator,
+)
+from megatron_dhp.megatron.metrics import StepLog, Writers
+from megatron_dhp.megatron.model_flags import model_memory, model_shape
 from megatron_dhp.megatron.state import DhpRuntime
-from megatron_dhp.plan.memory import ModelMemory
+from megatron_dhp.runtime.attention.kernels import describe
 from megatron_dhp.runtime.domain import DynamicDomain, host_groups
 from megatron_dhp.runtime.layer_spec import with_dynamic_cp
 from megatron_dhp.runtime.pipeline import check_pipeline
+
+logger = logging.getLogger(__name__)
 
 
 @exits_on_dhp_error()
@@ -56,12 +67,14 @@ def layer_spec_provider(spec: ModuleSpec | Callable | None, args: argparse.Names
 
 @exits_on_dhp_error()
 def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iterator: object,
-          test_data_iterator: object) -> tuple[object, object, object]:
+          test_data_iterator: object, *, writers: Writers | None = None) -> tuple[object, object, object]:
     """Start megatron-dhp and return Megatron's three data iterators as iterators of planned steps.
 
     Call on every rank once the model and Megatron's data iterators exist. Collective. The iterators carry
     this rank's `DhpRuntime` to the schedule, so Megatron must hand the schedule these iterators. A `DhpError`
     (e.g. a --seq-length the domain cannot hold) is one line on rank 0 and exit 2 on every rank, as a refusal.
+    The training iterator writes dhp's scalars through `writers` (default: Megatron-LM's own, `Writers`), numbered
+    by Megatron's iterations from `args.iteration` on (`_log_steps`).
     """
     config = dhp_config_from_args(args)
     # Megatron's parallel state is initialised: the domain is its DP x CP group (one world all-gather).
@@ -75,8 +88,11 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
         sequence_parallel=bool(args.sequence_parallel), pipeline_stages=stages, virtual_stages=virtual,
         expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
         moe_dispatcher=getattr(args, "moe_token_dispatcher_type", None),
-        fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)), model=_model_memory(args, stages))
+        fully_sharded=bool(getattr(args, "use_torch_fsdp2", False)), model=model_memory(args, stages),
+        shape=model_shape(args))
     cap = _sample_cap(args.seq_length, spec)
+    if dist.get_rank() == 0:
+        warn_if_rows_fit_one_rank(args.seq_length, spec)
     share_group, share_source = _loader_sharing(domain)
     runtime = DhpRuntime(
         steps=build_step_runtime(spec, domain, dataset_max_tokens=cap or args.seq_length),
@@ -98,17 +114,38 @@ def setup(args: argparse.Namespace, train_data_iterator: object, valid_data_iter
     # forked after --exit-signal-handler took SIGTERM ignores the terminate() that join waits on, so a loader
     # still held hung the exit (torchrun killed the ranks 20 s later); let go, each shuts its workers down.
     atexit.register(lambda: [step_iterator(it).close() for it in _flat(wrapped)])
+    _log_steps(args, runtime, wrapped, Writers.of_megatron_lm() if writers is None else writers)
     return wrapped
 
 
-def _model_memory(args: argparse.Namespace, stages: int) -> ModelMemory:
-    """What a token keeps on a rank of this Megatron-LM run (`ModelMemory.of_gpt` on its flags; MoE's experts and
-    MLA's latent keys are counted as a dense GPT of the same sizes: set memory_mb_per_token to do better)."""
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    return ModelMemory.of_gpt(hidden=args.hidden_size, ffn_hidden=args.ffn_hidden_size, layers=args.num_layers,
-                              kv_channels=groups * args.kv_channels, tensor_parallel=args.tensor_model_parallel_size,
-                              pipeline_stages=stages, element_bytes=2 if args.bf16 or args.fp16 else 4,
-                              full_recompute=args.recompute_granularity == "full")
+def _log_steps(args: argparse.Namespace, runtime: DhpRuntime, wrapped: tuple, writers: Writers) -> None:
+    """Megatron's logging cadence on the wrapped iterators (`megatron.metrics.StepLog`): training's plan line every
+    --log-interval and its scalars every --tensorboard-log-interval of Megatron's iterations, counted from
+    `args.iteration`; evaluation's plan line every --log-interval of its own steps, and no scalars. The attention
+    backend goes to the writers once, as text."""
+    config, prints = runtime.steps.config, dist.get_rank() == 0
+    train = StepLog(config.log_plans, prints, args.log_interval, args.tensorboard_log_interval, args.iteration,
+                    writers)
+    for it in _flat(wrapped[0]):
+        step_iterator(it).log = train
+    # rank 0 reads its model-parallel group's loader; packed SFT rows mark their conversations with cu_seqlens
+    if prints and wrapped[0] is not None and not getattr(args, "sft", False):
+        step_iterator(_flat(wrapped[0])[0]).documents = DocumentCheck(runtime.split_documents)
+    for it in _flat(wrapped[1:]):
+        step_iterator(it).log = StepLog(config.log_plans, prints, args.log_interval)
+    backend = describe(config.attention_backend, runtime.steps.domain.device)
+    writers.text("dhp/attention-backend", f"layer_spec {config.layer_spec}: {backend}; {runtime.steps.kernels}",
+                 args.iteration)
+
+
+def warn_if_rows_fit_one_rank(seq_length: int, spec: JobSpec) -> None:
+    """One warning where no row is longer than a rank holds: every sequence then fits one rank, and dhp plans what
+    static data parallelism does."""
+    if seq_length <= spec.caps.microbatch:
+        logger.warning("megatron-dhp: --seq-length %d is no longer than the %d tokens a rank holds in a microbatch, so "
+                       "every sequence fits one rank and dhp plans what static data parallelism does; set --seq-length "
+                       "to the longest context to train (docs/megatron-lm.md, 'Choosing --seq-length and M')",
+                       seq_length, spec.caps.microbatch)
 
 
 def _flat(iterators: object) -> list:

@@ -112,6 +112,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "Megatron-LM nests the validation iterators per model chunk, then per set, and its evaluation reads "
             "the outer list as the sets (each set would be scored on another chunk's data)",
             "drop `--multiple-validation-sets`, or train without virtual pipelining"),
+    Refusal("`--sft` with evaluation (`--eval-iters` > 0 or `--full-validation`)",
+            lambda a, c: getattr(a, "sft", False) and (getattr(a, "full_validation", False) or a.eval_iters),
+            "--sft with --eval-iters {args.eval_iters} under --dhp",
+            "Megatron-LM scores SFT evaluation as the mean of each microbatch's mean loss, and megatron-dhp's "
+            "microbatches are not Megatron's rows, so the figure would differ from upstream's (and a microbatch "
+            "without loss tokens would give 0/0); training is exact",
+            "set `--eval-iters 0` for the `--dhp` run, or evaluate its checkpoints without `--dhp`"),
     Refusal("`--iterations-to-skip`",
             lambda a, c: getattr(a, "iterations_to_skip", None),
             "--iterations-to-skip with --dhp",

@@ -21,6 +21,9 @@
 
 The walk is the seam a pipeline schedule replaces: it only needs the work list and each slot's context.
 
+Steps 2 and 6 and each slot's attention metadata run inside NVTX ranges on a GPU (`runtime.nvtx`), so a
+profiler's timeline names the host work a step waits on.
+
 Loss normalisation, the one rule: a microbatch's loss is the *sum* of its masked per-token losses, its
 token count is its loss tokens, and the step's gradient is divided exactly once by the loss-token count of
 the global batch (`StepInputs.num_loss_tokens`, known from the gather before any microbatch runs) while
@@ -59,6 +62,7 @@ from megatron_dhp.runtime.collectives import (
 from megatron_dhp.runtime.dispatch import move_tokens
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.group_pool import GroupPool
+from megatron_dhp.runtime.nvtx import MOVE_TOKENS, PLAN_WAIT, nvtx_range
 from megatron_dhp.runtime.pipeline import run_1f1b
 from megatron_dhp.runtime.slot_timer import SlotTimer
 from megatron_dhp.runtime.slots import (
@@ -337,17 +341,19 @@ class StepEngine:
         if self.pool is not None and self.policy is not None and not self.policy.any_group:
             self.pool.prepare(plan)  # finds the family's groups; creates others only when planners may form them
         rows = aligned_slot_rows(plan, self.seq_multiple) if self.equal_rows else None
-        inputs = move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
-                             slot_rows=rows)
-        if not current.gathered.images:
-            return inputs
-        vision = move_images(current.local, plan, current.gathered, self.domain, placement=plan.encoder_placement,
-                             seq_multiple=self.seq_multiple, slot_rows=rows)
+        with nvtx_range(MOVE_TOKENS):
+            inputs = move_tokens(current.local, plan, current.gathered, self.domain, seq_multiple=self.seq_multiple,
+                                 slot_rows=rows)
+            if not current.gathered.images:
+                return inputs
+            vision = move_images(current.local, plan, current.gathered, self.domain,
+                                 placement=plan.encoder_placement, seq_multiple=self.seq_multiple, slot_rows=rows)
         return replace(inputs, vision=vision)
 
     def _plan(self, batch: Batch) -> Plan:
         """The plan of `batch`, solved on rank `PLANNING_RANK` and broadcast to every rank. Collective."""
-        return broadcast_plan(lambda: self.planning.plan(batch), self.domain)
+        with nvtx_range(PLAN_WAIT):
+            return broadcast_plan(lambda: self.planning.plan(batch), self.domain)
 
     def _read(self) -> _Pending | None:
         local = self.source()

@@ -169,7 +169,7 @@ class Trainer:
         tower = f"ViT {c.vision.layers}x{c.vision.hidden_size} + " if c.vision.layers else ""
         return (f"{tower}GPT {c.model.num_layers}x{c.model.hidden_size} ({n / 1e3:.0f}k params) | "
                 f"{dist.get_world_size()} ranks (domain {self.domain.size}, TP {c.train.tp}{pp}) | planner "
-                f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost} ({self.cost.kind}) | "
+                f"{c.dhp.planner} | M {c.dhp.max_tokens_per_rank} tokens/rank | cost {c.dhp.cost_name} ({self.cost.kind}) | "
                 f"data {c.data.source} x{c.data.length_scale:g}, {c.data.global_batch} samples/step, longest "
                 f"{self.longest} (static CP {self.static_cp}) | {self.runtime.policy.summary()} | "
                 f"{describe(c.dhp.attention_backend, self.domain.device)}, {self.runtime.kernels} | "

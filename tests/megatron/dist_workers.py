@@ -4,12 +4,17 @@ A rank plays one Megatron-LM process: Megatron's loader (a `RerunDataIterator` o
 tensor-parallel rank 0 only), a megatron `DistributedDataParallel` model with `finalize_model_grads`, and
 the three hooks a patched pretrain() uses: `setup` (domain, pool, planner, wrapped iterators),
 `dhp_forward_backward` (the schedule) and `forward_step`. Every step is checked against the single-process
-oracle on the same documents: loss and every gradient.
+oracle on the same documents: loss and every gradient. The first run also logs as Megatron-LM does: the last rank
+holds a TensorBoard writer, rank 0 prints the plan line, and each step's NVTX ranges are counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
@@ -21,8 +26,9 @@ from megatron_dhp.models.gpt import TinyGPTConfig, build_tiny_gpt, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.step_data import TokenSample
 from megatron_dhp.verify.reference import build_reference_gpt, reference_step, single_rank_groups
-from megatron_dhp.verify.selfcheck import TOLERANCE, full_grad
+from megatron_dhp.verify.selfcheck import full_grad
 from megatron_dhp.workload.sample import Batch
+from tests.numerics import RELATIVE, largest_abs, relative
 from tests.ranks import start_cpu_rank
 
 SEQ_LENGTH = 24
@@ -33,6 +39,9 @@ LOADER_MICROBATCHES = 2
 DENSE = TinyGPTConfig()
 VALIDATION_SETS = (100, 200)
 """The oracle's first step of each validation set's loader (`Harness.valid_sets`)."""
+LOGGING = {"iteration": 9, "log_interval": 3, "tensorboard_log_interval": 2}
+"""Megatron's iteration at set-up (as resumed from a checkpoint of iteration 9) and its two intervals, in the
+first run: its three steps are iterations 10, 11 and 12."""
 
 
 def megatron_args(**overrides: object) -> argparse.Namespace:
@@ -41,11 +50,13 @@ def megatron_args(**overrides: object) -> argparse.Namespace:
         dhp=True, dhp_config=None, dhp_planner=None, dhp_max_tokens_per_rank=8, dhp_comm=None, dhp_cost=None,
         dhp_log_plans=None, dhp_max_groups_per_rank=None, seq_length=SEQ_LENGTH, distributed_timeout_minutes=1, reset_attention_mask=True,
         tensor_model_parallel_size=1, sequence_parallel=False,
-        # the model's sizes, as validate_args leaves them (what a token keeps on a rank, `hooks._model_memory`)
+        # the model's sizes, as validate_args leaves them (what a token keeps on a rank, `model_flags.model_shape`)
         hidden_size=DENSE.hidden_size, ffn_hidden_size=DENSE.ffn_hidden_size, num_layers=DENSE.num_layers,
         num_attention_heads=DENSE.num_attention_heads, group_query_attention=True,
         num_query_groups=DENSE.num_query_groups, kv_channels=DENSE.hidden_size // DENSE.num_attention_heads,
         bf16=False, fp16=False, recompute_granularity=None,
+        # Megatron's logging (`hooks._log_steps`)
+        iteration=0, log_interval=1, tensorboard_log_interval=1,
     )
     for key, value in overrides.items():
         setattr(args, key, value)
@@ -156,7 +167,8 @@ class Harness:
         return reports, float(total[0] / total[1])
 
     def compare(self, step: int, loss: float, *, grads: bool = True) -> dict:
-        """Max |difference| of loss and of every gradient against the oracle on the step's documents."""
+        """Max |difference| of loss and of every gradient against the oracle on the step's documents, relative
+        to the oracle's loss and its largest gradient element."""
         ref = reference_step(self.reference, documents_of_step(step, self.num_positions))
         worst = 0.0
         if grads:
@@ -165,10 +177,52 @@ class Harness:
                 worst = max(worst, float((full_grad(param, self.tp_group) - ref.grads[names[name]]).abs().max()))
         diffs = torch.tensor([abs(loss - ref.loss), worst], dtype=torch.float64)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-        return {"loss": loss, "ref": ref.loss, "dloss": float(diffs[0]), "dgrad": float(diffs[1])}
+        return {"loss": loss, "ref": ref.loss, "dloss": relative(float(diffs[0]), ref.loss),
+                "dgrad": relative(float(diffs[1]), largest_abs(ref.grads.values()))}
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {n: p.main_grad.clone() for n, p in self.model.module.named_parameters()}
+
+
+class PlanLines(logging.Handler):
+    """Counts the `dhp plan:` lines the step iterators print while attached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.target = logging.getLogger("megatron_dhp.megatron.data")
+        self.level_before = self.target.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("dhp plan:")
+
+    def attach(self) -> None:
+        self.target.addHandler(self)
+        self.target.setLevel(logging.INFO)
+
+    def detach(self) -> None:
+        self.target.removeHandler(self)
+        self.target.setLevel(self.level_before)
+
+
+@contextmanager
+def nvtx_ranges() -> Iterator[list[str]]:
+    """The NVTX ranges pushed inside the block as if CUDA were available, in order ("pop" for each pop)."""
+    from unittest import mock
+
+    from megatron_dhp.runtime import nvtx
+
+    calls: list[str] = []
+    with (mock.patch.object(nvtx, "enabled", lambda: True),
+          mock.patch.object(torch.cuda.nvtx, "range_push", calls.append),
+          mock.patch.object(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))):
+        yield calls
+
+
+def plan_facts(plan: Plan) -> dict:
+    """What the TensorBoard check compares with the scalars the last rank wrote for this plan."""
+    return {"microbatches": plan.num_microbatches, "sizes": dict(Counter(g.size for g in plan.groups)),
+            "predicted": plan.predicted_step_time_s, "lower_bound": plan.lower_bound_s, "solve_ms": plan.solve_time_ms}
 
 
 class HandPlanner:
@@ -213,27 +267,42 @@ def idle_plan(batch: Batch, n: int) -> Plan:
     return Plan("hand", n, n, batch.samples, tuple(groups))
 
 
-def hooks_checks() -> dict:
-    """4 ranks: TP 1 (domain of 4), then TP 2 and PP 2 (two domains of 2 each) in the same processes."""
+def hooks_checks(tensorboard_dir: str) -> dict:
+    """4 ranks: TP 1 (domain of 4), then TP 2 and PP 2 (two domains of 2 each) in the same processes; the first
+    run's last rank writes its TensorBoard events to `tensorboard_dir`."""
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dhp.megatron import setup
     from megatron_dhp.megatron.data import wrap_data_iterator
+    from megatron_dhp.megatron.metrics import Writers
 
     start_cpu_rank(timeout_s=90)
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
     out: dict = {"rank": dist.get_rank()}
 
-    # --- planned steps with the dhp planner, planning one step ahead, against the oracle
+    # --- planned steps with the dhp planner, planning one step ahead, against the oracle; logged as Megatron-LM
+    # logs: Megatron's writers on the last rank only
     h = Harness(seed=3)
-    train, valid, _ = setup(megatron_args(), h.train, h.valid, None)
+    writers = Writers()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writers = Writers(tensorboard=SummaryWriter(tensorboard_dir))
+    lines = PlanLines()
+    lines.attach()
+    train, valid, _ = setup(megatron_args(**LOGGING), h.train, h.valid, None, writers=writers)
     runtime = train.iterable.runtime
     out["wrapped"] = (type(train).__name__, type(train.iterable).__name__, train.iterable.source is h.train.iterable)
     out["exact"], out["counts"], out["at_startup"] = [], [], runtime.steps.pool.at_startup
+    out["plans"], out["lines"], out["ranges"] = [], [], []
     for step in range(3):
-        reports, loss = h.run(train)
+        with nvtx_ranges() as ranges:
+            reports, loss = h.run(train)
+        out["ranges"].append(ranges)
+        out["plans"].append(plan_facts(train.saved_microbatches[-1].plan))  # the step's, kept for a rerun
+        out["lines"].append(lines.count)
         out["exact"].append(h.compare(step, loss))
         out["counts"].append((len(reports), runtime.steps.pool.created))
         if step == 0:
@@ -246,6 +315,10 @@ def hooks_checks() -> dict:
     out["pulled_after_3"] = h.pulled  # 3 steps + the one read ahead, K loader microbatches each
     _, loss = h.run(valid, forward_only=True)
     out["eval"] = h.compare(100, loss, grads=False)
+    out["lines"].append(lines.count)
+    lines.detach()
+    if writers.tensorboard is not None:
+        writers.tensorboard.close()
 
     # --- hand plans with overlapped gradient reduction: a rank with no work, then barriers between phases.
     # The first step records DDP's per-bucket readiness; in the second, rank 3's last microbatch is followed
@@ -318,5 +391,5 @@ def hooks_checks() -> dict:
         it = wrap_data_iterator(e.train, hand, lookahead=False)
         out["ep2"] += [e.compare(step, e.run(it)[1]) for step in steps]
     dist.destroy_process_group()
-    out["tolerance"] = TOLERANCE
+    out["tolerance"] = RELATIVE
     return out

@@ -78,6 +78,16 @@ def test_every_dhp_config_key_is_a_flag_that_overrides_the_yaml_only_when_given(
         parser.parse_args(["--dhp-layer-spec", "fast"])
 
 
+def test_the_loader_s_attention_mask_is_switched_off_in_one_line(caplog):
+    args = parse(["--dhp"], create_attention_mask_in_dataloader=True, seq_length=131072)
+    with caplog.at_level("WARNING"):
+        refuse_or_config(args)
+    assert args.create_attention_mask_in_dataloader is False
+    (record,) = caplog.records
+    assert "--no-create-attention-mask-in-dataloader set: the loader's 131072 x 131072 mask (65,536 MiB a row)" in (
+        record.getMessage())
+
+
 def test_dhp_config_takes_a_preset_name():
     args = add_dhp_args(argparse.ArgumentParser()).parse_args(["--dhp-config", "llama3_8b_dhp"])
     assert dhp_config_from_args(args).layer_spec == "te"
@@ -122,6 +132,8 @@ def test_flags_override_the_yaml(tmp_path):
                                            "--use-distributed-optimizer"),
         ([], dict(reset_attention_mask=True), "--reset-attention-mask with --dhp needs --reset-position-ids"),
         ([], dict(iterations_to_skip=[5]), "--iterations-to-skip"),
+        ([], dict(sft=True, eval_iters=10), "--sft with --eval-iters 10 under --dhp: .*mean of each microbatch's mean "
+         "loss.*set --eval-iters 0"),
         ([], dict(multiple_validation_sets=True, virtual_pipeline_model_parallel_size=2),
          "--multiple-validation-sets with --virtual-pipeline-model-parallel-size 2: .*each set would be scored"),
         ([], dict(rampup_batch_size=[16, 16, 1000]), "--rampup-batch-size with overlap_planning"),

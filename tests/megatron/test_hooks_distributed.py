@@ -1,23 +1,32 @@
-"""The Megatron-LM hooks together on 4 gloo ranks, against the single-process oracle (fp32, 1e-5).
+"""The Megatron-LM hooks together on 4 gloo ranks, against the single-process oracle (fp32, relative 1e-5).
 
 One launch runs everything (see `dist_workers.hooks_checks`): `setup` wraps Megatron-style loaders, the
 schedule runs planned steps through Megatron's own forward/backward helpers and `finalize_model_grads`, and
-`forward_step` feeds the model; loss and every gradient must equal a single process on the same documents.
+`forward_step` feeds the model; loss and every gradient must equal a single process on the same documents. The
+first run also logs as Megatron-LM does: dhp's scalars in a TensorBoard event file, the plan line, NVTX ranges.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_dhp.launch.ranks import launch
+from megatron_dhp.runtime.nvtx import METADATA, MOVE_TOKENS, PLAN_WAIT
 from tests.megatron import dist_workers
 
 K = dist_workers.LOADER_MICROBATCHES
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return launch(dist_workers.hooks_checks, 4, timeout_s=500)
+def tensorboard_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tensorboard")
+
+
+@pytest.fixture(scope="module")
+def ranks(tensorboard_dir) -> list[dict]:
+    return launch(dist_workers.hooks_checks, 4, str(tensorboard_dir), timeout_s=500)
 
 
 def assert_exact(result: dict, tolerance: float) -> None:
@@ -53,7 +62,7 @@ def test_planning_reads_one_step_ahead_and_a_replay_reads_nothing(ranks):
     for r in ranks:
         assert r["pulled_after_3"] == 4 * K  # 3 steps + the one planned ahead
         worst, extra_reads = r["replay"]
-        assert worst == 0.0 and extra_reads == 0
+        assert worst == 0.0 and extra_reads == 0  # the same ops on the same rows in the same process: bitwise
 
 
 def test_evaluation_runs_forward_only_through_the_plan(ranks):
@@ -113,3 +122,52 @@ def test_moe_expert_parallel_ranks_run_aligned_slots(ranks):
         assert len(r["ep2"]) == 4
         for result in r["ep2"]:
             assert_exact(result, r["tolerance"])
+
+
+def test_the_last_rank_writes_dhps_scalars_to_tensorboard_at_megatrons_iterations(ranks, tensorboard_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list(tensorboard_dir.iterdir())) == 1  # one event file: Megatron's writer is on the last rank only
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+
+    def scalars(name: str) -> dict[int, float]:
+        return {e.step: e.value for e in events.Scalars(name)}
+
+    # from iteration 9 (as resumed), every --tensorboard-log-interval 2: the first and third steps
+    logged = {10: 0, 12: 2}
+    assert sorted(scalars("dhp/sequences")) == sorted(logged)
+    plans = ranks[-1]["plans"]
+    sizes: set[int] = set()
+    for iteration, step in logged.items():
+        docs = [len(d.input_ids) for d in dist_workers.documents_of_step(step, 4)]  # the loader's, not the plan's
+        assert scalars("dhp/sequences")[iteration] == len(docs)
+        assert scalars("dhp/longest-sequence")[iteration] == max(docs)
+        assert scalars("dhp/tokens-per-rank-mean")[iteration] == pytest.approx(sum(docs) / 4)
+        plan = plans[step]
+        assert scalars("dhp/microbatches")[iteration] == plan["microbatches"]
+        assert scalars("dhp/step-time-predicted")[iteration] == pytest.approx(plan["predicted"], rel=1e-6)
+        assert scalars("dhp/step-vs-lower-bound")[iteration] == pytest.approx(plan["predicted"] / plan["lower_bound"],
+                                                                              rel=1e-6)
+        assert scalars("dhp/solve-ms")[iteration] == pytest.approx(plan["solve_ms"], rel=1e-6)
+        sizes |= {int(d) for d in plan["sizes"]}  # a size once written is written on, as 0 where absent
+        written = {int(tag.rsplit("-", 1)[1]) for tag in events.Tags()["scalars"] if tag.startswith("dhp/groups-size-")
+                   and iteration in scalars(tag)}
+        assert written == sizes
+        for d in sizes:
+            assert scalars(f"dhp/groups-size-{d}")[iteration] == plan["sizes"].get(d, 0)
+    # the closed loop has measured a step by the third (its report rides with a later length gather)
+    assert sorted(scalars("dhp/measured-step-time")) == [12] and scalars("dhp/measured-step-time")[12] > 0
+    assert "dhp/attention-backend/text_summary" in events.Tags()["tensors"]
+
+
+def test_the_plan_line_follows_the_log_interval_on_rank_zero(ranks):
+    # --log-interval 3 from iteration 9: the third step (12) only; evaluation counts its own steps (1: none)
+    assert ranks[0]["lines"] == [0, 0, 1, 1]
+    assert all(r["lines"] == [0, 0, 0, 0] for r in ranks[1:])
+
+
+def test_each_step_marks_its_plan_wait_token_move_and_each_slots_metadata_as_nvtx_ranges(ranks):
+    for r in ranks:
+        for calls, (slots, _) in zip(r["ranges"], r["counts"], strict=True):
+            assert calls == [PLAN_WAIT, "pop", MOVE_TOKENS, "pop", *[METADATA, "pop"] * slots]

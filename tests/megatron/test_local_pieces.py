@@ -28,13 +28,13 @@ LLAMA3_8B = {"hidden_size": 4096, "ffn_hidden_size": 14336, "num_layers": 32, "n
 
 def test_a_megatron_lm_run_s_token_memory_comes_from_its_model_flags():
     """4 MB per token (Megatron-LM's count, bf16) and keys and values 1/32 of it; over TP 2 and 4 stages an eighth."""
-    from megatron_dhp.megatron.hooks import _model_memory
+    from megatron_dhp.megatron.model_flags import model_memory
 
-    memory = _model_memory(dhp_args(**LLAMA3_8B), stages=1)
+    memory = model_memory(dhp_args(**LLAMA3_8B), stages=1)
     assert memory.activation_mb == pytest.approx(4.0) and memory.kv_memory_per_token == pytest.approx(1 / 32)
-    staged = _model_memory(dhp_args(**{**LLAMA3_8B, "tensor_model_parallel_size": 2}), stages=4)
+    staged = model_memory(dhp_args(**{**LLAMA3_8B, "tensor_model_parallel_size": 2}), stages=4)
     assert staged.activation_mb == pytest.approx(0.5)
-    mha = _model_memory(dhp_args(**{**LLAMA3_8B, "group_query_attention": False, "bf16": False}), stages=1)
+    mha = model_memory(dhp_args(**{**LLAMA3_8B, "group_query_attention": False, "bf16": False}), stages=1)
     assert mha.activation_mb == pytest.approx(8.0) and mha.kv_memory_per_token == pytest.approx(1 / 8)
 
 
@@ -142,6 +142,59 @@ def test_rows_become_sequences():
     assert [len(s[0]) for s in sequences(packed, split_documents=False)] == [4, 6, 1, 9]
 
 
+PAD, EOD, IGNORE = 99, 96, -100
+
+
+def sft_row(conversations: list[tuple[list[int], list[int]]], seq_length: int) -> dict[str, torch.Tensor]:
+    """One row as Megatron-LM's `SFTDataset.__getitem__` packs it (core_v0.16.1, training/datasets/sft_dataset.py):
+    each conversation's tokens and targets (IGNORE on its prompt) end with EOD; the pack is padded to
+    seq_length + 1 with PAD as token and target, the padding counted into the last sequence of `cu_seqlens`;
+    then shifted by one, and the loss masked where the label is PAD or IGNORE."""
+    tokens, targets, cu_seqlens = [], [], [0]
+    for conv_tokens, conv_targets in conversations:
+        tokens, targets = tokens + conv_tokens + [EOD], targets + conv_targets + [EOD]
+        cu_seqlens.append(len(tokens))
+    padding = seq_length + 1 - len(tokens)
+    tokens, targets = tokens + [PAD] * padding, targets + [PAD] * padding
+    cu_seqlens[-1] = seq_length
+    labels = torch.tensor(targets[1:])
+    return {"tokens": torch.tensor(tokens[:-1]), "labels": labels, "loss_mask": ((labels != PAD) & (labels != IGNORE)).float(),
+            "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int32)}
+
+
+def test_a_packed_sft_row_yields_its_conversations_without_the_padding():
+    """Megatron-LM's SFT rows (`--sft`): the padding after the last conversation (counted into its sequence by
+    `cu_seqlens`, or marked as a sequence of its own, or with boundaries repeated) is never a sequence nor part of
+    one; every conversation comes out whole, token for token, with every loss token."""
+    from megatron_dhp.megatron.data import sequences
+
+    prompt = [IGNORE] * 3
+    padded = sft_row([([10, 11, 12, 13], [*prompt, 13]), ([20, 21, 22], [*prompt])], seq_length=16)  # 9 real, 7 pad
+    full = sft_row([([30 + i for i in range(15)], [*prompt, *range(33, 45)])], seq_length=16)  # 16 real, no pad
+    assert padded["cu_seqlens"].tolist() == [0, 5, 16] and padded["tokens"][9:].tolist() == [PAD] * 7
+    # two rows in one batch (upstream's --sft loads one): the shorter cu_seqlens repeats its last boundary
+    batch = {key: torch.stack([padded[key], full[key]]) for key in ("tokens", "labels", "loss_mask")}
+    batch["cu_seqlens"] = torch.tensor([[0, 5, 16], [0, 16, 16]], dtype=torch.int32)
+    got = sequences(batch, split_documents=False)
+    assert [len(s[0]) for s in got] == [5, 4, 16]
+    for (tokens, labels, loss_mask), (row, start, end) in zip(got, [(0, 0, 5), (0, 5, 9), (1, 0, 16)]):
+        assert tokens.tolist() == batch["tokens"][row, start:end].tolist()
+        assert labels.tolist() == batch["labels"][row, start:end].tolist()
+        assert loss_mask.tolist() == batch["loss_mask"][row, start:end].tolist()
+    assert got[1][0].tolist() == [20, 21, 22, EOD] and got[1][1].tolist() == [*prompt[:2], EOD, PAD]
+    assert sum(float(s[2].sum()) for s in got) == float(batch["loss_mask"].sum())  # no loss token dropped
+    # the padding as a pseudo-sequence of its own, or boundaries repeated to a fixed width
+    for cu_seqlens in ([0, 5, 9, 16], [0, 5, 16, 16, 16], [0, 5, 9, 16, 16]):
+        row = dict(padded, cu_seqlens=torch.tensor([cu_seqlens], dtype=torch.int32))
+        row = {key: value.view(1, -1) for key, value in row.items()}
+        assert [s[0].tolist() for s in sequences(row, split_documents=False)] == [[10, 11, 12, 13, EOD], [20, 21, 22, EOD]]
+    # a tokenizer whose pad is its eod: the last conversation's eod carries no loss, and goes with the padding
+    row = {key: value.view(1, -1) for key, value in padded.items()}
+    row["tokens"] = torch.where(row["tokens"] == PAD, EOD, row["tokens"])
+    row["labels"] = torch.where(row["labels"] == PAD, EOD, row["labels"])
+    assert [len(s[0]) for s in sequences(row, split_documents=False)] == [5, 3]
+
+
 def _plan(groups, *, barrier=False, n=3) -> Plan:
     return Plan("t", n, n, Batch.from_lengths([4, 4, 4, 4]).samples, tuple(groups), phase_barrier=barrier)
 
@@ -200,6 +253,38 @@ def test_iterators_nested_otherwise_than_the_arguments_say_are_refused(iterator,
     # the nesting comes from the arguments; the runtime is never reached
     with pytest.raises(DhpError, match=match):
         wrap_data_iterator(iterator, None, lookahead=False, shape=IteratorShape(**shape))
+
+
+def test_a_seq_length_one_rank_holds_is_named_at_start_up(caplog):
+    from megatron_dhp.integration.dhp_config import DhpConfig
+    from megatron_dhp.integration.job_spec import JobSpec
+    from megatron_dhp.megatron.hooks import warn_if_rows_fit_one_rank
+
+    spec = JobSpec(DhpConfig(max_tokens_per_rank=8192), 16, 8)
+    with caplog.at_level("WARNING"):
+        warn_if_rows_fit_one_rank(131072, spec)
+        assert caplog.records == []
+        warn_if_rows_fit_one_rank(8192, spec)
+    (record,) = caplog.records
+    assert "--seq-length 8192 is no longer than the 8192 tokens a rank holds" in record.getMessage()
+
+
+@pytest.mark.parametrize("split_documents, cause", [(True, "--append-eod"), (False, "--reset-position-ids")])
+def test_rows_of_one_sequence_each_are_named_once_after_the_first_steps(caplog, split_documents, cause):
+    from megatron_dhp.megatron.data import DocumentCheck
+
+    check = DocumentCheck(split_documents)
+    with caplog.at_level("WARNING"):
+        for _ in range(2 * DocumentCheck.STEPS):
+            check.see(rows=4, sequences=4)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "the first 3 steps' 12 rows were one sequence each" in warnings[0]
+    assert cause in warnings[0]
+    caplog.clear()
+    documents = DocumentCheck(split_documents)
+    for _ in range(DocumentCheck.STEPS):
+        documents.see(rows=4, sequences=4 if _ else 5)  # one row held two documents
+    assert caplog.records == []
 
 
 def test_te_layer_spec_allocates_te_cp_stream_and_states_comm_type_and_padding_at_static_cp_one(monkeypatch):

@@ -10,12 +10,15 @@ PYTHONPATH (so its own megatron.core), and skips where it cannot import (0.16 an
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import py_compile
+import random
 import re
 import shlex
 import shutil
 import signal
+import string
 import subprocess
 import sys
 import textwrap
@@ -222,20 +225,24 @@ def patched(request, tmp_path_factory) -> Path:
     return copy
 
 
-def cpu_command(tree: Path, flags: list[str]) -> tuple[list[str], dict[str, str]]:
-    """torchrun of pretrain_gpt.py on 4 CPU ranks through the CPU shim, and its environment."""
+CPU_SCRIPT = REPO / "scripts" / "megatron_lm_cpu.py"
+
+
+def cpu_command(tree: Path, flags: list[str], *, script: Path = CPU_SCRIPT) -> tuple[list[str], dict[str, str]]:
+    """torchrun of pretrain_gpt.py on 4 CPU ranks through the CPU shim (`script`), and its environment."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-               str(REPO / "scripts" / "megatron_lm_cpu.py"), *flags]
+               str(script), *flags]
     # FSDP asserts more than one CUDA connection (a GPU scheduling hint; nothing on the CPU reads it)
     connections = "2" if "--use-torch-fsdp2" in flags else "1"
     return command, {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
                      "CUDA_DEVICE_MAX_CONNECTIONS": connections}
 
 
-def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False, **env: str) -> tuple[list[float], int | str]:
+def train_on_cpu(tree: Path, flags: list[str], *, full_log: bool = False, script: Path = CPU_SCRIPT,
+                 **env: str) -> tuple[list[float], int | str]:
     """Losses that pretrain_gpt.py logs on 4 CPU ranks (training, then validation), and the plans logged (or,
     with `full_log`, the whole log)."""
-    command, base = cpu_command(tree, flags)
+    command, base = cpu_command(tree, flags, script=script)
     env = {**base, **env}
     out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
@@ -368,22 +375,34 @@ def test_multi_latent_attention_on_dynamic_groups_trains_like_one_rank_per_row(p
     assert_same_training(grouped, single, flags)
 
 
-def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched):
+def test_a_slowed_rank_is_named_in_the_plan_line_and_trains_like_upstream(patched, tmp_path):
     """--dhp-slow-rank 1:4.0 over 10 steps: the closed loop names rank 1 as the slowest in the plan lines once
-    it has measured it, and every loss is upstream's.
+    it has measured it, and every loss is upstream's. With --tensorboard-dir, Megatron's writer holds dhp's
+    scalars beside its own, every --tensorboard-log-interval 2 of its iterations, the slow rank's speed among them.
 
     A slow rank shows only in groups apart from the others: with every row on a group of all four ranks
     (M = 32, as in the other tests) they all wait for it alike, as for a throttled GPU. The CPU's own cost
     model at M = 64 runs each row on one rank."""
+    pytest.importorskip("tensorboard", reason="Megatron-LM's --tensorboard-dir needs tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     longer = [*TINY[: TINY.index("--train-iters") + 1], "10", *TINY[TINY.index("--train-iters") + 2:], *DOCUMENTS]
     upstream, _ = train_on_cpu(patched, longer)
     apart = ["--dhp-max-tokens-per-rank", "64", "--dhp-cost", "tiny-gpt-cpu"]
-    dhp, log = train_on_cpu(patched, [*longer, *DHP, *apart, "--dhp-slow-rank", "1:4.0"], full_log=True)
+    logged = ["--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "2"]
+    dhp, log = train_on_cpu(patched, [*longer, *DHP, *apart, "--dhp-slow-rank", "1:4.0", *logged], full_log=True)
     assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
     # the plan summary lists slow ranks slowest first; 4 ranks share 2 cores, so others dip now and then
     slowest = re.findall(r"dhp plan: .*?slow (r\d+)@([0-9.]+)", log)
     assert slowest and slowest[-1][0] == "r1" and float(slowest[-1][1]) <= 0.5, slowest
     assert sum(rank == "r1" for rank, _ in slowest) >= 0.75 * len(slowest), slowest
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert sorted(scalars["dhp/sequences"]) == [2, 4, 6, 8, 10] == sorted(scalars["lm loss"])  # Megatron's own
+    assert scalars["dhp/rank-speed-1"][10] <= 0.5 and scalars["dhp/slow-ranks"][10] >= 1
+    assert scalars["dhp/measured-step-time"][10] > 0 and scalars["dhp/step-time-predicted"][10] > 0
+    assert "dhp/attention-backend/text_summary" in events.Tags()["tensors"]
 
 
 def test_flexsp_milp_is_planned_on_rank_zero_and_trains_like_upstream(patched, tmp_path):
@@ -457,3 +476,98 @@ def test_exit_signal_handler_saves_exits_and_resumes_like_upstream(patched, tmp_
     upstream, resumed = iteration_losses(upstream), iteration_losses(resumed)
     assert sorted(resumed) == sorted(upstream) == list(range(saved + 1, 9))
     assert [resumed[i] for i in sorted(resumed)] == pytest.approx([upstream[i] for i in sorted(resumed)], rel=2e-6)
+
+
+# Packed SFT (--sft): Megatron-LM's SFTDataset packs each JSONL line's conversations into one row of --seq-length,
+# with cu_seqlens, and SFTTokenizer (--legacy-tokenizer: the new tokenizer system has no SFT type) tokenizes them
+# with a Hugging Face tokenizer's chat template: here a character-level one built offline, with the specials of
+# the nemotron-h-aligned prompt format (<SPECIAL_10> system, <SPECIAL_11> user and assistant, <SPECIAL_233> pad).
+SFT_SPECIALS = ["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_233>"]
+# each line: a conversation with a 2-letter question and a 3-letter answer, then one of 1 and 1. A conversation
+# is "<SPECIAL_10>System\n\n" (9 tokens), "<SPECIAL_11>User\n{q}\n<SPECIAL_11>Assistant\n" (18 + q), "{a}\n"
+# (a + 1) and the EOD SFTDataset adds: 34 and 31 tokens, 65 of a row of 80, the last 15 padding
+SFT_CONVERSATIONS = [(2, 3), (1, 1)]
+SFT_REAL_TOKENS = [34, 31]
+SFT_SEQ_LENGTH = 80
+
+
+def sft_tokenizer(path: Path) -> Path:
+    """A character-level Hugging Face tokenizer (printable ASCII, an eos and the prompt format's specials)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    model = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<eos>",
+                            additional_special_tokens=SFT_SPECIALS).save_pretrained(path)
+    return path
+
+
+def sft_corpus(path: Path, lines: int = 40) -> Path:
+    """SFTDataset's JSONL: each line's "messages" hold its conversations one after another, each opened by a
+    system message."""
+    rng = random.Random(0)
+
+    def conversation(question: int, answer: int) -> list[dict[str, str]]:
+        words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(n)) for n in (question, answer)]
+        return [{"role": "system", "content": ""}, {"role": "user", "content": words[0]},
+                {"role": "assistant", "content": words[1]}]
+
+    path.write_text("".join(json.dumps({"messages": [m for q, a in SFT_CONVERSATIONS for m in conversation(q, a)]})
+                            + "\n" for _ in range(lines)))
+    return path
+
+
+def without(flags: list[str], **drop: int) -> list[str]:
+    """`flags` less each `--name` of `drop` (underscores for dashes) and the values it takes (its count)."""
+    out, skip = [], 0
+    for flag in flags:
+        if skip:
+            skip -= 1
+        elif flag.startswith("--") and flag[2:].replace("-", "_") in drop:
+            skip = drop[flag[2:].replace("-", "_")]
+        else:
+            out.append(flag)
+    return out
+
+
+def test_packed_sft_trains_like_upstream_and_plans_no_padding(patched, tmp_path):
+    """pretrain_gpt.py --sft on a JSONL of two conversations a line: each row packs 65 real tokens and 15 of
+    padding, which SFTDataset counts into the last sequence of cu_seqlens (tokens and labels the pad id, loss
+    mask 0). Under --dhp the same 3 steps' losses as upstream, and every step plans exactly the conversations
+    (dhp's scalars in Megatron's TensorBoard writer: 16 sequences, 8 x 65 tokens, the longest 34), no padding.
+
+    Upstream's own --sft run stops on a CPU before its first step, with or without --dhp: RoPE's THD path gets
+    the collated [1, n] cu_seqlens, and the local DotProductAttention refuses packed sequences. The reference
+    run answers both with upstream's own code (megatron_dhp/testing/thd_reference.py), each conversation as a
+    batch of one, as TransformerEngine's THD attention runs them.
+
+    No evaluation: --sft makes Megatron-LM's evaluate() average loss / tokens per microbatch
+    (training.py, `if args.sft`), a figure of how the batch is cut into microbatches: 0 / 0, NaN, for a planned
+    microbatch without loss tokens (measured here: upstream 4.463169 at iteration 2, --dhp NaN)."""
+    for module in ("transformers", "tokenizers", "datasets", "tensorboard"):
+        pytest.importorskip(module, reason=f"Megatron-LM's --sft path (and this test) needs {module}")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sft = [*without(tiny_gpt_flags(seq_length=SFT_SEQ_LENGTH), mock_data=0, tokenizer_type=1, vocab_size=1,
+                    eod_mask_loss=0, micro_batch_size=1, eval_iters=1, split=1),
+           "--sft", "--data-path", str(sft_corpus(tmp_path / "sft.jsonl")), "--split", "100,0,0",
+           "--legacy-tokenizer", "--tokenizer-type", "SFTTokenizer",
+           "--tokenizer-model", str(sft_tokenizer(tmp_path / "tokenizer")),
+           "--micro-batch-size", "1",  # upstream's get_batch packs one row per microbatch
+           "--no-create-attention-mask-in-dataloader", "--eval-iters", "0"]
+    # the caller's PYTHONPATH after the checkout's: where Hugging Face's packages may be
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(patched), str(REPO), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    upstream, _ = train_on_cpu(patched, sft, script=REPO / "megatron_dhp" / "testing" / "thd_reference.py", **env)
+    logged = ["--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "1"]
+    dhp, plans = train_on_cpu(patched, [*sft, *DHP, *logged], **env)
+    assert len(upstream) == 3 and plans == 3
+    assert dhp == pytest.approx(upstream, rel=2e-6), (dhp, upstream)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    rows = 8  # --global-batch-size
+    assert scalars["dhp/sequences"] == [rows * len(SFT_REAL_TOKENS)] * 3
+    assert scalars["dhp/longest-sequence"] == [max(SFT_REAL_TOKENS)] * 3  # with its padding, the last is 46
+    assert [4 * t for t in scalars["dhp/tokens-per-rank-mean"]] == pytest.approx([rows * sum(SFT_REAL_TOKENS)] * 3)

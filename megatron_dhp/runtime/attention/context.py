@@ -19,6 +19,7 @@ from megatron_dhp.runtime.attention import BACKENDS
 from megatron_dhp.runtime.attention.comm import PeerRing
 from megatron_dhp.runtime.attention.meta import AttentionMeta
 from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.runtime.nvtx import METADATA, nvtx_range
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class CPContext:
         size = 1 if self.group is None else self.group.size()
         assert size == self.layout.group_size, f"group of {size} ranks for a layout of {self.layout.group_size}"
         assert self.group is None or self.group.rank() == self.layout.rank, "layout rank is not the group rank"
-        object.__setattr__(self, "meta", AttentionMeta.build(self.layout, self.device))
+        with nvtx_range(METADATA):
+            object.__setattr__(self, "meta", AttentionMeta.build(self.layout, self.device))
 
 
 @dataclass
