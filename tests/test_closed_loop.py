@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_dhp.closed_loop import injection, slot_clock
 from megatron_dhp.closed_loop.injection import InjectedSlowdown, timer_for_job
 from megatron_dhp.closed_loop.loop import ClosedLoop
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit, TimeScales
@@ -224,16 +227,30 @@ def test_a_slow_rank_leaves_the_fit_with_its_earlier_steps_once_it_is_known():
     assert loop.fit.scales == TimeScales(pytest.approx(2.0), pytest.approx(3.0))
 
 
-def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once():
+class StoppedClock:
+    """`time` for the clock and the injection: it reads `now`, which only a sleep moves, so a slot's seconds
+    are what the code makes them, on any machine under any load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_slot_timer_holds_an_injected_slot_longer_and_hands_each_step_over_once(monkeypatch):
+    clock = StoppedClock()
+    monkeypatch.setattr(slot_clock, "time", clock)
+    monkeypatch.setattr(injection, "time", clock)
     timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0, hold=False)
-    inner = []
     with timer.slot((4, 7)):
-        start = time.perf_counter()
-        time.sleep(0.01)
-        inner.append(time.perf_counter() - start)
+        clock.sleep(0.25)  # the slot's own work
     timer.end_step("plan")
     tag, slots, span = timer.take()
-    assert tag == "plan" and slots[0][0] == (4, 7) and slots[0][1] >= 3.0 * inner[0] and span == slots[0][1]
+    assert tag == "plan" and slots == [((4, 7), 0.75)] and span == 0.75  # then held twice as long again
     assert timer.take() is None
 
 
@@ -262,30 +279,61 @@ def test_the_production_clock_only_measures_and_injection_is_put_on_only_when_sl
 
 
 WORK_S = 0.05
+CLOSED = "rank {}'s clock closed the slot"
+WAITED = "rank 1's injected wait ended"
 
 
-def injected_slot_seconds(hold: bool, ring: bool) -> float:
-    """One slot of a two-rank group, rank 1 injected 3x; this rank's timed seconds (a `launch` worker)."""
+def _log(path: str, event: str) -> None:
+    with open(path, "a") as f:  # one short append: the file holds the events in the order they happened
+        f.write(event + "\n")
+
+
+def _events(path: str) -> list[str]:
+    return Path(path).read_text().splitlines() if Path(path).exists() else []
+
+
+def injected_slot_events(hold: bool, ring: bool, log: str) -> None:
+    """One slot of a two-rank group, rank 1 injected 3x (a `launch` worker); the ranks log to `log` when rank 1's
+    injected wait ends and when each rank's clock closes the slot (its second reading). With `hold` that wait
+    lasts its injected length; without, until rank 0's clock has closed (60 s at most, a hang guard). Either
+    order the test reads is then forced by the code, not by the machine's load."""
     start_gloo_rank()
+    rank, readings = dist.get_rank(), []
+
+    def read() -> float:
+        readings.append(time.perf_counter())
+        if len(readings) == 2:
+            _log(log, CLOSED.format(rank))
+        return readings[-1]
+
+    def wait(seconds: float) -> None:
+        deadline = time.monotonic() + (seconds if hold else 60.0)
+        while time.monotonic() < deadline and CLOSED.format(0) not in _events(log):
+            time.sleep(0.005)
+        _log(log, WAITED)
+
     group = dist.new_group([0, 1])
-    timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0 if dist.get_rank() == 1 else 1.0, hold=hold)
-    with timer.slot((0,), PeerRing.of_group(group) if ring else group):
-        time.sleep(WORK_S)
-    timer.end_step(None)
-    _, slots, _ = timer.take()
+    timer = InjectedSlowdown(SlotClock(torch.device("cpu")), slowdown=3.0 if rank == 1 else 1.0, hold=hold)
+    with mock.patch.object(slot_clock, "time", SimpleNamespace(perf_counter=read)), \
+            mock.patch.object(injection, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=wait)):
+        with timer.slot((0,), PeerRing.of_group(group) if ring else group):
+            time.sleep(WORK_S)
     dist.barrier()
     dist.destroy_process_group()
-    return slots[0][1]
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["group", "peer-ring"])
-def test_an_injected_rank_holds_its_group_until_its_wait_ends(ring):
-    # Without the hold, rank 0 leaves the group's slot while rank 1 still waits out its injection (a
-    # throttled GPU would hold it inside the collectives); with it, rank 0 runs to rank 1's end too.
-    fast, slow = launch(injected_slot_seconds, 2, True, ring, timeout_s=120)
-    assert slow >= 3 * WORK_S and fast >= 2.5 * WORK_S
-    fast, slow = launch(injected_slot_seconds, 2, False, ring, timeout_s=120)
-    assert slow >= 3 * WORK_S and fast < 2 * WORK_S
+def test_an_injected_rank_holds_its_group_until_its_wait_ends(ring, tmp_path):
+    # With the hold, rank 0's clock closes the group's slot only after rank 1's injected wait has ended (a
+    # throttled GPU holds its group inside the collectives, and the fast rank's seconds must show it); without
+    # it, rank 0 leaves while rank 1 still waits. The order of the ranks' events says which, not their times.
+    for hold in (True, False):
+        log = tmp_path / f"hold_{hold}.log"
+        launch(injected_slot_events, 2, hold, ring, str(log), timeout_s=120)
+        events = _events(str(log))
+        assert sorted(events) == sorted([CLOSED.format(0), CLOSED.format(1), WAITED]), events
+        assert (events.index(WAITED) < events.index(CLOSED.format(0))) == hold, (hold, events)
+        assert events.index(WAITED) < events.index(CLOSED.format(1)), events  # rank 1 measures its own wait
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -23,8 +23,9 @@ from megatron_dhp.runtime.domain import ControlPlane, host_groups
 from megatron_dhp.runtime.group_pool import GroupPool
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.dispatch import dispatch
-from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import random_samples
 from megatron_dhp.workload.sample import Batch
+from tests.numerics import RelativeSelfCheck
 from tests.ranks import start_cpu_rank
 
 LENGTHS = (7, 19, 4, 26, 11, 1, 16, 9, 13, 3, 22, 6)
@@ -58,7 +59,7 @@ def domain_of_four_checks() -> dict:
     no group created by p2p's steps."""
     start_cpu_rank(tensor_parallel=1)
     out: dict = {"rank": dist.get_rank()}
-    check = SelfCheck(seed=5)
+    check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_four()
 
@@ -111,7 +112,7 @@ def domain_of_four_checks() -> dict:
     family.prepare(plans["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"])  # none of its groups is
     out["family_out"] = (family.created, len(family))
 
-    two_heads = SelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
+    two_heads = RelativeSelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
     out["two_heads"] = [two_heads.check(p, samples, "ulysses") for p in plans.values()]
     dist.destroy_process_group()
     return out
@@ -120,7 +121,7 @@ def domain_of_four_checks() -> dict:
 def tensor_parallel_checks() -> dict:
     """TP 2 on 4 ranks (two domains of 2): exactness for every variant on a plan with sizes 1 and 2."""
     start_cpu_rank(tensor_parallel=2)
-    check = SelfCheck(seed=7)
+    check = RelativeSelfCheck(seed=7)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     b = batch().samples
     plan = Plan("t", 2, 2, b, (
@@ -129,7 +130,7 @@ def tensor_parallel_checks() -> dict:
         PlanGroup((0, 1), ((7, 8), (9, 10, 11)), phase=1),
     ))
     out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
-    sp = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
+    sp = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
     out["sp"] = {comm: sp.check(plan, samples, comm) for comm in COMM_VARIANTS}
     dist.destroy_process_group()
     return out
@@ -138,7 +139,7 @@ def tensor_parallel_checks() -> dict:
 def sequence_parallel_three_checks() -> dict:
     """TP 2 + SP on 6 ranks (two domains of 3): groups of 3, 2 and 1, odd lengths, every variant."""
     start_cpu_rank(tensor_parallel=2)
-    check = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=8)
+    check = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=8)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     b = batch().samples
     plan = Plan("t", 3, 3, b, (
@@ -152,7 +153,7 @@ def sequence_parallel_three_checks() -> dict:
     return out
 
 
-def _expect_error(check: SelfCheck, samples: list, plan_for_rank) -> str:
+def _expect_error(check: RelativeSelfCheck, samples: list, plan_for_rank) -> str:
     plan = plan_for_rank(check.domain.position)
     try:
         dispatch(local_slice(samples, check.domain.position, check.domain.size), check.domain, plan=plan)
@@ -217,7 +218,7 @@ def control_plane_checks() -> dict:
     the world (`ControlPlane`), against the same step without: the same microbatches, and every control
     collective on a control group."""
     start_cpu_rank(tensor_parallel=1)
-    check = SelfCheck(seed=5)
+    check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plan = plans_of_four()["sizes 2+2 non-contiguous, then 3 + idle 1, barrier"]
     local = local_slice(samples, check.domain.position, 4)

@@ -9,7 +9,8 @@ from megatron.core import parallel_state
 
 from megatron_dhp.models.gpt import TinyGPTConfig, global_names
 from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import random_samples
+from tests.numerics import RelativeSelfCheck
 from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import SAMPLE_SEED, batch
 
@@ -83,18 +84,18 @@ def one_sample_per_microbatch() -> Plan:
 def expert_parallel_checks() -> dict:
     """EP 2 on 4 ranks: alltoall and allgather exactness per plan, the load-balancing loss."""
     start_cpu_rank(expert_parallel=2)
-    check = SelfCheck(config=MOE, seed=3)
+    check = RelativeSelfCheck(config=MOE, seed=3)
     samples = random_samples(batch(), vocab_size=MOE.vocab_size, seed=SAMPLE_SEED)
     out: dict = {"ep": check.model.config.expert_model_parallel_size,
                  "experts": sorted(n for n in global_names(check.model).values() if "local_experts" in n)}
     out["exact"] = {name: check.check(plan, samples, "allgather") for name, plan in plans_of_four().items()}
     out["exact"]["ulysses"] = check.check(plans_of_four()["2 across EP groups + idle, barrier"], samples, "ulysses")
 
-    aux = SelfCheck(config=replace(MOE, moe_aux_loss_coeff=0.1), seed=3)
+    aux = RelativeSelfCheck(config=replace(MOE, moe_aux_loss_coeff=0.1), seed=3)
     out["aux"] = aux.check(one_sample_per_microbatch(), samples, "allgather")
     out["aux_split"] = aux.check(plans_of_four()["1+1+2 then 2+2, counts 3/1/2/2"], samples, "allgather")
 
-    gather = SelfCheck(config=ALLGATHER, seed=3)
+    gather = RelativeSelfCheck(config=ALLGATHER, seed=3)
     plans = {**plans_of_four(), "rounded rows": rounded_rows_of_four()}
     out["allgather"] = {name: gather.check(plan, samples, "allgather") for name, plan in plans.items()}
     out["allgather"]["ulysses"] = gather.check(plans_of_four()["2 across EP groups + idle, barrier"], samples, "ulysses")
@@ -105,7 +106,7 @@ def expert_parallel_checks() -> dict:
 def allgather_checks(tensor_parallel: int = 1) -> dict:
     """EP 2 with the allgather dispatcher over a domain of 2 (2 ranks; with TP 2 and SP, 4 ranks)."""
     start_cpu_rank(tensor_parallel=tensor_parallel, expert_parallel=2)
-    check = SelfCheck(config=replace(ALLGATHER, sequence_parallel=tensor_parallel > 1), seed=5)
+    check = RelativeSelfCheck(config=replace(ALLGATHER, sequence_parallel=tensor_parallel > 1), seed=5)
     samples = random_samples(batch(), vocab_size=MOE.vocab_size, seed=SAMPLE_SEED)
     config = check.model.config
     out: dict = {"ep": config.expert_model_parallel_size, "sp": config.sequence_parallel, "domain": check.domain.size,

@@ -12,7 +12,8 @@ from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.step_data import local_slice
 from megatron_dhp.testing.dispatch import dispatch
-from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import random_samples
+from tests.numerics import RelativeSelfCheck
 from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import SAMPLE_SEED, batch
 
@@ -50,7 +51,7 @@ def comms_of(name: str) -> list[str]:
 def pipeline_two_checks() -> dict:
     """PP 2 x domain 2 on 4 ranks: exactness per plan and comm variant, divergent plans stop every rank."""
     start_cpu_rank(pipeline_parallel=2)
-    check = SelfCheck(seed=5)
+    check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_two()
     out: dict = {"rank": dist.get_rank(), "domain": check.domain.global_ranks}
@@ -65,7 +66,7 @@ def pipeline_two_checks() -> dict:
     except DhpError as e:
         out["divergent"] = str(e)
     out["after_errors"] = check.check(first, samples, "ring")
-    tied = SelfCheck(seed=9, tied_embeddings=True)
+    tied = RelativeSelfCheck(seed=9, tied_embeddings=True)
     out["tied"] = {name: tied.check(plan, samples, "allgather") for name, plan in plans.items()}
     dist.destroy_process_group()
     return out
@@ -88,7 +89,7 @@ def plans_of_three() -> dict[str, Plan]:
 def pipeline_three_checks() -> dict:
     """PP 2 x domain 3 on 6 ranks: one plan under every comm variant."""
     start_cpu_rank(pipeline_parallel=2)
-    check = SelfCheck(seed=8)
+    check = RelativeSelfCheck(seed=8)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     out = {"domain": check.domain.global_ranks,
            "exact": {(name, comm): check.check(plan, samples, comm)
@@ -105,7 +106,7 @@ def interleaved_checks() -> dict:
     plans = {name: replace(plan, pipeline_stages=2, virtual_stages=2) for name, plan in plans_of_two().items()}
     out: dict = {"exact": {}, "tied": {}}
     for tied in (False, True):
-        check = SelfCheck(config=config, seed=11, tied_embeddings=tied, virtual=2)
+        check = RelativeSelfCheck(config=config, seed=11, tied_embeddings=tied, virtual=2)
         samples = random_samples(batch(), vocab_size=config.vocab_size, seed=SAMPLE_SEED)
         for name, plan in plans.items():
             for comm in comms_of(name)[:1 if tied else None]:
@@ -126,7 +127,7 @@ def interleaved_with_a_wrong_receive_order() -> dict:
     pipeline.chunk_table = lambda num_slots, stages, virtual: [(j, c) for j in range(num_slots) for c in range(virtual)]
     start_cpu_rank(pipeline_parallel=2, virtual_pipeline=2)
     config = TinyGPTConfig(num_layers=4)
-    check = SelfCheck(config=config, seed=11, virtual=2)
+    check = RelativeSelfCheck(config=config, seed=11, virtual=2)
     plan = replace(next(iter(plans_of_two().values())), pipeline_stages=2, virtual_stages=2)
     return {"ok": check.check(plan, random_samples(batch(), vocab_size=config.vocab_size, seed=SAMPLE_SEED), "ring").ok}
 
@@ -137,11 +138,11 @@ def tensor_and_pipeline_checks() -> dict:
     plan = Plan("t", 1, 1, batch().samples, (PlanGroup((0,), ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11))),))
     out = {}
     for tied in (False, True):
-        check = SelfCheck(seed=10, tied_embeddings=tied)
+        check = RelativeSelfCheck(seed=10, tied_embeddings=tied)
         samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
         out[tied] = check.check(plan, samples, "allgather")
     # sequence parallelism: the stages exchange each TP rank's half of the (padded) rows
-    sp = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=10)
+    sp = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=10)
     out["sp"] = sp.check(plan, random_samples(batch(), vocab_size=sp.config.vocab_size, seed=SAMPLE_SEED), "allgather")
     dist.destroy_process_group()
     return out

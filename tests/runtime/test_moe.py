@@ -9,6 +9,7 @@ import pytest
 from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_counts, aligned_slot_rows, work_items
 from megatron_dhp.runtime.step_data import StepInputs
+from tests.numerics import RELATIVE
 from tests.runtime import moe_workers
 from tests.runtime.test_distributed import assert_exact
 
@@ -36,7 +37,7 @@ def test_load_balancing_loss_is_exact_when_microbatches_are_samples(ep2):
     for rank in ep2:
         assert_exact(rank["aux"])
         # split differently, the router's per-microbatch statistics differ: only its gradient moves
-        assert rank["aux_split"].max_loss_diff <= 1e-5 < rank["aux_split"].max_grad_diff
+        assert rank["aux_split"].max_loss_diff <= RELATIVE < rank["aux_split"].max_grad_diff
         assert "router" in rank["aux_split"].worst_param
 
 

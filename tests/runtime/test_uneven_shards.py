@@ -30,7 +30,7 @@ from megatron_dhp.runtime.engine import check_shares
 from megatron_dhp.runtime.fused import zigzag_pack, zigzag_unpack
 from megatron_dhp.runtime.layout import MicrobatchLayout, group_layout, zigzag_positions
 from megatron_dhp.runtime.slots import aligned_slot_rows
-from megatron_dhp.verify.selfcheck import TOLERANCE
+from tests.numerics import RELATIVE
 from tests.runtime import uneven_workers
 from tests.runtime.test_distributed import assert_exact
 
@@ -265,7 +265,8 @@ def test_a_rank_that_missizes_the_shares_makes_the_check_fail(four):
     for rank in four:
         assert_exact(rank["missized_exact"])
         wrong = rank["missized"]
-        assert wrong.max_loss_diff > 1e3 * TOLERANCE and wrong.max_grad_diff > 1e3 * TOLERANCE, wrong
+        # relative to the oracle's loss and largest gradient: 3.8e-3 and 0.38 measured, a few ulps when right
+        assert wrong.max_loss_diff > 100 * RELATIVE and wrong.max_grad_diff > 100 * RELATIVE, wrong
         assert not wrong.ok
 
 

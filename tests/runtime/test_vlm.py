@@ -14,8 +14,8 @@ from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.plan import Plan, PlanGroup
 from megatron_dhp.runtime.step_data import GatheredImage, ImageInput, TokenSample
 from megatron_dhp.runtime.vision import encoder_ranks
-from megatron_dhp.verify.selfcheck import TOLERANCE
 from megatron_dhp.workload.sample import Batch
+from tests.numerics import RELATIVE
 from tests.runtime import vlm_workers
 
 
@@ -28,9 +28,10 @@ def test_every_placement_and_comm_matches_one_process(four):
     assert four["images"] >= 4
     assert len(four["exact"]) == 2 * len(CONCRETE_PLACEMENTS) * len(COMM_VARIANTS)
     for key, result in four["exact"].items():
-        assert result.max_loss_diff <= TOLERANCE and result.max_grad_diff <= TOLERANCE, (key, result)
+        assert result.max_loss_diff <= RELATIVE and result.max_grad_diff <= RELATIVE, (key, result)
         assert result.tokens_computed == result.batch_tokens and result.ok, (key, result)
-    assert four["vision_grad"] > 1e-4  # the comparison covered a vision tower that really learned
+    # the comparison covered a vision tower that really learned: its gradient is far above what it tolerates
+    assert four["vision_grad"] > 100 * RELATIVE, four["vision_grad"]
 
 
 def test_the_gathered_batch_the_planner_sees_carries_every_image(four):
@@ -39,8 +40,12 @@ def test_the_gathered_batch_the_planner_sees_carries_every_image(four):
 
 def test_the_encoder_attends_within_a_tile_in_both_directions():
     (cross, backward), = launch(vlm_workers.tile_independence, 1, timeout_s=200)
-    assert cross <= 1e-6  # another tile in the batch changes nothing
-    assert backward > 1e-3  # the last patch reaches the first token: not causal (megatron-core 0.16.1's ViT spec is)
+    # Both relative to the tile's largest value (3.8). Another tile in the batch changes only rounding: two tiles
+    # change the GEMM shapes (depth 32 to 147), fp32 a few ulps each: 2.8e-7 to 3.8e-7 on a Xeon's kernels, 0 on
+    # an EPYC's. A tile that saw the other would move as far as one changed patch moves it (below).
+    assert cross <= RELATIVE, cross
+    # the last patch reaches the first token: not causal (megatron-core 0.16.1's ViT spec is); 1.2e-2 measured
+    assert backward > 100 * RELATIVE, backward
 
 
 def _image(sid: int, index: int, tiles: int, owner: int) -> GatheredImage:

@@ -23,7 +23,8 @@ from megatron_dhp.runtime.attention.core_attention import dynamic_cp_attention
 from megatron_dhp.runtime.attention.meta import AttentionMeta
 from megatron_dhp.runtime.layout import MicrobatchLayout
 from megatron_dhp.testing.host_sync import HostSyncError, NoHostSync
-from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+from megatron_dhp.verify.selfcheck import random_samples
+from tests.numerics import RelativeSelfCheck
 from tests.ranks import start_cpu_rank
 from tests.runtime.dist_workers import SAMPLE_SEED, batch
 from tests.runtime.moe_workers import ALLGATHER
@@ -87,20 +88,20 @@ def uneven_checks() -> dict:
     a vision-language model, multi-token prediction; a rank that mis-sizes the shares; a layer of each
     variant under `NoHostSync`."""
     start_cpu_rank(expert_parallel=2)
-    check = SelfCheck(seed=5)
+    check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plans = plans_of_four()
     out: dict = {"shares": {name: [g.shares for g in plan.groups] for name, plan in plans.items()}}
     out["exact"] = {(name, comm): check.check(plan, samples, comm) for name, plan in plans.items()
                     for comm in COMM_VARIANTS}
-    two_heads = SelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
+    two_heads = RelativeSelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
     out["two_heads"] = two_heads.check(plans["3 + 1, then 2 + 2, barrier"], samples, "ulysses")
-    moe = SelfCheck(config=ALLGATHER, seed=3)
+    moe = RelativeSelfCheck(config=ALLGATHER, seed=3)
     out["moe_allgather"] = {name: moe.check(plan, samples, "ring") for name, plan in plans.items()}
-    mtp = SelfCheck(config=TinyGPTConfig(mtp_num_layers=1), seed=4)
+    mtp = RelativeSelfCheck(config=TinyGPTConfig(mtp_num_layers=1), seed=4)
     out["mtp"] = mtp.check(plans["2+2 non-contiguous, then 4"], samples, "p2p")
     vlm_config = TinyVLMConfig()
-    vlm = SelfCheck(vlm=vlm_config, seed=11)
+    vlm = RelativeSelfCheck(vlm=vlm_config, seed=11)
     images = random_vlm_samples(batch(), vlm_config, seed=11)
     out["vlm"] = {placement: vlm.check(plans["3 + 1, then 2 + 2, barrier"], images, "allgather", placement=placement)
                   for placement in ("split", "global")}
@@ -139,7 +140,7 @@ def layers_without_host_sync() -> dict[str, str | None]:
 def sequence_parallel_checks() -> dict:
     """TP 2 + SP on 4 ranks (two domains of 2): every variant on uneven groups of 2 against one process."""
     start_cpu_rank(tensor_parallel=2)
-    check = SelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
+    check = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     plan = plan_of_two()
     out = {"sp": (check.model.config.tensor_model_parallel_size, check.model.config.sequence_parallel),
@@ -162,7 +163,7 @@ def plan_of_two() -> Plan:
 def pipeline_checks() -> dict:
     """PP 2 on 4 ranks (a domain of 2): uneven groups through megatron-core's 1F1B, ring and allgather."""
     start_cpu_rank(pipeline_parallel=2)
-    check = SelfCheck(seed=5)
+    check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     out = {"exact": {comm: check.check(plan_of_two(), samples, comm) for comm in ("ring", "allgather")}}
     dist.destroy_process_group()

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -38,10 +37,12 @@ def start(config: Path, *flags: str) -> subprocess.Popen:
 
 
 def wait_for(condition, timeout_s: float = 180.0) -> None:
+    """Until `condition` holds; `timeout_s` only guards against a hang (no test measures how long it took)."""
     assert wait_until(condition, timeout_s), "timed out waiting"
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
+    """The job's exit code and output once it ends; `timeout_s` only guards against a hang."""
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -73,7 +74,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_lo
     assert "stopped by SIGTERM after step" in out
     stopped_at = int((save / "latest").read_text().strip().removeprefix("step_"))
     assert 1 <= stopped_at < STEPS and (save / f"step_{stopped_at:06d}" / "meta.json").is_file()
-    wait_for(lambda: not any(alive(r) for r in ranks), 10)
+    wait_for(lambda: not any(alive(r) for r in ranks))
 
     resumed = tmp_path / "resumed.json"
     code, out, err = finish(start(slow, "--load", str(save), "--json", str(resumed)), 240)
@@ -90,15 +91,13 @@ def test_a_killed_or_frozen_rank_is_named_and_the_job_ends(tmp_path, fault):
     proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1, timeout_s=10), "--slow-rank", "1:4.0")
     wait_for(lambda: (save / "latest").is_file())
     ranks = children(proc.pid)
-    began = time.monotonic()
     os.kill(ranks[1], getattr(signal, fault))
     code, out, err = finish(proc, 90)
     assert code == 2, err
     expected = "rank 1 was killed by SIGKILL" if fault == "SIGKILL" else "rank 1 stopped responding (its process is stopped"
     assert expected in err, err
     assert len(err.strip().splitlines()) <= 4, err  # the survivors' tracebacks are one line each
-    assert time.monotonic() - began < (30 if fault == "SIGKILL" else 10 + 30)
-    wait_for(lambda: not any(alive(r) for r in ranks), 10)
+    wait_for(lambda: not any(alive(r) for r in ranks))
 
 
 def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
@@ -108,7 +107,7 @@ def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
     ranks = children(proc.pid)
     proc.kill()
     proc.communicate()
-    wait_for(lambda: not any(alive(r) for r in ranks), 10)
+    wait_for(lambda: not any(alive(r) for r in ranks))
 
 
 def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
