@@ -44,8 +44,14 @@ setup(
         # tensorboard: the tests read back the event file dhp's scalars go to (docs/megatron-lm.md#what-dhp-logs)
         "dev": ["pytest>=8.3", "hypothesis>=6", "ruff>=0.5", "tensorboard>=2.14", *MEGATRON_LM],
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],  # 2.1: bottom-right causal masks
-        # megatron_dhp.bridge (Python 3.12): Bridge 0.6.2 and what its pretraining path imports
-        "bridge": ["megatron-bridge==0.6.2", "datasets", "megatron-energon", "nvidia-modelopt", "diffusers", "tensorboard"],
+        # megatron_dhp.bridge (Python 3.12; nothing on older Pythons): what megatron-bridge 0.6.2's pretraining path and
+        # its overrides import, at Bridge's bounds. Not Bridge itself, which is installed with --no-deps
+        # (docs/bridge.md#install): its requirements include fast-hadamard-transform, an sdist whose build needs
+        # torch and CUDA, and transformer-engine, flashinfer and more through megatron-core[dev].
+        "bridge": [f'{r}; python_version >= "3.12"' for r in (
+            "megatron-core==0.19.0", "transformers>=5.8,<=5.12.1", "einops", "omegaconf>=2.3.0", "hydra-core>=1.3.4,<1.4",
+            "datasets>=2.20.0", "megatron-energon~=7.0", "nvidia-modelopt>=0.44", "diffusers>=0.36.0", "requests",
+            "tensorboard>=2.19.0")],
     },
     entry_points={"console_scripts": ["megatron-dhp=megatron_dhp.cli:main"]},
 )

@@ -3,10 +3,13 @@
 The model is Bridge's own Llama provider (`AutoBridge.from_hf_config` of a `LlamaConfig`: RMSNorm, SwiGLU, RoPE,
 grouped-query attention, untied embeddings) at a small size; the rest is Bridge's pretraining recipe base
 (`recipes.common._pretrain_common`) with mock data, as Bridge's Llama 3.2 1B recipe uses. With `--dhp` the
-container gets a `dhp` section and trains through `megatron_dhp.bridge.pretrain`; without it, through Bridge's own
-`pretrain`, the baseline. Run it with torchrun, one process per GPU:
+container gets a `dhp` section (`with_dhp`) and trains through `megatron_dhp.bridge.pretrain`; without it, through
+Bridge's own `pretrain`, the baseline. A recipe YAML (`--config-file`, its `dhp:` section included) and Hydra-style
+overrides (`dhp.max_tokens_per_rank=8192 train.train_iters=100`) go through Bridge's `process_config_with_overrides`.
+Run it with torchrun, one process per GPU:
 
     torchrun --nproc-per-node 8 scripts/bridge_llama_dhp.py --dhp --max-tokens-per-rank 4096
+    torchrun --nproc-per-node 8 scripts/bridge_llama_dhp.py --dhp dhp.max_tokens_per_rank=8192 dhp.planner=static
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--pipeline-parallel", type=int, default=1)
+    p.add_argument("--config-file", help="a recipe YAML merged into the container (its dhp: section too)")
+    p.add_argument("overrides", nargs="*", help="Hydra-style overrides applied last, e.g. dhp.max_tokens_per_rank=8192")
     return p.parse_args(argv)
 
 
@@ -80,10 +85,17 @@ def main(argv: list[str] | None = None) -> None:
                        global_batch=a.global_batch_size, tensor_parallel=a.tensor_parallel,
                        pipeline_parallel=a.pipeline_parallel)
     if a.dhp:
-        from megatron_dhp.bridge import forward_step, pretrain, with_dhp
+        from megatron_dhp.bridge import with_dhp
 
-        pretrain(with_dhp(cfg, DhpConfig(max_tokens_per_rank=a.max_tokens_per_rank, layer_spec=a.layer_spec)),
-                 forward_step)
+        cfg = with_dhp(cfg, DhpConfig(max_tokens_per_rank=a.max_tokens_per_rank, layer_spec=a.layer_spec))
+    if a.config_file or a.overrides:
+        from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+        cfg = process_config_with_overrides(cfg, config_filepath=a.config_file, cli_overrides=a.overrides)
+    if a.dhp:
+        from megatron_dhp.bridge import forward_step, pretrain
+
+        pretrain(cfg, forward_step)
     else:
         from megatron.bridge.training.gpt_step import forward_step
         from megatron.bridge.training.pretrain import pretrain

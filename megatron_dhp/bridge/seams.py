@@ -3,9 +3,12 @@
 For the length of the call, and only then:
 
 - the model provider's `transformer_layer_spec` resolves Bridge's choice and puts megatron-dhp's attention and RoPE
-  over each microbatch's group into it (`megatron.layer_spec_provider`);
+  over each microbatch's group into it (`megatron.layer_spec_provider`); the run config Bridge saves meanwhile
+  (`logger.save_config_filepath`, `run_config.yaml` with each checkpoint) records Bridge's choice, which `pretrain`
+  wraps again when a run starts from it;
 - `setup` (as `megatron.bridge.training.pretrain` calls it) returns the data iterators as iterators of planned
-  steps (`megatron.setup`: domain, group pool, planner);
+  steps (`megatron.setup`: domain, group pool, planner), which write dhp's scalars to Bridge's TensorBoard and W&B
+  writers at Bridge's steps;
 - `get_forward_backward_func` of `train.py` and `eval.py` returns megatron-dhp's schedule
   (`megatron.dhp_forward_backward`), which runs the plan's microbatches, and under pipeline parallelism
   megatron-core's own 1F1B over them, as it does for Megatron-LM.
@@ -46,10 +49,15 @@ def _seams(config: Any, args: argparse.Namespace) -> Iterator[None]:
     from megatron.bridge.training import train as bridge_train
 
     from megatron_dhp.megatron import dhp_forward_backward, layer_spec_provider, setup
+    from megatron_dhp.megatron.metrics import Writers
 
     def planned_setup(*a: Any, **k: Any) -> Any:
         out = original_setup(*a, **k)
-        train, valid, test = setup(args, out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator)
+        # dhp's scalars go to Bridge's writers (on its GlobalState, rank N-1's), numbered by its step
+        args.iteration = out.state.train_state.step
+        writers = Writers(out.state.tensorboard_logger, out.state.wandb_logger)
+        train, valid, test = setup(args, out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator,
+                                   writers=writers)
         return out._replace(train_data_iterator=train, valid_data_iterator=valid, test_data_iterator=test)
 
     def schedule(*_: Any, **__: Any) -> Callable:
@@ -57,12 +65,30 @@ def _seams(config: Any, args: argparse.Namespace) -> Iterator[None]:
 
     original_setup = bridge_pretrain.setup
     with ExitStack() as stack:
+        spec = config.model.transformer_layer_spec
         stack.enter_context(_replaced(config.model, "transformer_layer_spec",
-                                      layer_spec_provider(config.model.transformer_layer_spec, args)))
+                                      _SavedAs(layer_spec_provider(spec, args), spec)))
         stack.enter_context(_replaced(bridge_pretrain, "setup", planned_setup))
         stack.enter_context(_replaced(bridge_train, "get_forward_backward_func", schedule))
         stack.enter_context(_replaced(bridge_eval, "get_forward_backward_func", schedule))
         yield
+
+
+class _SavedAs:
+    """A layer spec provider that Bridge's config YAML writes as `saved` (`to_cfg_dict`, which Bridge's
+    `ConfigContainer.to_dict` asks of any value that has it): a local function would be written as a `_target_` no
+    one can load."""
+
+    def __init__(self, provide: Callable, saved: Any) -> None:
+        self.provide, self.saved = provide, saved
+
+    def __call__(self, config: Any, vp_stage: int | None = None) -> Any:
+        return self.provide(config, vp_stage=vp_stage)
+
+    def to_cfg_dict(self) -> Any:
+        from megatron.bridge.training.config import ConfigContainer
+
+        return ConfigContainer._convert_value_to_dict(self.saved)
 
 
 @contextmanager

@@ -1,5 +1,7 @@
 """What megatron-bridge 0.6.2 needs to run on a CPU-only machine (gloo, no TransformerEngine): test harness only.
 
+`require_bridge` skips a test module where Bridge cannot be imported, naming the module that is missing.
+
 Two imports are stubbed, each for one importing module alone (`_SCOPED_STUBS`): LoRA's TransformerEngine layers,
 which pretraining never builds, and `pretrain.py`'s in-process-restart wrapper, which it uses only when
 `inprocess_restart` is enabled. Bridge's hard-coded CUDA calls (the CUDA assert of `initialize_megatron`, a
@@ -15,7 +17,16 @@ import importlib
 import types
 from typing import Any
 
+import pytest
 import torch
+
+BRIDGE_MODULES = (
+    "megatron.bridge.training.pretrain",
+    "megatron.bridge.models.conversion.auto_bridge",
+    "megatron.bridge.recipes.common",
+    "megatron.bridge.training.utils.omegaconf_utils",
+)
+"""The Bridge modules the tests import (and, through them, what Bridge imports of its dependencies)."""
 
 _SCOPED_STUBS = {
     ("megatron.bridge.peft.lora_layers", "transformer_engine.pytorch"),
@@ -60,6 +71,23 @@ def stub_imports() -> None:
     """Answer the two scoped imports with stubs (every other import untouched). Idempotent."""
     if not getattr(builtins.__import__, "scoped_stubs", False):
         builtins.__import__ = _scoped_import(builtins.__import__)
+
+
+def require_bridge() -> None:
+    """Skip the calling test module unless `BRIDGE_MODULES` import; the reason names the module that is missing
+    (megatron-bridge itself, or one of its dependencies that a `--no-deps` install leaves out)."""
+    stub_imports()
+    for name in BRIDGE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            missing = e.name or name
+            if missing in ("megatron", "megatron.bridge"):
+                reason = "megatron-bridge is not installed (docs/bridge.md#install: 0.6.2, Python 3.12)"
+            else:
+                reason = (f"megatron-bridge is installed, but importing {name} needs {missing!r}, which is not installed "
+                          "(docs/bridge.md#install)")
+            pytest.skip(reason, allow_module_level=True)
 
 
 def apply_bridge_cpu_compat() -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bridge.cpu_harness import stub_imports
+from tests.bridge.cpu_harness import require_bridge
 
-stub_imports()  # Bridge's package import reaches LoRA's TransformerEngine layers (cpu_harness)
-pytest.importorskip("megatron.bridge", reason="megatron-bridge is not installed (docs/bridge.md: 0.6.2, Python 3.12)")
+require_bridge()  # skipped, naming the missing module, where Bridge cannot be imported
 
 from megatron_dhp.launch.ranks import launch  # noqa: E402
 from tests.bridge import workers  # noqa: E402
@@ -32,14 +31,29 @@ def bridge_alone() -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def with_dhp() -> list[dict]:
-    return launch(workers.train, 2, DHP, timeout_s=550)
+def saved_config(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("bridge") / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def with_dhp(saved_config) -> list[dict]:
+    return launch(workers.train, 2, DHP, None, saved_config, timeout_s=550)
 
 
 def test_losses_with_dhp_equal_bridge_alone(bridge_alone, with_dhp):
     assert len(bridge_alone) == workers.SIZES["train_iters"]
     for rank in with_dhp:
         assert _relative(rank["train"], bridge_alone) <= TOLERANCE, (rank["train"], bridge_alone)
+
+
+def test_the_run_config_bridge_saves_loads_back_with_the_dhp_section(with_dhp, saved_config):
+    # written by Bridge's setup while dhp's layer spec is in place: it records Bridge's own spec, which loads
+    from megatron_dhp.bridge import DhpConfig, dhp_of
+    from megatron_dhp.bridge.container import DhpConfigContainer
+
+    loaded = DhpConfigContainer.from_yaml(saved_config)
+    assert dhp_of(loaded) == DhpConfig(**DHP)
+    assert loaded.model.transformer_layer_spec is workers.recipe().model.transformer_layer_spec
 
 
 # layout -> (Bridge's own ranks, dhp's ranks, recipe changes, DhpConfig keys): Bridge alone runs every sample on

@@ -1,5 +1,6 @@
 """What each spawned rank of `test_bridge.py` runs: the example recipe through Bridge's `pretrain`, alone or
-with megatron-dhp, on gloo CPU ranks; it returns the per-step training losses and the validation loss."""
+with megatron-dhp, on gloo CPU ranks; it returns the per-step training losses and the validation loss. `recipe` is
+the same recipe in the test process (`test_config.py`)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def recipe(**changes: Any) -> Any:
     return cfg
 
 
-def train(dhp: dict | None = None, changes: dict | None = None) -> dict:
-    """One rank of a Bridge run of the recipe (with megatron-dhp when `dhp` holds `DhpConfig` keys): its losses."""
+def train(dhp: dict | None = None, changes: dict | None = None, save_config: str | None = None) -> dict:
+    """One rank of a Bridge run of the recipe (with megatron-dhp when `dhp` holds `DhpConfig` keys): its losses.
+    With `save_config`, Bridge's setup writes the run's config there (`logger.save_config_filepath`, rank 0)."""
     warnings.filterwarnings("ignore")
     from tests.bridge.cpu_harness import apply_bridge_cpu_compat
 
@@ -51,6 +53,7 @@ def train(dhp: dict | None = None, changes: dict | None = None) -> dict:
 
     losses = Losses()
     cfg = recipe(**(changes or {}))
+    cfg.logger.save_config_filepath = save_config
     if dhp is None:
         from megatron.bridge.training.gpt_step import forward_step
         from megatron.bridge.training.pretrain import pretrain
