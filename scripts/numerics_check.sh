@@ -18,7 +18,7 @@ NUMERICS_CAPS and NUMERICS_THREADS when set.
   -- ARGS          passed to pytest (e.g. -- -k vlm)
   -h, --help       this text
 
-The whole set takes 10-25 minutes per combination on 2 cores (more when they are shared); --quick 1-2.
+The whole set takes 15-20 minutes per combination on 2 shared cores; --quick under a minute.
 EOF
 }
 
