@@ -75,15 +75,20 @@ GPT7B = ModelShape(layers=32, hidden=4096, ffn_hidden=11008, heads=32, query_gro
 """The model the `gpt7b-64` preset's coefficients describe (LLaMA-7B's shape, bf16, TP 1: 6.7B weights)."""
 
 
-def scaled_cost(base: CostConfig, shape: ModelShape, *, tensor_parallel: int = 1,
-                reference: ModelShape = GPT7B) -> tuple[CostConfig, dict[str, float]]:
-    """`base` (measured on `reference` at TP 1) scaled to `shape` at `tensor_parallel`, and the factors applied
-    (`linear`, `attention`, `comm`)."""
-    factors = {
+def scale_factors(shape: ModelShape, *, tensor_parallel: int = 1, reference: ModelShape = GPT7B) -> dict[str, float]:
+    """The job's work over the reference model's (measured at TP 1): `linear`, `attention`, `comm`."""
+    return {
         "linear": shape.linear_flops_per_token(tensor_parallel) / reference.linear_flops_per_token(),
         "attention": shape.attention_per_token2(tensor_parallel) / reference.attention_per_token2(),
         "comm": shape.kv_bytes_per_token(tensor_parallel) / reference.kv_bytes_per_token(),
     }
+
+
+def scaled_cost(base: CostConfig, shape: ModelShape, *, tensor_parallel: int = 1,
+                reference: ModelShape = GPT7B) -> tuple[CostConfig, dict[str, float]]:
+    """`base` (measured on `reference` at TP 1) scaled to `shape` at `tensor_parallel`, and the factors applied
+    (`scale_factors`)."""
+    factors = scale_factors(shape, tensor_parallel=tensor_parallel, reference=reference)
     scaled = replace(base, linear_s_per_token=base.linear_s_per_token * factors["linear"],
                      attn_s_per_token2=base.attn_s_per_token2 * factors["attention"],
                      comm_bytes_per_token=base.comm_bytes_per_token * factors["comm"],

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from megatron_dhp.closed_loop.injection import check_injected_ranks, check_injection
 from megatron_dhp.cost import CostConfig
-from megatron_dhp.cost.model_shape import ModelShape, scaled_cost
+from megatron_dhp.cost.model_shape import ModelShape, scale_factors, scaled_cost
 from megatron_dhp.cost.tensor_parallel import token_cap as budget_token_cap
 from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DEFAULT_COST, DhpConfig
@@ -116,7 +116,7 @@ class JobSpec:
         plans as loaded (a cost named in the config, or no model known)."""
         if self.config.cost is not None or self.shape is None:
             return None
-        return scaled_cost(CostConfig.load(DEFAULT_COST), self.shape, tensor_parallel=self.tensor_parallel)[1]
+        return scale_factors(self.shape, tensor_parallel=self.tensor_parallel)
 
     @functools.cached_property
     def loaded_cost(self) -> CostConfig:
