@@ -1,7 +1,8 @@
-/* The three inner loops of dhp's draft builder, compiled: the choice of a wide sample's window
+/* The four inner loops of dhp's draft builder, compiled: the choice of a wide sample's window
  * (megatron_dhp/solver/dhp/layout.py, `choose_window`), the LPT fill of the bins with local moves
  * (megatron_dhp/solver/dhp/fill.py, `BinSet`, `fill_in_order`, `improve`) and the fill of the wide groups'
- * waits with one-rank samples (layout.py, `fill_holes`).
+ * waits with one-rank samples (layout.py, `fill_holes`), and list schedules of wide samples on the ranks free first
+ * (scatter.py, `list_ends`).
  *
  * Each is the Python of those files, operation for operation in IEEE double (built without FMA contraction),
  * so a plan is the same to the last bit with or without this module. The rules both keep, their tie-breaks
@@ -616,7 +617,194 @@ done:
   return result;
 }
 
+/* ---- list schedules of wide samples on the ranks free first --------------------------------------- */
+
+/* list_ends(orders, degree, t_in, t_out, overhead, num_ranks, gpus_per_node, spare[, placed]) -> (ends, critical, levels)
+ *
+ * `orders` is K rows of W local indices (flat, row-major) into the per-sample arrays; each row is one list
+ * schedule from all ranks free at 0 ([L1], [L2]); `ends` its last finish and `critical` the place in the row of
+ * the sample that ends it ([L3]), and the level that `spare` seconds of one-rank work fill the waits and the
+ * ranks' ends up to ([L4]). The ranks are kept sorted by (ready, rank) between samples: a sample moves
+ * only its own ranks, all to one time, so one merge keeps the order. With a list `placed`, each sample of each
+ * row appends (its ranks in increasing order, begin, finish) to it (`scatter.place_scattered` asks one row). */
+static PyObject *list_ends(PyObject *self, PyObject *args) {
+  PyObject *o[5], *placed = Py_None;
+  Py_ssize_t n, gpn;
+  double spare;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "OOOOOnnd|O", &o[0], &o[1], &o[2], &o[3], &o[4], &n, &gpn, &spare, &placed)) return NULL;
+  if (placed != Py_None && !PyList_Check(placed)) {
+    PyErr_SetString(PyExc_TypeError, "list_ends: placed must be a list or None");
+    return NULL;
+  }
+  Array a[5];
+  memset(a, 0, sizeof a);
+  const char *names[5] = {"orders", "degree", "t_in", "t_out", "overhead"};
+  for (int k = 0; k < 5; k++)
+    if (array_of(o[k], &a[k], k < 2 ? 'q' : 'd', names[k]) < 0) {
+      release(a, 5);
+      return NULL;
+    }
+  PyObject *result = NULL, *ends = NULL, *critical = NULL, *levels = NULL;
+  Py_ssize_t w = a[1].len;
+  int64_t *idx = NULL, *count = NULL, *taken_ranks = NULL;
+  double *ready = NULL, *sum = NULL, *start = NULL, *waste = NULL;
+  char *mark = NULL;
+  if (n < 1 || gpn < 1 || w < 1 || a[0].len % w || a[2].len != w || a[3].len != w || a[4].len != w) {
+    PyErr_SetString(PyExc_ValueError, "list_ends: arrays of mismatched lengths");
+    goto done;
+  }
+  const int64_t *orders = I64(a[0]), *degree = I64(a[1]);
+  const double *t_in = F64(a[2]), *t_out = F64(a[3]), *over = F64(a[4]);
+  for (Py_ssize_t k = 0; k < a[0].len; k++)
+    if (orders[k] < 0 || orders[k] >= w || degree[orders[k]] < 1 || degree[orders[k]] > n) {
+      PyErr_SetString(PyExc_ValueError, "list_ends: an order entry or degree out of range");
+      goto done;
+    }
+  Py_ssize_t rows = a[0].len / w, nodes = (n + gpn - 1) / gpn;
+  idx = malloc(sizeof(int64_t) * (size_t)n);
+  count = malloc(sizeof(int64_t) * (size_t)nodes);
+  taken_ranks = malloc(sizeof(int64_t) * (size_t)n);
+  mark = malloc((size_t)n);
+  ready = malloc(sizeof(double) * (size_t)n);
+  sum = malloc(sizeof(double) * (size_t)nodes);
+  start = malloc(sizeof(double) * (size_t)nodes);
+  waste = malloc(sizeof(double) * (size_t)nodes);
+  ends = PyList_New(rows);
+  critical = PyList_New(rows);
+  levels = PyList_New(rows);
+  if (!levels || !idx || !count || !taken_ranks || !mark || !ready || !sum || !start || !waste || !ends || !critical) {
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t row = 0; row < rows; row++) {
+    for (Py_ssize_t r = 0; r < n; r++) {
+      ready[r] = 0.0;
+      idx[r] = r;
+    }
+    double last = 0.0, waits = 0.0;
+    Py_ssize_t crit = 0;
+    for (Py_ssize_t step = 0; step < w; step++) {
+      int64_t j = orders[row * w + step], d = degree[j];
+      /* [L1]: the d first of (ready, rank) */
+      double begin = ready[idx[d - 1]];
+      int64_t lo = idx[0] / gpn, hi = lo;
+      for (int64_t q = 1; q < d; q++) {
+        int64_t node = idx[q] / gpn;
+        lo = node < lo ? node : lo;
+        hi = node > hi ? node : hi;
+      }
+      int spread = lo != hi;
+      double finish = begin + (spread ? t_out[j] : t_in[j]) + over[j];
+      int64_t take_node = -1;
+      if (spread && d <= gpn) { /* [L2]: each node's d first, summed in that order */
+        for (Py_ssize_t m = 0; m < nodes; m++) {
+          count[m] = 0;
+          sum[m] = 0.0;
+          start[m] = INFINITY;
+        }
+        for (Py_ssize_t q = 0; q < n; q++) {
+          int64_t r = idx[q], m = r / gpn;
+          if (count[m] >= d) continue;
+          sum[m] = count[m] ? sum[m] + ready[r] : ready[r];
+          if (++count[m] == d) {
+            start[m] = ready[r];
+            waste[m] = (double)d * ready[r] - sum[m];
+          }
+        }
+        int64_t best = -1;
+        for (Py_ssize_t m = 0; m < nodes; m++)
+          if (count[m] == d && (best < 0 || start[m] < start[best] || (start[m] == start[best] && waste[m] < waste[best])))
+            best = m;
+        if (best >= 0) {
+          double end = start[best] + t_in[j] + over[j];
+          if (end <= finish) {
+            take_node = best;
+            finish = end;
+            begin = start[best];
+          }
+        }
+      }
+      for (Py_ssize_t r = 0; r < n; r++) mark[r] = 0;
+      if (take_node < 0) {
+        for (int64_t q = 0; q < d; q++) mark[idx[q]] = 1;
+      } else {
+        int64_t taken = 0;
+        for (Py_ssize_t q = 0; q < n && taken < d; q++)
+          if (idx[q] / gpn == take_node) {
+            mark[idx[q]] = 1;
+            taken++;
+          }
+      }
+      /* back to (ready, rank) order: the others keep theirs; the taken ranks, by rank, all ready at `finish`,
+       * merge in after the others that are ready earlier, or as early with a lower rank */
+      Py_ssize_t kept = 0, moved = 0;
+      for (Py_ssize_t q = 0; q < n; q++)
+        if (!mark[idx[q]]) idx[kept++] = idx[q];
+      double wait = 0.0;
+      for (Py_ssize_t r = 0; r < n; r++)
+        if (mark[r]) {
+          wait = wait + (begin - ready[r]);
+          ready[r] = finish;
+          taken_ranks[moved++] = r;
+        }
+      waits = waits + wait;
+      if (placed != Py_None) {
+        PyObject *ranks = PyTuple_New(moved);
+        if (ranks == NULL) goto done;
+        for (Py_ssize_t m = 0; m < moved; m++) PyTuple_SET_ITEM(ranks, m, PyLong_FromLongLong(taken_ranks[m]));
+        PyObject *entry = Py_BuildValue("(Ndd)", ranks, begin, finish);
+        if (entry == NULL || PyList_Append(placed, entry) < 0) {
+          Py_XDECREF(entry);
+          goto done;
+        }
+        Py_DECREF(entry);
+      }
+      Py_ssize_t q = kept, t = moved;
+      while (t > 0) { /* merge from the back into idx[0 .. kept + moved) */
+        int64_t r = taken_ranks[t - 1];
+        if (q > 0 && (ready[idx[q - 1]] > finish || (ready[idx[q - 1]] == finish && idx[q - 1] > r))) {
+          idx[q + t - 1] = idx[q - 1];
+          q--;
+        } else {
+          idx[q + t - 1] = r;
+          t--;
+        }
+      }
+      if (finish > last) { /* [L3] */
+        last = finish;
+        crit = step;
+      }
+    }
+    PyList_SET_ITEM(ends, row, PyFloat_FromDouble(last));
+    PyList_SET_ITEM(critical, row, PyLong_FromSsize_t(crit));
+    double work = spare - waits, prefix = 0.0, level = 0.0; /* [L4]: idx holds the ranks by (ready, rank) */
+    for (Py_ssize_t k = 0; k < n; k++) {
+      prefix = k ? prefix + ready[idx[k]] : ready[idx[k]];
+      level = (work + prefix) / (double)(k + 1);
+      if (k + 1 == n || level <= ready[idx[k + 1]]) break;
+    }
+    PyList_SET_ITEM(levels, row, PyFloat_FromDouble(level));
+  }
+  result = PyTuple_Pack(3, ends, critical, levels);
+done:
+  Py_XDECREF(ends);
+  Py_XDECREF(critical);
+  Py_XDECREF(levels);
+  free(idx);
+  free(count);
+  free(taken_ranks);
+  free(mark);
+  free(ready);
+  free(sum);
+  free(start);
+  free(waste);
+  release(a, 5);
+  return result;
+}
+
 static PyMethodDef methods[] = {
+    {"list_ends", list_ends, METH_VARARGS, "list schedules of wide samples: (ends, critical, levels) per order."},
     {"choose_window", choose_window, METH_VARARGS, "place_wide's window for one wide sample: (index, begin)."},
     {"lpt_fill", lpt_fill, METH_VARARGS, "fill's LPT and local moves: (microbatches, rooms, finish) per bin."},
     {"hole_fill", hole_fill, METH_VARARGS, "fill_holes: the used holes' (hole, microbatches, rooms, finish), the rest."},

@@ -251,6 +251,7 @@ def test_dhp_never_plans_worse_than_static_cp_on_a_batch_one_video_dominates(mon
     static = run_planner(build_planner("static"), batch, model).predicted_step_time_s
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s <= static
     monkeypatch.setattr("megatron_dhp.solver.dhp.planner.fastest", lambda inst, batch, candidates: candidates[0])
+    monkeypatch.setattr(DhpPlanner, "list_tries", 0)  # (its list schedule ties static's layout here)
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s > 1.3 * static
 
 
@@ -291,7 +292,7 @@ def test_wide_groups_of_a_node_or_less_may_straddle_nodes_without_a_family():
     short_s = float(model.sample_time(batch.lengths[4:5], work[4:5], 1, True)[0]) + model.microbatch_overhead(1)
     plan = run_planner(build_planner("dhp"), batch, model)
     assert plan.predicted_step_time_s == pytest.approx(wide_s + short_s, rel=1e-3)
-    assert sorted(g.ranks[0] for g in plan.groups if g.size == 6) == [0, 6, 12, 18]
+    assert sorted(r for g in plan.groups if g.size == 6 for r in g.ranks) == list(range(24))  # all four at once
 
 
 def test_wide_samples_fill_columns_to_a_limit_under_the_replicate_placement(monkeypatch, gpt7b_config):
@@ -305,7 +306,8 @@ def test_wide_samples_fill_columns_to_a_limit_under_the_replicate_placement(monk
     fcp = run_planner(build_planner("fcp-ref"), batch, model)
     assert dhp.predicted_step_time_s <= 0.98 * fcp.predicted_step_time_s
     monkeypatch.setattr(DhpPlanner, "probes", 0)
-    monkeypatch.setattr(DhpPlanner, "column_probes", 0)  # the columns alone pack them too (next test)
+    monkeypatch.setattr(DhpPlanner, "column_probes", 0)  # the columns alone pack them too (next test),
+    monkeypatch.setattr(DhpPlanner, "list_tries", 0)  # and so do list schedules on any ranks (test_scatter)
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s >= 1.03 * dhp.predicted_step_time_s
 
 
@@ -320,6 +322,7 @@ def test_wide_samples_of_each_degree_get_columns_of_their_own_under_the_replicat
     bound = best_lower_bound(model, batch.samples)
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s <= 1.01 * bound
     monkeypatch.setattr(DhpPlanner, "column_probes", 0)
+    monkeypatch.setattr(DhpPlanner, "list_tries", 0)  # (list schedules on any ranks pack them too)
     assert run_planner(build_planner("dhp"), batch, model).predicted_step_time_s > 1.05 * bound
 
 

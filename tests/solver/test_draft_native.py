@@ -26,7 +26,7 @@ from megatron_dhp.cost import build_cost_model
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.family import group_family
 from megatron_dhp.solver import build_planner, run_planner
-from megatron_dhp.solver.dhp import fill, layout, native
+from megatron_dhp.solver.dhp import fill, layout, native, scatter
 from megatron_dhp.solver.dhp.layout import (
     DraftGroup,
     Skyline,
@@ -314,10 +314,10 @@ def test_bad_arrays_are_refused_by_name():
 def test_the_rules_both_keep_are_stated_once_and_named_where_kept():
     # native's docstring states the tie-breaks and the order of the arithmetic; draft.c and the Python of the
     # loops name them by tag. Every tag they name is stated, and the Python names every one.
-    stated = re.findall(r"^\[([WBH]\d)\]", native.__doc__, re.MULTILINE)
+    stated = re.findall(r"^\[([WBHL]\d)\]", native.__doc__, re.MULTILINE)
     assert stated and len(stated) == len(set(stated))
-    tag = re.compile(r"\[([WBH]\d)\]")
+    tag = re.compile(r"\[([WBHL]\d)\]")
     source = Path(__file__).resolve().parents[2] / "csrc" / "solver" / "draft.c"
     in_c = set(tag.findall(source.read_text())) if source.exists() else set()
-    in_python = set(tag.findall(inspect.getsource(fill) + inspect.getsource(layout)))
+    in_python = set(tag.findall(inspect.getsource(fill) + inspect.getsource(layout) + inspect.getsource(scatter)))
     assert in_c <= set(stated) and in_python == set(stated)

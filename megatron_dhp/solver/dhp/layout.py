@@ -22,7 +22,8 @@ from megatron_dhp.solver.dhp.instance import Instance
 
 @dataclass
 class DraftGroup:
-    """A contiguous group under construction: ranks [first, first + size), its microbatches and timing."""
+    """A group under construction: ranks [first, first + size), or the `members` a scattered wide group took
+    (`scatter`), with its microbatches and timing."""
 
     first: int
     size: int
@@ -38,6 +39,9 @@ class DraftGroup:
     microbatches: list[list[int]] = field(default_factory=list)  # indices into the instance arrays
     rooms: list[int] = field(default_factory=list)  # tokens each microbatch can still take
     finish_s: float = 0.0
+    members: tuple[int, ...] = ()
+    """A scattered group's sorted domain positions (`first` is the least, `size` their count); empty: the
+    window [first, first + size)."""
 
     def __post_init__(self) -> None:
         self.finish_s = max(self.finish_s, self.start_s)
@@ -45,7 +49,7 @@ class DraftGroup:
     @property
     def ranks(self) -> tuple[int, ...]:
         """The group's domain positions."""
-        return tuple(range(self.first, self.first + self.size))
+        return self.members or tuple(range(self.first, self.first + self.size))
 
 
 @dataclass

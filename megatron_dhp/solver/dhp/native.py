@@ -2,8 +2,8 @@
 them the Python's.
 
 `pip install` compiles the C file as an optional extension; without a C compiler it is skipped and the
-Python of `layout.choose_window`, `fill.fill_in_order` and `layout.fill_holes`, which the C follows operation
-for operation, runs instead:
+Python of `layout.choose_window`, `fill.fill_in_order`, `layout.fill_holes` and `scatter.list_schedules`
+(with `scatter.list_placement`), which the C follows operation for operation, runs instead:
 the same plans to the last bit, a few times slower on batches that need many drafts. `draft` is None then
 (and tests set it to None to compare the two: tests/solver/test_draft_native.py checks each loop on random
 inputs and the whole planner on random batches).
@@ -63,6 +63,21 @@ Holes (`layout.fill_holes`; a hole is a rank's wait for its next wide group):
      it joins an open microbatch), the lowest number of equals; else it is left. The hole's time left then
      drops by what its group's finish grew, and it is ranked again by (time left, number). The used holes'
      groups come back by number, the samples left by index.
+
+List schedules (`scatter.list_schedules`, `scatter.list_placement`; each order from every rank free at 0, its
+samples one after another, a sample of degree d with its seconds inside a node and across nodes and its
+overhead):
+
+[L1] The d ranks first by (ready, rank); begin is the d-th's ready; finish = (begin + t) + overhead, t the
+     seconds inside a node where those d ranks are all on one node, else across nodes.
+[L2] Where they span nodes and d <= gpus_per_node: in each node with at least d ranks, its d first by (ready,
+     rank), start the d-th's ready and waste = d x start - (their readies summed in that order); the node of
+     the least (start, waste, node). Its end (start + t inside) + overhead replaces [L1]'s where it is
+     <= [L1]'s finish (and begin is then its start). The ranks taken are all ready at the finish after.
+[L3] The order's end is the greatest finish, the first step to reach it its critical one; its waits are
+     the sum, step by step, of each step's (begin - ready) over the ranks it takes, in rank order.
+[L4] The level: the ranks' final readies ascending r_1..r_n, prefix sums from r_1; for k = 1.., level =
+     ((spare - waits) + prefix_k) / k, the first k with level <= r_(k+1) (or k = n).
 """
 
 from __future__ import annotations

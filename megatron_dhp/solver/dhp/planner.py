@@ -60,9 +60,18 @@ from megatron_dhp.solver.dhp.rounds import (
     round_layouts,
     spaced_round_groups,
 )
+from megatron_dhp.solver.dhp.scatter import FIRST_ORDERS, list_ends, orders_of, place_scattered
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 from megatron_dhp.workload.sample import Batch
 
+LIST_WORK = 4_000_000
+"""`scattered` scores at most this many (order, wide sample, rank) steps: 200 orders at 64 ranks, 8 or more
+at 1,024 (the C list schedule takes about a nanosecond a step)."""
+LIST_FAR = 0.05
+"""Without a wide sample waiting for its window, list schedules are tried only where the best draft ends this
+fraction or more above the bound (its wide samples' degrees, not their places, may be what holds it back)."""
+BALANCE_STEPS = 30
+"""Bisection steps of `balanced_degrees` (to 1e-9 of the range)."""
 STALE_PROBES = 3
 """`multifit` stops after this many probes in a row that beat no draft (on replicate batches its last probes
 repeat one layout; the gains come within two misses of each other)."""
@@ -248,6 +257,94 @@ def build(inst: Instance, cand: Candidate, degrees_of: np.ndarray, *, max_moves:
     return inst.memo[key]
 
 
+def waits(draft: Draft) -> bool:
+    """Whether some wide group of the draft starts after one of its ranks is free (it waits for a window)."""
+    ready: dict[int, float] = {}
+    for g in sorted(draft.groups[: draft.num_wide], key=lambda g: g.start_s):
+        if any(ready.get(r, 0.0) < g.start_s for r in g.ranks):
+            return True
+        ready.update(dict.fromkeys(g.ranks, g.finish_s))
+    return False
+
+
+def balanced_degrees(inst: Instance, items: np.ndarray, spare_s: float) -> np.ndarray:
+    """Degrees of the wide `items` for a list schedule: each sample's fewest ranks that end it within T, for
+    the least T (bisected) at which all their rank-seconds and the rest's `spare_s` fit N ranks by T. Wider
+    samples end sooner but cost more rank-seconds (their communication); the lower bound alone as T gives
+    the longest ones most of the domain on 256 ranks, their memory minimum leaves them the longest."""
+    sizes = inst.sizes
+    table = inst.model.time_table(inst.tokens[items], inst.work[items], sizes)
+    table = table + np.array([inst.overhead(int(d)) for d in sizes])[None, :]
+    table = np.where(sizes[None, :] >= inst.min_degree[items, None], table, np.inf)
+    rows = np.arange(len(items))
+
+    def at(limit: float) -> tuple[np.ndarray, float]:
+        within = table <= limit
+        first = np.where(within.any(axis=1), np.argmax(within, axis=1), np.argmin(table, axis=1))
+        return first, float((sizes[first] * table[rows, first]).sum() + spare_s) / inst.num_ranks
+
+    lo, hi = float(table.min(axis=1).max()), float(table[rows, np.argmax(np.isfinite(table), axis=1)].max())
+    for _ in range(BALANCE_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if at(mid)[1] <= mid else (mid, hi)
+    return sizes[at(hi)[0]]
+
+
+def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries: int, climbs: int, drafts: int,
+              max_moves: int, beat_s: float) -> Draft | None:
+    """The fastest draft whose wide samples (those of the one-rank cell) are list-scheduled on the ranks that
+    free up first (`scatter`), at the search's degrees and at `balanced_degrees`: for each, `tries` orders
+    scored at once and up to `climbs` rounds that move the sample ending last to each earlier place of the
+    best order; then a draft of each of the `drafts` orders that promise the shortest step
+    (`scatter.list_ends`: the later of the wide samples' end and the level the rest fill to). None where none
+    ends before `beat_s`. Any rank set is a group, so only where the comm gives one without a family."""
+    wide = np.flatnonzero(is_wide_for(inst, 1, target_s))
+    if not len(wide):
+        return None
+    rest = np.setdiff1d(np.arange(len(inst.ids)), wide)
+    # what the one-rank samples add: their seconds and a microbatch's overhead per cap of their memory
+    spare = float(inst.times(1, True)[rest].sum()) + inst.overhead(1) * float(inst.footprint.shared[rest].sum()) / inst.footprint.cap
+    searched = degrees_of.copy()
+    missing = wide[searched[wide] == 0]  # wide for no candidate cell the planner was given
+    searched[missing] = wide_degrees(inst, missing, target_s)
+    balanced = searched.copy()
+    balanced[wide] = balanced_degrees(inst, wide, spare)
+    tries = min(tries, max(len(FIRST_ORDERS), LIST_WORK // (len(wide) * inst.num_ranks)))
+    found = []  # (promise, end, degrees, order) of every order scored
+    for degrees in (searched, balanced) if not np.array_equal(searched, balanced) else (searched,):
+        orders = orders_of(inst, wide, degrees[wide], tries)
+        ends, critical, levels = list_ends(inst, orders, degrees, spare)
+        promise = np.maximum(ends, levels)  # its wide samples' end, or the level the rest fill to if later
+        for _ in range(climbs):
+            k = int(np.lexsort((ends, promise))[0])
+            best, c = orders[k], int(critical[k])
+            if not c:
+                break
+            moved = np.stack([np.concatenate([best[:p], best[c : c + 1], best[p:c], best[c + 1 :]]) for p in range(c)])
+            more = list_ends(inst, moved, degrees, spare)
+            if not np.maximum(more[0], more[2]).min() < promise[k]:
+                break
+            orders, ends, critical, levels = (np.concatenate(pair) for pair in zip((orders, ends, critical, levels), (moved, *more)))
+            promise = np.maximum(ends, levels)
+        found += [(float(promise[k]), float(ends[k]), degrees, orders[k]) for k in np.lexsort((ends, promise))[:drafts]]
+    best_draft = None
+    for promise_s, _, degrees, order in sorted(found, key=lambda f: f[:2])[:drafts]:
+        if promise_s >= min(beat_s, best_draft.makespan_s if best_draft else math.inf):
+            break  # the level is where the rest would end with no gap left: a draft rarely ends sooner
+        skyline = Skyline.empty(inst.num_ranks)
+        place_scattered(inst, skyline, order, degrees)
+        bins = open_bins(inst, skyline, 1)
+        holes, left = fill_holes(inst, skyline, rest)
+        fill(inst, bins, left, floor_s=float(skyline.ready.max()), max_moves=max_moves)
+        groups = skyline.wide + [b for b in bins if b.microbatches or b.phase == 0] + holes
+        if holes:
+            renumber_phases(groups)
+        draft = Draft(groups, max(g.finish_s for g in groups), len(skyline.wide))
+        if draft.makespan_s < min(beat_s, best_draft.makespan_s if best_draft else math.inf):
+            best_draft = draft
+    return best_draft
+
+
 def window_test(inst: Instance, cell: int) -> Callable[[int, int], bool]:
     """Whether ranks [start, start + size) may form a group: a family window, or without a family one of
     `window_starts` (across nodes too)."""
@@ -308,6 +405,14 @@ class DhpPlanner(Planner):
     best draft misses by more than `gap`. Each rebuild costs about a dozen drafts; rebuilding every such
     candidate, as dhp did, made plans 0.04 % faster on average over plan_quality's variants and took up to
     3.5x as long (bench/solver_speed.py --variants)."""
+    list_tries: ClassVar[int] = 200
+    """Where some wide sample of the best draft waits for its window and any rank set is a group, up to this
+    many orders of the wide samples are list-scheduled on the ranks that free up first (`scattered`; fewer
+    where wide samples x ranks x orders passes `LIST_WORK`)."""
+    list_climbs: ClassVar[int] = 4
+    """Rounds that move the sample ending last in the best order to each earlier place (`scattered`)."""
+    list_drafts: ClassVar[int] = 4
+    """The best orders drafted in full, their bins filled; the fastest draft counts where it beats the rest."""
     speed_aware: bool = True
     """Plan with the ranks' speeds (False: as if every rank ran at 1, the speed-blind baseline of the benches)."""
     name: str = "dhp"
@@ -377,6 +482,11 @@ class DhpPlanner(Planner):
         for cand, draft in far[: self.rebuilds]:
             draft = self.rebuilt(inst, cand, degrees_of, draft, family, beat_s)
             best = draft if draft.makespan_s < best.makespan_s else best
+        if (self.list_tries and p == 1 and family is None and inst.nominal and best.makespan_s > target * (1 + self.gap)
+                and (waits(best) or best.makespan_s > target * (1 + LIST_FAR))):
+            listed = scattered(inst, target, degrees_of, tries=self.list_tries, climbs=self.list_climbs,
+                               drafts=self.list_drafts, max_moves=self.max_moves, beat_s=best.makespan_s)
+            best = listed if listed is not None else best
         if best.makespan_s >= beat_s:
             return None
         if p > 1:
