@@ -60,7 +60,7 @@ from megatron_dhp.solver.dhp.rounds import (
     round_layouts,
     spaced_round_groups,
 )
-from megatron_dhp.solver.dhp.scatter import FIRST_ORDERS, list_ends, orders_of, place_scattered
+from megatron_dhp.solver.dhp.scatter import FIRST_ORDERS, climb, list_ends, orders_of, place_scattered
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 from megatron_dhp.workload.sample import Batch
 
@@ -290,14 +290,15 @@ def balanced_degrees(inst: Instance, items: np.ndarray, spare_s: float) -> np.nd
     return sizes[at(hi)[0]]
 
 
-def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries: int, climbs: int, drafts: int,
-              max_moves: int, beat_s: float) -> Draft | None:
+def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries: int, starts: int, climbs: int,
+              drafts: int, max_moves: int, beat_s: float) -> Draft | None:
     """The fastest draft whose wide samples (those of the one-rank cell) are list-scheduled on the ranks that
-    free up first (`scatter`), at the search's degrees and at `balanced_degrees`: for each, `tries` orders
-    scored at once and up to `climbs` rounds that move the sample ending last to each earlier place of the
-    best order; then a draft of each of the `drafts` orders that promise the shortest step
-    (`scatter.list_ends`: the later of the wide samples' end and the level the rest fill to). None where none
-    ends before `beat_s`. Any rank set is a group, so only where the comm gives one without a family."""
+    free up first (`scatter`), at the search's degrees, at `balanced_degrees` and at their memory's minimum
+    (packing rigid groups, wider is not always sooner): for each, `tries` orders scored at once and a
+    `scatter.climb` of up to `climbs` rounds from each of the `starts` best; then a draft of each of the
+    `drafts` orders that promise the shortest step (`scatter.list_ends`: the later of the wide samples' end
+    and the level the rest fill to). None where none ends before `beat_s`. Any rank set is a group, so only
+    where the comm gives one without a family."""
     wide = np.flatnonzero(is_wide_for(inst, 1, target_s))
     if not len(wide):
         return None
@@ -309,23 +310,22 @@ def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries:
     searched[missing] = wide_degrees(inst, missing, target_s)
     balanced = searched.copy()
     balanced[wide] = balanced_degrees(inst, wide, spare)
-    tries = min(tries, max(len(FIRST_ORDERS), LIST_WORK // (len(wide) * inst.num_ranks)))
+    fewest = searched.copy()
+    fewest[wide] = inst.min_degree[wide]
+    sets = [d for k, d in enumerate((searched, balanced, fewest))
+            if not any(np.array_equal(d[wide], e[wide]) for e in (searched, balanced, fewest)[:k])]
+    tries = min(tries, max(len(FIRST_ORDERS), LIST_WORK // (len(sets) * len(wide) * inst.num_ranks)))
     found = []  # (promise, end, degrees, order) of every order scored
-    for degrees in (searched, balanced) if not np.array_equal(searched, balanced) else (searched,):
+    for degrees in sets:
         orders = orders_of(inst, wide, degrees[wide], tries)
-        ends, critical, levels = list_ends(inst, orders, degrees, spare)
-        promise = np.maximum(ends, levels)  # its wide samples' end, or the level the rest fill to if later
-        for _ in range(climbs):
-            k = int(np.lexsort((ends, promise))[0])
-            best, c = orders[k], int(critical[k])
-            if not c:
-                break
-            moved = np.stack([np.concatenate([best[:p], best[c : c + 1], best[p:c], best[c + 1 :]]) for p in range(c)])
-            more = list_ends(inst, moved, degrees, spare)
-            if not np.maximum(more[0], more[2]).min() < promise[k]:
-                break
-            orders, ends, critical, levels = (np.concatenate(pair) for pair in zip((orders, ends, critical, levels), (moved, *more)))
-            promise = np.maximum(ends, levels)
+        scored = list_ends(inst, orders, degrees, spare)
+        promise = np.maximum(scored[0], scored[2])  # its wide samples' end, or the level the rest fill to if later
+        for k in np.lexsort((scored[0], promise))[:starts].tolist():
+            more = climb(inst, orders[k], degrees, spare, climbs)
+            orders = np.concatenate([orders, more[0]])
+            scored = tuple(np.concatenate(pair) for pair in zip(scored, more[1:]))
+        ends, levels = scored[0], scored[2]
+        promise = np.maximum(ends, levels)
         found += [(float(promise[k]), float(ends[k]), degrees, orders[k]) for k in np.lexsort((ends, promise))[:drafts]]
     best_draft = None
     for promise_s, _, degrees, order in sorted(found, key=lambda f: f[:2])[:drafts]:
@@ -409,8 +409,10 @@ class DhpPlanner(Planner):
     """Where some wide sample of the best draft waits for its window and any rank set is a group, up to this
     many orders of the wide samples are list-scheduled on the ranks that free up first (`scattered`; fewer
     where wide samples x ranks x orders passes `LIST_WORK`)."""
+    list_starts: ClassVar[int] = 3
+    """The best orders of each degree set that `scatter.climb` starts from."""
     list_climbs: ClassVar[int] = 4
-    """Rounds that move the sample ending last in the best order to each earlier place (`scattered`)."""
+    """Rounds of each climb (the sample ending last moved earlier, neighbours swapped)."""
     list_drafts: ClassVar[int] = 4
     """The best orders drafted in full, their bins filled; the fastest draft counts where it beats the rest."""
     speed_aware: bool = True
@@ -484,8 +486,9 @@ class DhpPlanner(Planner):
             best = draft if draft.makespan_s < best.makespan_s else best
         if (self.list_tries and p == 1 and family is None and inst.nominal and best.makespan_s > target * (1 + self.gap)
                 and (waits(best) or best.makespan_s > target * (1 + LIST_FAR))):
-            listed = scattered(inst, target, degrees_of, tries=self.list_tries, climbs=self.list_climbs,
-                               drafts=self.list_drafts, max_moves=self.max_moves, beat_s=best.makespan_s)
+            listed = scattered(inst, target, degrees_of, tries=self.list_tries, starts=self.list_starts,
+                               climbs=self.list_climbs, drafts=self.list_drafts, max_moves=self.max_moves,
+                               beat_s=best.makespan_s)
             best = listed if listed is not None else best
         if best.makespan_s >= beat_s:
             return None

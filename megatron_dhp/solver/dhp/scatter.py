@@ -52,6 +52,35 @@ def list_ends(inst: Instance, orders: np.ndarray, degree_of: np.ndarray,
                           inst.model.domain.gpus_per_node, spare_s)
 
 
+def climb(inst: Instance, order: np.ndarray, degree_of: np.ndarray, spare_s: float,
+          rounds: int) -> tuple[np.ndarray, ...]:
+    """Up to `rounds` steps of a hill climb from `order`: its neighbours (the sample that ends last moved to
+    each earlier place, each pair of neighbours swapped) scored at once, the best taken while it promises a
+    shorter step (`list_ends`: the later of the end and the level). Every order scored, with its scores."""
+    ends, critical, levels = list_ends(inst, order[None, :], degree_of, spare_s)
+    best, promise, c = order, max(ends[0], levels[0]), int(critical[0])
+    scored: list[tuple[np.ndarray, ...]] = []
+    for _ in range(rounds):
+        moved = [np.concatenate([best[:p], best[c : c + 1], best[p:c], best[c + 1 :]]) for p in range(c)]
+        for p in range(len(best) - 1):
+            swapped = best.copy()
+            swapped[p], swapped[p + 1] = best[p + 1], best[p]
+            moved.append(swapped)
+        if not moved:
+            break
+        orders = np.stack(moved)
+        more = list_ends(inst, orders, degree_of, spare_s)
+        scored.append((orders, *more))
+        step = np.maximum(more[0], more[2])
+        k = int(np.lexsort((more[0], step))[0])
+        if not step[k] < promise:
+            break
+        best, promise, c = orders[k], float(step[k]), int(more[1][k])
+    if not scored:
+        return np.zeros((0, len(order)), dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0)
+    return tuple(np.concatenate(part) for part in zip(*scored))
+
+
 def list_schedules(orders: np.ndarray, degree: np.ndarray, t_in: np.ndarray, t_out: np.ndarray, overhead: np.ndarray,
                    num_ranks: int, gpn: int, spare_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`list_ends` over local indices into the per-sample tables (`wide_tables`), in C where the install
