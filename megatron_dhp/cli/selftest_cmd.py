@@ -63,6 +63,9 @@ class SelftestOptions:
     """Model chunks per pipeline stage (interleaved 1F1B); 1: non-interleaved."""
     fsdp: bool = False
     """Shard the model over the domain with megatron-core's torch FSDP2 wrapper instead of its DDP."""
+    gpus_per_node: int = 0
+    """The domain's positions per node (0: all, one node): the family and the random plans' groups cross nodes
+    where it is smaller."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,6 +111,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="create the group family of at most K groups per rank at start-up (as training does) and "
                         "draw the random plans' groups from it; 0: any groups, non-contiguous ones included "
                         f"(default {DEFAULT_MAX_GROUPS_PER_RANK})")
+    p.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                   help="the domain's positions per node (default 0: one node); smaller, the family's groups and the "
+                        "random plans' (with --family 0, any rank sets) cross nodes")
     p.add_argument("--slow-rank", action="append", metavar="RANK:FACTOR",
                    help="make global rank RANK hold each slot FACTOR times as long, and plan every batch with dhp "
                         "at the matching rank speeds instead of at random (repeatable)")
@@ -136,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         raise DhpError(f"--comm {args.comm!r}: use a comma-separated subset of {','.join(STEP_COMMS)}")
     if args.family < 0:
         raise DhpError(f"--family {args.family} must be >= 0 (0: any groups)")
+    if args.gpus_per_node < 0:
+        raise DhpError(f"--gpus-per-node {args.gpus_per_node} must be >= 0 (0: the whole domain is one node)")
     for flag, value in (("--plans", args.plans), ("--samples", args.samples), ("--max-len", args.max_len),
                         ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep), ("--vpp", args.vpp)):
         if value < 1:
@@ -174,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     options = SelftestOptions(args.tp, args.pp, args.sp, args.plans, args.seed, comms, args.backend, args.samples,
                               args.max_len, args.attention, args.timeout, args.model, args.ep, args.moe_dispatcher,
                               plan_file, placements, args.family, args.mtp, tuple(args.slow_rank or ()), args.vpp,
-                              args.fsdp)
+                              args.fsdp, args.gpus_per_node)
     parse_slowdowns(options.slow_ranks)  # a malformed RANK:FACTOR fails here, before any rank starts
     check_injection(options.slow_ranks, args.pp, given="--slow-rank", stages="--pp")  # untimed under 1F1B
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -241,7 +249,7 @@ def worker(options: SelftestOptions) -> int:
         slowdowns = parse_slowdowns(options.slow_ranks)
         check = SelfCheck(config=config, seed=options.seed, backend=options.attention, vlm=vlm,
                           slowdowns=slowdowns, virtual=options.virtual_pipeline,
-                          fsdp=options.fsdp)
+                          fsdp=options.fsdp, gpus_per_node=options.gpus_per_node or None)
         n = check.domain.size
         check.use_family(options.family)
         if lead:
@@ -257,13 +265,14 @@ def worker(options: SelftestOptions) -> int:
                        f"patches -> {tower.tokens_per_tile} tokens, placements {','.join(options.placements)}")
             mtp = f", MTP {options.mtp_layers}" if options.mtp_layers else ""
             mtp += ", MLA (Q/K 16 + 8 RoPE, V 12, latents 32 / 24)" if options.model == "mla" else ""
+            nodes = f" ({check.gpus_per_node} a node)" if check.gpus_per_node < n else ""
             print(f"selftest: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {options.tensor_parallel}"
-                  f"{sp}{pp}{moe}{mtp}, domain of {n}, tolerance {TOLERANCE:g}, "
+                  f"{sp}{pp}{moe}{mtp}, domain of {n}{nodes}, tolerance {TOLERANCE:g}, "
                   f"{describe(options.attention, check.domain.device, (torch.float32,))}", flush=True)
             family = check.policy("mixed").family
             print(family.summary() if family is not None else "groups: any (--family 0)", flush=True)
         rng = random.Random(options.seed)
-        domain = Domain(world_size=n, gpus_per_node=n, max_tokens_per_rank=options.max_len)
+        domain = Domain(world_size=n, gpus_per_node=check.gpus_per_node, max_tokens_per_rank=options.max_len)
         failures = 0
         runs = len(options.comms) if given is not None else options.plans
         for k in range(runs):
@@ -274,7 +283,8 @@ def worker(options: SelftestOptions) -> int:
                 batch = Batch.from_lengths([rng.randint(1, options.max_len) for _ in range(options.samples)])
                 # on the family the planner would keep to under this comm (none under p2p and mixed)
                 family = check.policy(comm).planning_family
-                plan = (speed_plan(batch, check.domain.global_ranks, slowdowns, options.max_len, family) if slowdowns
+                plan = (speed_plan(batch, check.domain.global_ranks, slowdowns, options.max_len, family,
+                                   check.gpus_per_node) if slowdowns
                         else random_plan(batch, domain, rng, family=family, uneven=float(k % 2)))
                 if options.virtual_pipeline > 1:  # its slot order; random plans check exactness, not memory
                     plan = replace(plan, pipeline_stages=options.pipeline_parallel,
@@ -286,6 +296,7 @@ def worker(options: SelftestOptions) -> int:
             failures += not result.ok
             if lead:
                 sizes = "+".join(f"{len(g.ranks)}" + (f"({':'.join(map(str, g.shares))})" if g.shares else "")
+                                 + ("" if is_window(g.ranks) else "@" + ".".join(map(str, sorted(g.ranks))))
                                  for g in plan.groups)
                 images = f" | {sum(len(s.images) for s in samples)} images, {placement:9s}" if vlm is not None else ""
                 label = comm if comm != "mixed" else (  # how rank 0's slots resolved it
@@ -305,15 +316,20 @@ def worker(options: SelftestOptions) -> int:
         dist.destroy_process_group()
 
 
-def speed_plan(batch, global_ranks, slowdowns: dict[int, float], max_len: int, family):
+def is_window(ranks) -> bool:
+    """Whether a group's ranks are contiguous (the step line names the ranks of any other group)."""
+    return max(ranks) - min(ranks) + 1 == len(ranks)
+
+
+def speed_plan(batch, global_ranks, slowdowns: dict[int, float], max_len: int, family, gpus_per_node: int):
     """dhp's plan of `batch` on the domain of `global_ranks`, each rank at speed 1 / its slowdown (the CPU
-    preset's coefficients, one node, half of `max_len` tokens per rank, so that long samples need groups)."""
+    preset's coefficients, half of `max_len` tokens per rank, so that long samples need groups)."""
     from megatron_dhp.cost import CostConfig, build_cost_model
     from megatron_dhp.solver import build_planner, run_planner
 
     n = len(global_ranks)
     speeds = tuple(1.0 / slowdowns.get(rank, 1.0) for rank in global_ranks)
     cap = max(-(-max_len // n), max_len // 2)
-    cost = CostConfig.load("tiny-gpt-cpu").with_overrides(world_size=n, gpus_per_node=n, max_tokens_per_rank=cap,
+    cost = CostConfig.load("tiny-gpt-cpu").with_overrides(world_size=n, gpus_per_node=gpus_per_node, max_tokens_per_rank=cap,
                                                          rank_speeds=speeds)
     return run_planner(build_planner("dhp"), batch, build_cost_model(cost), family=family)

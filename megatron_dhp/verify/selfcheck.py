@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_dhp.closed_loop.injection import timer_for_job
+from megatron_dhp.errors import DhpError
 from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.integration.job_spec import JobSpec
 from megatron_dhp.launch.cpu_shim import backport_fsdp2_finish_grad_sync
@@ -87,12 +88,15 @@ class SelfCheck:
 
     def __init__(self, *, config: TinyGPTConfig | None = None, seed: int = 0, backend: str = "auto",
                  tied_embeddings: bool = False, vlm: TinyVLMConfig | None = None,
-                 slowdowns: Mapping[int, float] | None = None, virtual: int = 1, fsdp: bool = False) -> None:
+                 slowdowns: Mapping[int, float] | None = None, virtual: int = 1, fsdp: bool = False,
+                 gpus_per_node: int | None = None) -> None:
         """`vlm`: check the vision-language model of that config (its language model is `vlm.language`);
         `slowdowns`: global rank -> factor, each of those ranks holds its slots that many times as long, and
         every rank its groups for them (`closed_loop.injection`); `virtual`: model
         chunks per pipeline stage (interleaved 1F1B); `fsdp`: megatron-core's torch FSDP2 wrapper over the
-        domain instead of its DDP (gradients summed, not averaged, as the per-token rule needs)."""
+        domain instead of its DDP (gradients summed, not averaged, as the per-token rule needs); `gpus_per_node`:
+        the domain's positions per node (default all: one node), which decides the group family and where a
+        group crosses nodes."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -101,6 +105,9 @@ class SelfCheck:
         self.backend = backend
         self.slowdowns = dict(slowdowns or {})
         self.domain = DynamicDomain.from_parallel_state()
+        self.gpus_per_node = gpus_per_node or self.domain.size
+        if not 1 <= self.gpus_per_node <= self.domain.size:
+            raise DhpError(f"gpus_per_node = {gpus_per_node} must be between 1 and the domain's {self.domain.size} positions")
         self.pool = GroupPool(self.domain)
         self.max_groups_per_rank = 0
         """K of the pool's family (`use_family`): the comm policy of each check is built with it."""
@@ -131,17 +138,17 @@ class SelfCheck:
             self.reference.cuda()
 
     def use_family(self, max_groups_per_rank: int) -> None:
-        """A fresh pool with the group family of this bound (one node of the whole domain) created now, as a
-        job's start-up does; 0: no family. Collective."""
+        """A fresh pool with the group family of this bound (on `gpus_per_node`) created now, as a job's
+        start-up does; 0: no family. Collective."""
         n = self.domain.size
         self.max_groups_per_rank = max_groups_per_rank
-        groups = group_family(n, n, max_groups_per_rank).groups if max_groups_per_rank else ()
+        groups = group_family(n, self.gpus_per_node, max_groups_per_rank).groups if max_groups_per_rank else ()
         self.pool = GroupPool(self.domain, family=groups)
 
     def policy(self, comm: str) -> CommPolicy:
-        """The comm policy of `comm` over this check's domain (one node) and the family of `use_family`."""
-        n = self.domain.size
-        return CommPolicy.resolve(comm, max_groups_per_rank=self.max_groups_per_rank, world_size=n, gpus_per_node=n)
+        """The comm policy of `comm` over this check's domain and the family of `use_family`."""
+        return CommPolicy.resolve(comm, max_groups_per_rank=self.max_groups_per_rank, world_size=self.domain.size,
+                                  gpus_per_node=self.gpus_per_node)
 
     def check(self, plan: Plan, samples: list[TokenSample], comm: str, *, placement: str = "split") -> CheckResult:
         """Run one step under `plan` with each group talking as `comm`'s policy says, and compare it with the
@@ -153,7 +160,7 @@ class SelfCheck:
         config = self.chunks[0].config
         pipelined = self.pp_group.size() > 1
         n = self.domain.size
-        spec = JobSpec(DhpConfig(attention_backend=self.backend, comm=comm), n, n,
+        spec = JobSpec(DhpConfig(attention_backend=self.backend, comm=comm), n, self.gpus_per_node,
                        tensor_parallel=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
                        pipeline_stages=self.pp_group.size(), virtual_stages=len(self.chunks),
                        expert_parallel=config.expert_model_parallel_size,

@@ -11,6 +11,8 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.plan.comm import COMM_VARIANTS
+from megatron_dhp.plan.plan import Plan, PlanGroup
+from megatron_dhp.workload.sample import Sample
 from tests.runtime import pipeline_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--comm", "ring,bogus"], "--comm 'ring,bogus'"),
         (["--nproc", "3", "--tp", "2"], "--nproc 3 must be a positive multiple of --tp 2"),
         (["--plans", "0"], "--plans 0 must be at least 1"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node -1 must be >= 0"),
         (["--nproc", "4", "--tp", "2", "--pp", "3"], "--nproc 4 must be a positive multiple of --tp 2 x --pp 3"),
         (["--pp", "0"], "--pp 0 must be at least 1"),
         (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
@@ -78,6 +81,25 @@ def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
     assert all(plan.summary() in line and line.endswith("| ok") for line in lines), proc.stdout
     wrong = selftest("--nproc", "3", "--plan", str(tmp_path / "plan.json"), "--comm", "ring")
     assert wrong.returncode == 2 and "the plan is for a domain of 2 ranks but this domain has 3" in wrong.stderr
+
+
+def test_selftest_is_exact_on_groups_scattered_across_nodes(tmp_path):
+    # Two nodes of two: rings over non-contiguous ranks that cross the node boundary (as dhp's list schedules
+    # make them), under every comm; under mixed they run on the domain's communicator (p2p).
+    samples = tuple(Sample(i, n) for i, n in enumerate([37, 21, 40, 9, 28, 15, 33, 12]))
+    groups = (PlanGroup((0, 3), ((0, 1),)), PlanGroup((1, 2), ((2,),)),
+              PlanGroup((2, 0), ((3, 4),), 1), PlanGroup((1,), ((5,),), 1), PlanGroup((3,), ((6,),), 1),
+              PlanGroup((3, 1), ((7,),), 2))
+    plan = Plan("hand-made", 4, 2, samples, groups, max_tokens_per_rank=64)
+    plan.validate()
+    plan.save(tmp_path / "plan.json")
+    comms = ("mixed", "p2p", "ring", "allgather", "ulysses")
+    proc = selftest("--nproc", "4", "--gpus-per-node", "2", "--plan", str(tmp_path / "plan.json"), "--comm", ",".join(comms))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
+    assert len(lines) == len(comms) and all(line.endswith("| ok") for line in lines), proc.stdout
+    assert "2@0.3" in lines[0] and "2@1.3" in lines[0] and "mixed: " in lines[0] and "p2p" in lines[0].split("|")[-6]
+    assert "domain of 4 (2 a node)" in proc.stdout
 
 
 def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts():
