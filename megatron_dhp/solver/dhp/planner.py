@@ -64,9 +64,9 @@ from megatron_dhp.solver.dhp.scatter import FIRST_ORDERS, climb, list_ends, orde
 from megatron_dhp.solver.static import StaticPlanner, static_cp_size
 from megatron_dhp.workload.sample import Batch
 
-LIST_WORK = 4_000_000
-"""`scattered` scores at most this many (order, wide sample, rank) steps: 200 orders at 64 ranks, 8 or more
-at 1,024 (the C list schedule takes about a nanosecond a step)."""
+LIST_WORK = 2_000_000
+"""`scattered` scores at most this many (order, wide sample, rank) steps for its first orders, and as many for
+its climbs: 200 orders where 25 samples are wide on 64 ranks, the first three where hundreds are on 1,024."""
 LIST_FAR = 0.05
 """Without a wide sample waiting for its window, list schedules are tried only where the best draft ends this
 fraction or more above the bound (its wide samples' degrees, not their places, may be what holds it back)."""
@@ -321,13 +321,14 @@ def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries:
         scored = list_ends(inst, orders, degrees, spare)
         promise = np.maximum(scored[0], scored[2])  # its wide samples' end, or the level the rest fill to if later
         for k in np.lexsort((scored[0], promise))[:starts].tolist():
-            more = climb(inst, orders[k], degrees, spare, climbs)
+            more = climb(inst, orders[k], degrees, spare, climbs, LIST_WORK // (len(sets) * starts))
             orders = np.concatenate([orders, more[0]])
             scored = tuple(np.concatenate(pair) for pair in zip(scored, more[1:]))
         ends, levels = scored[0], scored[2]
         promise = np.maximum(ends, levels)
         found += [(float(promise[k]), float(ends[k]), degrees, orders[k]) for k in np.lexsort((ends, promise))[:drafts]]
     best_draft = None
+    drafts = min(drafts, max(1, LIST_WORK // (len(inst.ids) * inst.num_ranks)))  # (4,096 samples on 1,024 ranks: 1)
     for promise_s, _, degrees, order in sorted(found, key=lambda f: f[:2])[:drafts]:
         if promise_s >= min(beat_s, best_draft.makespan_s if best_draft else math.inf):
             break  # the level is where the rest would end with no gap left: a draft rarely ends sooner

@@ -52,21 +52,23 @@ def list_ends(inst: Instance, orders: np.ndarray, degree_of: np.ndarray,
                           inst.model.domain.gpus_per_node, spare_s)
 
 
-def climb(inst: Instance, order: np.ndarray, degree_of: np.ndarray, spare_s: float,
-          rounds: int) -> tuple[np.ndarray, ...]:
+def climb(inst: Instance, order: np.ndarray, degree_of: np.ndarray, spare_s: float, rounds: int,
+          budget: int) -> tuple[np.ndarray, ...]:
     """Up to `rounds` steps of a hill climb from `order`: its neighbours (the sample that ends last moved to
-    each earlier place, each pair of neighbours swapped) scored at once, the best taken while it promises a
-    shorter step (`list_ends`: the later of the end and the level). Every order scored, with its scores."""
+    each earlier place, each pair of neighbours before it swapped) scored at once, the best taken while it
+    promises a shorter step (`list_ends`: the later of the end and the level), and no more rounds once
+    `budget` (order, sample, rank) steps are spent. Every order scored, with its scores."""
     ends, critical, levels = list_ends(inst, order[None, :], degree_of, spare_s)
     best, promise, c = order, max(ends[0], levels[0]), int(critical[0])
     scored: list[tuple[np.ndarray, ...]] = []
     for _ in range(rounds):
         moved = [np.concatenate([best[:p], best[c : c + 1], best[p:c], best[c + 1 :]]) for p in range(c)]
-        for p in range(len(best) - 1):
+        for p in range(c):
             swapped = best.copy()
             swapped[p], swapped[p + 1] = best[p + 1], best[p]
             moved.append(swapped)
-        if not moved:
+        budget -= len(moved) * len(order) * inst.num_ranks
+        if not moved or budget < 0:
             break
         orders = np.stack(moved)
         more = list_ends(inst, orders, degree_of, spare_s)
