@@ -67,7 +67,7 @@ from megatron_dhp.workload.sample import Batch
 LIST_WORK = 2_000_000
 """`scattered` scores at most this many (order, wide sample, rank) steps for its first orders, and as many for
 its climbs: 200 orders where 25 samples are wide on 64 ranks, the first three where hundreds are on 1,024."""
-LIST_FAR = 0.05
+LIST_FAR = 0.01
 """Without a wide sample waiting for its window, list schedules are tried only where the best draft ends this
 fraction or more above the bound (its wide samples' degrees, not their places, may be what holds it back)."""
 BALANCE_STEPS = 30
