@@ -32,12 +32,16 @@ __device__ float warp_sum(float x) {
   return x;
 }
 
+// A partial whose row saw no key (-inf from a masked softmax, +inf from flash attention's empty key range) as
+// the finite stand-in the torch path uses (attention/math.py: MASKED, `finite_lse`): it then weighs 0.
+__device__ float usable(float lse) { return isfinite(lse) ? lse : -1.0e30f; }
+
 // logsumexp over the k partials of `row` (every lane computes it; k is the group size, small).
 __device__ float total_lse(const float* lses, int64_t k, int64_t rows, int64_t row) {
   float m = -INFINITY;
-  for (int64_t j = 0; j < k; ++j) m = fmaxf(m, lses[j * rows + row]);
+  for (int64_t j = 0; j < k; ++j) m = fmaxf(m, usable(lses[j * rows + row]));
   float s = 0.f;
-  for (int64_t j = 0; j < k; ++j) s += expf(lses[j * rows + row] - m);
+  for (int64_t j = 0; j < k; ++j) s += expf(usable(lses[j * rows + row]) - m);
   return m + logf(s);
 }
 
@@ -51,7 +55,7 @@ __global__ void merge_kernel(const T* __restrict__ outs, const float* __restrict
     for (int64_t base = 0; base < dim; base += kWarp * kPerLane) {
       float acc[kPerLane] = {};
       for (int64_t j = 0; j < k; ++j) {
-        const float w = expf(lses[j * rows + row] - total);
+        const float w = expf(usable(lses[j * rows + row]) - total);
         const T* part = outs + (j * rows + row) * dim;
         for (int v = 0; v < kPerLane; ++v) {
           const int64_t i = base + v * kWarp + lane;
@@ -79,7 +83,7 @@ __global__ void merge_backward_kernel(const T* __restrict__ outs, const float* _
     const T* g = grad + row * dim;
     float weighted = 0.f;
     for (int64_t j = 0; j < k; ++j) {
-      const float w = expf(lses[j * rows + row] - total);
+      const float w = expf(usable(lses[j * rows + row]) - total);
       const T* part = outs + (j * rows + row) * dim;
       T* grad_part = grad_outs + (j * rows + row) * dim;
       float dot = 0.f;
@@ -94,7 +98,7 @@ __global__ void merge_backward_kernel(const T* __restrict__ outs, const float* _
     }
     __syncwarp();
     for (int64_t j = lane; j < k; j += kWarp) {
-      const float w = expf(lses[j * rows + row] - total);
+      const float w = expf(usable(lses[j * rows + row]) - total);
       grad_lses[j * rows + row] = w * (grad_lses[j * rows + row] - weighted);
     }
     __syncwarp();

@@ -198,6 +198,23 @@ def test_lse_merge_on_cpu_is_merge_partials_bit_for_bit():
     )
 
 
+@pytest.mark.parametrize("empty", [float("inf"), float("-inf"), -1.0e30], ids=["flash +inf", "-inf", "MASKED"])
+def test_a_block_without_keys_weighs_nothing_in_the_merge(empty):
+    # Flash attention writes +inf for a row whose key range is empty, a masked softmax -inf: the row merges to
+    # exactly what the other blocks give, and no gradient is NaN.
+    outs, lses = merge_inputs(torch.float32)
+    outs[3], lses[3] = torch.zeros_like(outs[3]), lses[3].clone()
+    lses[3][1:4] = empty
+    leaves = [t.requires_grad_() for t in outs + lses]
+    merged = lse_merge(leaves[:4], leaves[4:])
+    rows = [0, 4]  # where block 3 has keys, it counts
+    assert torch.equal(merged[1:4], merge_partials(leaves[:3], leaves[4:7])[1:4].detach())
+    assert not torch.equal(merged[rows], merge_partials(leaves[:3], leaves[4:7])[rows])
+    grads = torch.autograd.grad(merged.sum(), leaves)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[7][1:4], torch.zeros(3, 3))
+
+
 def test_merge_backward_formula_of_the_kernel():
     """lse_merge.cu's backward: grad_out_j = w_j g, grad_lse_j = w_j (D_j - sum_i w_i D_i), D_j = <g, out_j>."""
     outs, lses = merge_inputs(torch.float64, seed=1)

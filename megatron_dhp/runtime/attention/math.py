@@ -53,9 +53,16 @@ def block_attention(
     return out.to(q.dtype), lse.transpose(0, 1)
 
 
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with a row that saw no key as `MASKED`, however its kernel wrote it: -inf from a masked softmax,
+    +inf from flash attention's empty key range (either would make the merge's weights NaN)."""
+    return torch.where(torch.isfinite(lse), lse, MASKED)
+
+
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Combine attention over disjoint key blocks: softmax weights are exp(lse_i - logsumexp_i lse_i)."""
-    lse = torch.stack(lses)
+    """Combine attention over disjoint key blocks: softmax weights are exp(lse_i - logsumexp_i lse_i), a block
+    with no key for a row (`finite_lse`) weighing 0 in it."""
+    lse = finite_lse(torch.stack(lses))
     weights = torch.exp(lse - torch.logsumexp(lse, dim=0, keepdim=True))
     merged = (weights[..., None] * torch.stack([o.to(weights.dtype) for o in outs])).sum(dim=0)
     return merged.to(outs[0].dtype)

@@ -24,7 +24,7 @@ import torch
 from megatron_dhp.runtime.attention.comm import Shift, start_shift
 from megatron_dhp.runtime.attention.context import CPContext
 from megatron_dhp.runtime.attention.kernels import LocalKernel
-from megatron_dhp.runtime.attention.math import accumulation_dtype
+from megatron_dhp.runtime.attention.math import accumulation_dtype, finite_lse
 from megatron_dhp.runtime.attention.meta import AttentionMeta, RingBlock
 from megatron_dhp.runtime.fused import lse_merge
 
@@ -44,7 +44,7 @@ def merged_blocks(q: torch.Tensor, blocks: Iterable[tuple[RingBlock, torch.Tenso
     out = lse = None
     for block, k, v in blocks:
         o, s = kernel.block(q, k, v, block, meta, scale)
-        o = o.to(s.dtype)
+        o, s = o.to(s.dtype), finite_lse(s)  # (flash attention's empty key range: +inf)
         out, lse = (o, s) if out is None else (lse_merge([out, o], [lse, s]), torch.logaddexp(lse, s))
     return out, lse
 
