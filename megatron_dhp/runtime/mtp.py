@@ -32,34 +32,36 @@ _ORIGINAL: dict[str, object] = {}
 def roll_left(x: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     """`x` [..., t] on this rank's slots with every slot holding its sample's next position's value (0 past
     the sample's end), as `ctx`'s layout places the samples over its group."""
+    cu = ctx.meta.local.cu  # the microbatch's metadata, already on the device: no copy inside the forward
     if ctx.layout.group_size == 1:
-        return rolled(x, ctx.layout)
-    front_first, back_first = chunk_firsts(x, ctx.layout)
+        return rolled(x, ctx.layout, cu)
+    front_first, back_first = chunk_firsts(x, cu)
     from_next = start_shift(front_first, _reversed(ctx.group)).wait()  # rank r+1's front firsts
     from_previous = start_shift(back_first, ctx.group).wait()  # rank r-1's back firsts
-    return rolled(x, ctx.layout, from_next, from_previous)
+    return rolled(x, ctx.layout, cu, from_next, from_previous)
 
 
-def _chunks(layout: MicrobatchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each sample's shard starts, where its back chunk starts (halfway) and where it ends, locally."""
-    starts = layout.local_cu_seqlens[:-1].to(device)
-    ends = layout.local_cu_seqlens[1:].to(device)
+def _chunks(local_cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each sample's shard starts, where its back chunk starts (halfway) and where it ends, locally, from
+    the cumulative local shard lengths on the device (`AttentionMeta.local.cu`)."""
+    cu = local_cu.long()
+    starts, ends = cu[:-1], cu[1:]
     return starts, starts + (ends - starts) // 2, ends
 
 
-def chunk_firsts(x: torch.Tensor, layout: MicrobatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_firsts(x: torch.Tensor, local_cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The first slot of each sample's front and back chunk: what this rank sends back and forth."""
-    starts, backs, _ = _chunks(layout, x.device)
+    starts, backs, _ = _chunks(local_cu)
     return x[..., starts].contiguous(), x[..., backs].contiguous()
 
 
-def rolled(x: torch.Tensor, layout: MicrobatchLayout, from_next: torch.Tensor | None = None,
+def rolled(x: torch.Tensor, layout: MicrobatchLayout, local_cu: torch.Tensor, from_next: torch.Tensor | None = None,
            from_previous: torch.Tensor | None = None) -> torch.Tensor:
     """The roll from this rank's slots and its neighbours' `chunk_firsts` (rank r+1's front firsts, rank
     r-1's back firsts; unused at the group's ends, and for a group of one)."""
     out = torch.zeros_like(x)
     out[..., :-1] = x[..., 1:]
-    _, backs, ends = _chunks(layout, x.device)
+    _, backs, ends = _chunks(local_cu)
     if layout.group_size > 1:
         out[..., backs - 1] = x[..., backs] if layout.rank == layout.group_size - 1 else from_next
     out[..., ends - 1] = 0 if layout.rank == 0 else from_previous

@@ -147,7 +147,7 @@ class _ImageLossSum(_LossSum):
         self.encoder_backward = encoder_backward
         """Returns the received rows' gradients to their encoders and runs the encoder's backward."""
         device = received.device
-        self.rows = {id(mb): (slots.to(device), r.to(device)) for mb, (slots, r) in zip(microbatches, rows)}
+        self.rows = {id(mb): (to_device(slots, device), to_device(r, device)) for mb, (slots, r) in zip(microbatches, rows)}
         self.no_rows = (torch.empty(0, dtype=torch.int64, device=device),) * 2
 
     def per_token(self, slot: Slot) -> torch.Tensor:
