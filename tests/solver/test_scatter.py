@@ -107,12 +107,8 @@ def test_dhp_starts_wide_samples_on_the_ranks_free_first_without_overlap():
 
 def aligned_plan(batch, model, family=None):
     """dhp's plan without list schedules."""
-    planner = build_planner("dhp")
-    try:
-        DhpPlanner.list_tries = 0
-        return run_planner(planner, batch, model, family=family)
-    finally:
-        DhpPlanner.list_tries = 200
+    with mock.patch.object(DhpPlanner, "list_tries", 0):
+        return run_planner(build_planner("dhp"), batch, model, family=family)
 
 
 def test_a_family_keeps_every_group_in_it():

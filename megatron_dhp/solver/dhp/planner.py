@@ -66,7 +66,8 @@ from megatron_dhp.workload.sample import Batch
 
 LIST_WORK = 2_000_000
 """`scattered` scores at most this many (order, wide sample, rank) steps for its first orders, and as many for
-its climbs: 200 orders where 25 samples are wide on 64 ranks, the first three where hundreds are on 1,024."""
+its climbs: `DhpPlanner.list_tries` orders where 25 samples are wide on 64 ranks, the first three where hundreds
+are on 1,024."""
 LIST_FAR = 0.01
 """Without a wide sample waiting for its window, list schedules are tried only where the best draft ends this
 fraction or more above the bound (its wide samples' degrees, not their places, may be what holds it back)."""
@@ -406,15 +407,15 @@ class DhpPlanner(Planner):
     best draft misses by more than `gap`. Each rebuild costs about a dozen drafts; rebuilding every such
     candidate, as dhp did, made plans 0.04 % faster on average over plan_quality's variants and took up to
     3.5x as long (bench/solver_speed.py --variants)."""
-    list_tries: ClassVar[int] = 200
+    list_tries: ClassVar[int] = 100
     """Where some wide sample of the best draft waits for its window and any rank set is a group, up to this
     many orders of the wide samples are list-scheduled on the ranks that free up first (`scattered`; fewer
     where wide samples x ranks x orders passes `LIST_WORK`)."""
-    list_starts: ClassVar[int] = 3
+    list_starts: ClassVar[int] = 2
     """The best orders of each degree set that `scatter.climb` starts from."""
     list_climbs: ClassVar[int] = 4
     """Rounds of each climb (the sample ending last moved earlier, neighbours swapped)."""
-    list_drafts: ClassVar[int] = 4
+    list_drafts: ClassVar[int] = 3
     """The best orders drafted in full, their bins filled; the fastest draft counts where it beats the rest."""
     speed_aware: bool = True
     """Plan with the ranks' speeds (False: as if every rank ran at 1, the speed-blind baseline of the benches)."""
