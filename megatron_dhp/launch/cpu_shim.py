@@ -143,19 +143,10 @@ def apply_cpu_compat() -> bool:
     # copies into; the copy must not be recorded by autograd.
     optimizer._set_main_param_and_optimizer_states = torch.no_grad()(optimizer._set_main_param_and_optimizer_states)
 
-    # Multi-latent attention tests `isinstance(self.linear_proj, TELinear)` whenever its TE import did not fail,
-    # which it does not without TransformerEngine (megatron's extension module then stands mocks in for the
-    # classes): a TypeError.
-    from megatron.core.transformer import multi_latent_attention
+    # MLA's and the MoE router's names that only TransformerEngine defines (on a GPU without TE too).
+    from megatron_dhp.runtime import without_te
 
-    if not isinstance(multi_latent_attention.TELinear, type):
-        multi_latent_attention.HAVE_TE = False
-    # The MoE router's gating GEMM tests `te_general_gemm is not None`, a name megatron-core only defines when
-    # TransformerEngine imports; without TE it is undefined (NameError) instead of None.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    without_te.install()
     # The all-to-all dispatcher's split sizes become host lists only when they are copied off a GPU; on the
     # CPU they would stay tensors, which `all_to_all_single` does not accept as split sizes.
     from megatron.core.transformer.moe import token_dispatcher

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dhp.errors import DhpError
 from megatron_dhp.plan.comm import LAYER_SPECS
-from megatron_dhp.runtime import rope
+from megatron_dhp.runtime import rope, without_te
 from megatron_dhp.runtime.attention.core_attention import (
     DynamicCPAttention,
     DynamicCPMLASelfAttention,
@@ -56,6 +56,7 @@ def with_dynamic_cp(spec: ModuleSpec, *, backend: str) -> ModuleSpec:
     """
     _check_backend(backend)
     rope.install()
+    without_te.install()
     spec = copy.deepcopy(spec)
     for layer in spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]:
         _swap_attention(layer, backend)

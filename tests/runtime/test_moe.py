@@ -5,6 +5,7 @@ allgather, the equal slot rows) that keeps its collectives matched."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_dhp.launch.ranks import launch
 from megatron_dhp.runtime.slots import PHASE_BARRIER, aligned_slot_counts, aligned_slot_rows, work_items
@@ -101,3 +102,20 @@ def test_aligned_slots_pad_every_phase_to_the_domain_maximum(name):
             else:
                 phases[-1].append(item)
         assert [len(p) for p in phases] == (counts if plan.phase_barrier else [sum(counts)])
+
+
+def test_the_router_runs_without_transformer_engine_on_any_device(monkeypatch):
+    # megatron-core 0.16.1 defines the router GEMM's `te_general_gemm` only when TransformerEngine imports: a GPU
+    # without TE hit a NameError in the MoE router, where only the CPU shim had guarded it. Every dynamic-CP
+    # layer spec now defines it (None: megatron-core's torch fallback), with or without the shim.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_dhp.runtime.layer_spec import with_dynamic_cp
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    with_dynamic_cp(get_gpt_layer_local_spec(num_experts=4), backend="local")
+    assert moe_utils.te_general_gemm is None
+    router = moe_utils.RouterGatingLinearFunction.apply
+    inp, weight = torch.randn(3, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    torch.testing.assert_close(router(inp, weight, None, torch.float32), inp @ weight.t(), rtol=0, atol=0)
