@@ -253,7 +253,7 @@ def test_flex_ring_backward_by_recompute_through_the_blocks_lse(size, monkeypatc
     from megatron_dhp.runtime.attention.math import MASKED, block_attention
     from megatron_dhp.runtime.attention.oracle import ring_block_mask
 
-    def attend(q, k, v, mask, scale):
+    def attend(q, k, v, mask, scale, question):
         out, lse = block_attention(q, k, v, mask, scale)
         return out.masked_fill(~mask.any(dim=1)[:, None, None], 0), lse.clamp(min=MASKED)
 
