@@ -22,6 +22,7 @@ COMMANDS = {
     "train": "megatron_dhp.cli.train_cmd",
     "profile": "megatron_dhp.cli.profile_cmd",
     "demo": "megatron_dhp.cli.demo_cmd",
+    "doctor": "megatron_dhp.cli.doctor_cmd",
 }
 
 
