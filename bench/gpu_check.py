@@ -39,8 +39,11 @@ timings recorded but not judged: the code paths, tried where there is no GPU. `-
 sections.
 
 Exit status: 0 when every check that ran passed, 1 when one failed, 3 when none ran (no CUDA device: every
-section is skipped, so a user or CI sees that nothing was checked). Budget: about 5 minutes with `--quick` on
-an H100 (flex's Triton compilation and the csrc build included), under 10 without.
+section is skipped, so a user or CI sees that nothing was checked). `--quick` runs the attention, train_step
+and safety sections with smaller sizes; every section starts no check after its time cap (`SECTION_CAP_S`:
+about 6 minutes in all with `--quick`, 10 without), and the report is written after each section, so a run cut
+short still reports what it did. A ring's speed bound is `RING_TOLERANCE` times its tile work over one call's
+(`ring_tile_ratio`), printed beside the measure.
 
     python bench/gpu_check.py [--out gpu_check.json] [--quick] [--cpu-smoke] [--only SECTIONS]
                               [--skip SECTIONS] [--step-limit SECONDS]
@@ -218,7 +221,11 @@ def finite(obj: object) -> object:
 
 
 def guarded(name: str, fn: Callable[..., list[Check]], *args: object) -> list[Check]:
-    """`fn(*args)`, or one failed check carrying the exception when it raises (one broken path fails alone)."""
+    """`fn(*args)`, or one failed check carrying the exception when it raises (one broken path fails alone);
+    skipped once the running section is past its time cap (`SECTION_CAP_S`), so a slow path cannot take the
+    run's budget and the report still comes back."""
+    if time.perf_counter() > _deadline[0]:
+        return [Check(name, "skipped", reason=f"not started: the section passed its time cap of {_deadline[1]:.0f} s")]
     try:
         return fn(*args)
     except Exception as e:
@@ -239,10 +246,38 @@ HEAD_SHAPES = ((128, 128, ""), (192, 128, " mla"))
 EXACT_BUDGET_S = {False: 300.0, True: 150.0}
 """Seconds (by --quick) the exactness checks may take; a case not started by then is skipped, so that a slow
 compilation cannot eat the run's budget."""
+TILE = 128
+"""Rows of a flash-attention tile, queries and keys alike: a causal block costs the tiles it touches."""
 PERF_TOLERANCE = 1.10
 """One rank: megatron-dhp's varlen attention may take this many times torch's own `varlen_attn`."""
 RING_TOLERANCE = 1.20
-"""A virtual ring of d ranks (every rank's blocks, merges and backward on one GPU) against one `varlen_attn`."""
+"""A virtual ring of d ranks (every rank's blocks, merges and backward on one GPU) against one `varlen_attn`,
+times the ratio of their tile work (`ring_tile_ratio`): zigzag chunks of short samples fill few of a tile's
+128 rows, so a ring does more tile work than one call before any overhead."""
+
+
+def tiles(rows: int, cols: int, causal: bool) -> int:
+    """Flash-attention tiles of `TILE` x `TILE` one block of `rows` queries over `cols` keys touches (causal:
+    the key tiles at or before each query tile's last row, the block's keys ending with its queries)."""
+    q, k = -(-rows // TILE), -(-cols // TILE)
+    if not causal:
+        return q * k
+    return sum(min(k, -(-(cols - rows + min(rows, (i + 1) * TILE)) // TILE)) for i in range(q))
+
+
+def ring_tile_ratio(lengths: tuple[int, ...], size: int) -> float:
+    """The tile work of a zigzag ring of `size` ranks over the samples (every rank's steps: its own shard
+    causally, earlier ranks' front chunks in full, its back chunk over later ranks' shards in full) over one
+    causal call's on the whole samples. Padded as the layout pads: to 2 x size chunks."""
+    if size == 1:
+        return 1.0
+    ring = whole = 0
+    for n in lengths:
+        c = -(-n // (2 * size))  # a chunk; a shard is two
+        whole += tiles(n, n, True)
+        for r in range(size):
+            ring += tiles(2 * c, 2 * c, True) + r * tiles(2 * c, c, False) + (size - 1 - r) * tiles(c, 2 * c, False)
+    return ring / whole
 
 
 @dataclass(frozen=True)
@@ -593,31 +628,38 @@ def one_rank_timing(opts: Options, shape: Shape, tokens: int) -> list[Check]:
               "reference_ms": ref_s * 1e3, "reference_tflops": flops / ref_s / 1e12}
     checks = []
     backends = ("varlen", "flex") if DEVICE == "cuda" else ("sdpa",)
-    for backend in backends:
+    for backend in backends:  # each on its own: one backend's exception keeps the others' figures
         name = f"one rank {tokens_label(tokens)} tokens: {backend} fwd+bwd vs {how.split('(')[0]}"
         why_not = kernel(backend).applies(DEVICE, torch.bfloat16, shape.head_dim)
         if why_not is not None:
             checks.append(Check(name, "skipped", reason=f"{backend}: {why_not}"))
             continue
-        ours = _fwd_bwd(partial(_causal, kernel(backend), meta.local, scale), *inputs)
-        start = time.perf_counter()
-        agreement = _scaled_error(ours()[0], want)  # the first call also builds what the backend caches
-        first_s = time.perf_counter() - start
-        ours_s = median_seconds(ours, **timing)
-        numbers = {**common, "ours_ms": ours_s * 1e3, "ours_tflops": flops / ours_s / 1e12,
-                   "first_call_s": first_s, "output_vs_reference": agreement,
-                   "summary": f"{ours_s * 1e3:.2f} ms vs {ref_s * 1e3:.2f} ms"}
-        if agreement > ATTENTION_TOLERANCE[torch.bfloat16]:
-            checks.append(Check(name, "fail", error=agreement, tolerance=ATTENTION_TOLERANCE[torch.bfloat16],
-                                metric="max |ours - reference| / max(1, max |reference|)", numbers=numbers,
-                                reason="the output differs from the reference's: the timing compares different work"))
-        elif backend == "flex":
-            checks.append(Check(name, "ok", reason=f"recorded: ratio {ours_s / ref_s:.3g}, no threshold",
-                                numbers={**numbers, "ratio": ours_s / ref_s}))
-        else:
-            checks.append(judged(name, ours_s / ref_s, PERF_TOLERANCE, f"{backend} / reference (median time)", opts,
-                                 **numbers))
+        checks += guarded(name, _one_rank_backend, opts, name, backend, meta, inputs, scale, want, timing, ref_s,
+                          flops, common)
     return checks
+
+
+def _one_rank_backend(opts: Options, name: str, backend: str, meta, inputs: tuple, scale: float,
+                      want: torch.Tensor, timing: dict, ref_s: float, flops: float, common: dict) -> list[Check]:
+    """`one_rank_timing` of one backend against the reference measured once for all of them."""
+    from megatron_dhp.runtime.attention.kernels import kernel
+
+    ours = _fwd_bwd(partial(_causal, kernel(backend), meta.local, scale), *inputs)
+    start = time.perf_counter()
+    agreement = _scaled_error(ours()[0], want)  # the first call also builds what the backend caches
+    first_s = time.perf_counter() - start
+    ours_s = median_seconds(ours, **timing)
+    numbers = {**common, "ours_ms": ours_s * 1e3, "ours_tflops": flops / ours_s / 1e12,
+               "first_call_s": first_s, "output_vs_reference": agreement,
+               "summary": f"{ours_s * 1e3:.2f} ms vs {ref_s * 1e3:.2f} ms"}
+    if agreement > ATTENTION_TOLERANCE[torch.bfloat16]:
+        return [Check(name, "fail", error=agreement, tolerance=ATTENTION_TOLERANCE[torch.bfloat16],
+                      metric="max |ours - reference| / max(1, max |reference|)", numbers=numbers,
+                      reason="the output differs from the reference's: the timing compares different work")]
+    if backend == "flex":
+        return [Check(name, "ok", reason=f"recorded: ratio {ours_s / ref_s:.3g}, no threshold",
+                      numbers={**numbers, "ratio": ours_s / ref_s})]
+    return [judged(name, ours_s / ref_s, PERF_TOLERANCE, f"{backend} / reference (median time)", opts, **numbers)]
 
 
 def ring_timing(opts: Options, shape: Shape, tokens: int, size: int) -> list[Check]:
@@ -649,7 +691,10 @@ def ring_timing(opts: Options, shape: Shape, tokens: int, size: int) -> list[Che
         return [Check(name, "fail", error=agreement, tolerance=ATTENTION_TOLERANCE[torch.bfloat16],
                       metric="max |ring - reference| / max(1, max |reference|)", numbers=numbers,
                       reason="the ring's output differs from the reference's")]
-    return [judged(name, ring_s / ref_s, RING_TOLERANCE, "all virtual ranks / reference (median time)", opts,
+    tiles = ring_tile_ratio(lengths, size)
+    numbers.update(tile_work_ratio=tiles, summary=f"{numbers['summary']}; tile work {tiles:.2f} x the reference's")
+    return [judged(name, ring_s / ref_s, RING_TOLERANCE * tiles,
+                   f"all virtual ranks / reference (median time); bound {RING_TOLERANCE} x their tile work", opts,
                    **numbers)]
 
 
@@ -1360,12 +1405,29 @@ SECTIONS: dict[str, Callable[[Options], list[Check]]] = {
 }
 SMOKE_SECTIONS = ("attention", "train_step")
 """What `--cpu-smoke` runs on the CPU; the others need CUDA."""
+QUICK_SECTIONS = ("attention", "train_step", "safety")
+"""What `--quick` runs: the attention's exactness and speed, a training step's, and the safety checks."""
+SECTION_CAP_S: dict[str, tuple[float, float]] = {
+    "attention": (200.0, 360.0), "train_step": (100.0, 300.0), "kernels": (60.0, 120.0),
+    "calibration": (90.0, 180.0), "closed_loop": (90.0, 180.0), "sharding": (60.0, 120.0), "safety": (60.0, 120.0)}
+"""Seconds (--quick, full) after which a section starts no more checks: --quick's three fit 6 minutes with room
+for start-up, the full run 10 minutes with most sections finishing well before their caps."""
+_deadline: list[float] = [math.inf, math.inf]
+"""When the running section's cap passes (perf_counter) and the cap itself, for `guarded`."""
 
 
 def run_section(name: str, opts: Options) -> Section:
-    """One section, timed; an exception anywhere in it is its failure, not the run's."""
+    """One section, timed and capped; an exception anywhere in it is its failure, not the run's."""
     start = time.perf_counter()
-    checks = guarded(name, SECTIONS[name], opts)
+    cap = SECTION_CAP_S[name][0 if opts.quick else 1]
+    _deadline[:] = [start + cap, cap]
+    try:
+        checks = SECTIONS[name](opts)
+    except Exception as e:
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        checks = [Check(name, "fail", reason=f"{type(e).__name__}: {e} ({Path(last.filename).name}:{last.lineno})")]
+    finally:
+        _deadline[:] = [math.inf, math.inf]
     return Section(name, section_status(checks), time.perf_counter() - start, skip_reason(checks), checks)
 
 
@@ -1415,7 +1477,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"train_step stops measuring after this long (default {Options.step_limit_s:.0f})")
     args = parser.parse_args(argv)
     opts = Options(quick=args.quick, smoke=args.cpu_smoke, step_limit_s=args.step_limit)
-    selected = [n for n in (args.only or SECTIONS) if n not in args.skip]
+    selected = [n for n in (args.only or (QUICK_SECTIONS if args.quick else SECTIONS)) if n not in args.skip]
     console = Console()
     start = time.perf_counter()
     if args.cpu_smoke:
@@ -1434,7 +1496,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in SECTIONS:
                 progress.update(task, description=name)
                 if name not in selected:
-                    sections.append(Section(name, "skipped", 0.0, "not selected (--only / --skip)"))
+                    why = "not part of --quick" if args.quick and not args.only and name not in QUICK_SECTIONS else \
+                        "not selected (--only / --skip)"
+                    sections.append(Section(name, "skipped", 0.0, why))
                 elif opts.smoke and name not in SMOKE_SECTIONS:
                     sections.append(Section(name, "skipped", 0.0, "needs CUDA (not part of the CPU smoke)"))
                 else:

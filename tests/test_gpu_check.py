@@ -190,3 +190,35 @@ def test_quick_gpu_run_passes(tmp_path):
     report = json.loads(out.read_text())
     assert proc.returncode == 0, json.dumps(report["sections"], indent=1)[-4000:]
     assert report["device"] and {s["status"] for s in report["sections"]} <= {"ok", "skipped"}
+
+
+def test_a_rings_bound_is_its_tile_work_over_one_calls():
+    # A flash-attention tile is 128 rows: zigzag chunks of short samples fill few of them, so a ring of 4 or 8
+    # does 1.41x and 2.65x one call's tile work on the timing's 32K-token batch before any overhead.
+    assert (gpu_check.tiles(128, 128, True), gpu_check.tiles(256, 256, True), gpu_check.tiles(100, 300, False)) == (1, 3, 3)
+    lengths = gpu_check.long_tailed(32768, 8192, seed=1)
+    ratios = [gpu_check.ring_tile_ratio(lengths, d) for d in (1, 2, 4, 8)]
+    assert ratios[0] == 1.0 and ratios == sorted(ratios)
+    assert [round(r, 2) for r in ratios[2:]] == [1.41, 2.65]
+    assert gpu_check.ring_tile_ratio((1 << 20,), 8) == pytest.approx(1.0, abs=0.01)  # one long sample: no waste
+
+
+def test_a_section_past_its_cap_starts_no_more_checks(monkeypatch):
+    monkeypatch.setitem(gpu_check.SECTION_CAP_S, "kernels", (0.0, 0.0))
+    monkeypatch.setitem(gpu_check.SECTIONS, "kernels",
+                        lambda opts: gpu_check.guarded("one", lambda: [gpu_check.Check("one", "ok")]))
+    section = gpu_check.run_section("kernels", gpu_check.Options(quick=True))
+    assert section.status == "skipped" and "time cap of 0 s" in section.checks[0].reason
+    assert gpu_check.guarded("after", lambda: [gpu_check.Check("after", "ok")])[0].status == "ok"  # cap lifted
+
+
+def test_quick_runs_the_attention_train_step_and_safety_sections(tmp_path, monkeypatch):
+    ran = []
+    for name in gpu_check.SECTIONS:
+        monkeypatch.setitem(gpu_check.SECTIONS, name, lambda opts, name=name: ran.append(name) or [])
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda: "NVIDIA H100")
+    gpu_check.main(["--quick", "--out", str(tmp_path / "report.json")])
+    assert ran == list(gpu_check.QUICK_SECTIONS)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {s["reason"] for s in report["sections"] if s["name"] not in ran} == {"not part of --quick"}
