@@ -413,9 +413,9 @@ class DhpPlanner(Planner):
     where wide samples x ranks x orders passes `LIST_WORK`)."""
     list_starts: ClassVar[int] = 2
     """The best orders of each degree set that `scatter.climb` starts from."""
-    list_climbs: ClassVar[int] = 4
+    list_climbs: ClassVar[int] = 3
     """Rounds of each climb (the sample ending last moved earlier, neighbours swapped)."""
-    list_drafts: ClassVar[int] = 3
+    list_drafts: ClassVar[int] = 2
     """The best orders drafted in full, their bins filled; the fastest draft counts where it beats the rest."""
     speed_aware: bool = True
     """Plan with the ranks' speeds (False: as if every rank ran at 1, the speed-blind baseline of the benches)."""
