@@ -7,6 +7,7 @@ Targets: p50 <= 10 ms, <= 100 ms, <= 1 s.
     python bench/solver_speed.py [--batches 10] [--planner dhp] [--pp 4] [--sizes 512x64,4096x1024] [--cpu] [--json out.json]
     python bench/solver_speed.py --max-groups-per-rank 32 ...   # dhp held to its group family (comm allgather)
     python bench/solver_speed.py --variants --cpu [--batches 4]  # 512 x 64 over plan_quality's workloads and variants
+    python bench/solver_speed.py --long-context --cpu --batches 3  # no_overlap_gap.py's long-context batches
 
 `--variants` times the batches the planner meets beyond one distribution: every workload of
 `bench/plan_quality.py` under every cost-model variant of its `--variants` that keeps the 64-rank domain
@@ -106,6 +107,51 @@ def variants(args: argparse.Namespace) -> None:
                 {"variant": name, **pct, "mean_step_over_lb": ratio} for name, pct, ratio in rows]}, f, indent=1)
 
 
+LONG_SIZES = ((512, 64), (512, 256), (4096, 1024))
+
+
+def long_context(args: argparse.Namespace) -> None:
+    """bench/no_overlap_gap.py's long-context workloads (seed 1) with and without overlap at 64, 256 and 1,024
+    ranks: the batches where dhp list-schedules wide samples on any free ranks."""
+    from no_overlap_gap import LONG_WORKLOADS  # bench/ is the script's own directory
+    from plan_quality import VARIANT_BASE, VARIANTS
+
+    from megatron_dhp.solver import PlannerContext
+
+    base = CostConfig.load(VARIANT_BASE)
+    console = Console()
+    clock = "CPU" if args.cpu else "wall"
+    table = Table(title=f"{args.planner} solve {clock} time on the long-context batches ({', '.join(LONG_WORKLOADS)}, "
+                        f"with and without overlap, {args.batches} batches each)")
+    for col in ("batch", "ranks", "solves", "p50 ms", "p99 ms", "max ms", "step/LB mean"):
+        table.add_column(col, justify="right")
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("solving", total=len(LONG_SIZES) * 2 * len(LONG_WORKLOADS) * args.batches)
+        for batch_size, ranks in LONG_SIZES:
+            times, ratios = [], []
+            for variant in ("reference", "no overlap"):
+                model = build_cost_model(base.with_overrides(**VARIANTS[variant], world_size=ranks))
+                for name, distribution in LONG_WORKLOADS.items():
+                    source = LengthSource(name=name, distribution=distribution)
+                    planner = build_planner(args.planner, PlannerContext(dataset_max_tokens=262144))
+                    for k in range(args.batches):
+                        batch = source.draw(global_batch=batch_size, seed=1, index=k, capacity=model.domain.capacity)
+                        ms, ratio = timed_solve(planner, batch, model, args)
+                        times.append(ms)
+                        ratios.append(ratio)
+                        progress.advance(task)
+            rows.append({"global_batch": batch_size, "ranks": ranks, "solves": len(times), **percentiles(times),
+                         "mean_step_over_lb": float(np.mean(ratios))})
+    for r in rows:
+        table.add_row(str(r["global_batch"]), str(r["ranks"]), str(r["solves"]), f"{r['p50_ms']:.1f}",
+                      f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}", f"{r['mean_step_over_lb']:.4f}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"planner": args.planner, "clock": clock, "long_context": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=10, help="batches per size (default 10)")
@@ -122,11 +168,15 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="time the planner's solve in CPU time instead of run_planner's wall time")
     parser.add_argument("--variants", action="store_true",
                         help="time 512 samples on 64 ranks over plan_quality's workloads and cost-model variants instead")
+    parser.add_argument("--long-context", action="store_true",
+                        help="time no_overlap_gap.py's long-context batches at 64, 256 and 1,024 ranks instead")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
 
     if args.variants:
         return variants(args)
+    if args.long_context:
+        return long_context(args)
     base = CostConfig.load(args.cost)
     source = LengthSource.from_args(dist=args.dist)
     console = Console()

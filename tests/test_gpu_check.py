@@ -144,8 +144,12 @@ def test_report_schema_is_strict_json():
 
 
 def _smoke(tmp_path, section: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`scripts/gpu_check.sh --quick --cpu-smoke` on one section, as a user would run it."""
     out = tmp_path / "report.json"
-    proc = _run("--cpu-smoke", "--only", section, "--out", str(out))
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--quick", "--cpu-smoke", "--only", section,
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     report = json.loads(out.read_text())
     sections = {s["name"]: s for s in report["sections"]}
     assert [s["name"] for s in report["sections"]] == SECTIONS
