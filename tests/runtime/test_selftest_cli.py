@@ -11,8 +11,7 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.plan.comm import COMM_VARIANTS
-from megatron_dhp.plan.plan import Plan, PlanGroup
-from megatron_dhp.workload.sample import Sample
+from megatron_dhp.plan.plan import Plan
 from tests.runtime import pipeline_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,18 +82,15 @@ def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
     assert wrong.returncode == 2 and "the plan is for a domain of 2 ranks but this domain has 3" in wrong.stderr
 
 
-def test_selftest_is_exact_on_groups_scattered_across_nodes(tmp_path):
+def test_selftest_is_exact_on_groups_scattered_across_nodes():
     # Two nodes of two: rings over non-contiguous ranks that cross the node boundary (as dhp's list schedules
     # make them), under every comm; under mixed they run on the domain's communicator (p2p).
-    samples = tuple(Sample(i, n) for i, n in enumerate([37, 21, 40, 9, 28, 15, 33, 12]))
-    groups = (PlanGroup((0, 3), ((0, 1),)), PlanGroup((1, 2), ((2,),)),
-              PlanGroup((2, 0), ((3, 4),), 1), PlanGroup((1,), ((5,),), 1), PlanGroup((3,), ((6,),), 1),
-              PlanGroup((3, 1), ((7,),), 2))
-    plan = Plan("hand-made", 4, 2, samples, groups, max_tokens_per_rank=64)
+    path = ROOT / "configs" / "plan_scattered_2x2.json"  # rings over {0, 3}, {0, 2} and {1, 3}, nodes {0, 1} {2, 3}
+    plan = Plan.load(path)
     plan.validate()
-    plan.save(tmp_path / "plan.json")
+    assert plan.gpus_per_node == 2 and {(0, 3), (0, 2), (1, 3)} <= {tuple(sorted(g.ranks)) for g in plan.groups}
     comms = ("mixed", "p2p", "ring", "allgather", "ulysses")
-    proc = selftest("--nproc", "4", "--gpus-per-node", "2", "--plan", str(tmp_path / "plan.json"), "--comm", ",".join(comms))
+    proc = selftest("--nproc", "4", "--gpus-per-node", "2", "--plan", str(path), "--comm", ",".join(comms))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(lines) == len(comms) and all(line.endswith("| ok") for line in lines), proc.stdout
