@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from megatron_dhp.cli import main
 from megatron_dhp.cost import CostConfig, build_cost_model, simulate
 from megatron_dhp.errors import DhpError
 from megatron_dhp.solver.random_plan import random_plan
@@ -180,6 +181,14 @@ def test_yaml_not_a_mapping_and_invalid(tmp_path):
         CostConfig.load(_write(tmp_path, "b: 1\na: [1, 2\n"))
     with pytest.raises(DhpError, match="is not valid YAML at line 2, column 4: mapping values are not allowed here"):
         CostConfig.load(_write(tmp_path, "b: 1\n  a: 2\n"))
+
+
+def test_a_model_whose_tokens_take_no_time_is_refused_in_one_line(tmp_path, gpt7b_config):
+    # It passed the checks, and plan and simulate then divided by a bound of 0 (ZeroDivisionError).
+    text = _preset_text(gpt7b_config, attn_s_per_token2="0.0", linear_s_per_token="0.0")
+    with pytest.raises(DhpError, match="'attn_s_per_token2' and 'linear_s_per_token' are both 0: a token would take no"):
+        CostConfig.load(_write(tmp_path, text))
+    assert main(["plan", "--cost", str(tmp_path / "cost.yaml"), "--dist", "wlbllm"]) == 2
 
 
 def test_yaml_never_constructs_objects(tmp_path):

@@ -261,6 +261,10 @@ class CostConfig:
             value = getattr(self, f.name)
             if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
                 raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
+        if not self.attn_s_per_token2 and not self.linear_s_per_token:
+            raise DhpError("cost keys 'attn_s_per_token2' and 'linear_s_per_token' are both 0: a token would take no "
+                           "time, so no step could be priced against its bound; give at least one (megatron-dhp "
+                           "profile measures both)")
         self.domain  # noqa: B018 - validates the domain fields
         if self.merge < 1:
             raise DhpError(f"cost key 'merge' = {self.merge!r} must be an integer >= 1 (encoder tokens per LLM token)")
