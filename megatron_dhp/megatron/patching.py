@@ -67,9 +67,30 @@ def apply(path: str | Path, *, check: bool = False, revert: bool = False) -> str
         verb = "applies cleanly" if check else "applied"
     changed = {f: text for f, text in new.items() if text != old[f]}
     if not check:
-        for f, text in changed.items():
-            (checkout.path / f).write_text(text)
+        write_all(checkout, changed, old)
     return f"{checkout.name}: {verb} ({len(sites.SITES)} hooks in {len(changed)} files: {', '.join(changed)})"
+
+
+def write_all(checkout: Checkout, new: dict[str, str], old: dict[str, str]) -> None:
+    """Write every file of `new` or none: each goes to a temporary file beside it first, then all are renamed
+    into place; a file that cannot be written stops the run in one line with the tree as it was (`old`)."""
+    staged: dict[Path, Path] = {}
+    done: list[Path] = []
+    try:
+        for f, text in new.items():
+            target = checkout.path / f
+            staged[target] = target.with_name(f".{target.name}.megatron-dhp")
+            staged[target].write_text(text)
+        for target, temporary in staged.items():
+            temporary.replace(target)
+            done.append(target)
+    except OSError as e:
+        for target in done:  # put back what was renamed before the failure
+            target.write_text(old[str(target.relative_to(checkout.path))])
+        for temporary in staged.values():
+            temporary.unlink(missing_ok=True)
+        raise DhpError(f"{checkout.name}: cannot write {e.filename}: {e.strerror or e}; nothing was changed (make "
+                       "the checkout writable and run apply-patches again)") from None
 
 
 def diff(path: str | Path) -> str:

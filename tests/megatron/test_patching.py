@@ -304,3 +304,25 @@ def test_the_launcher_refuses_a_moved_site_before_running_anything(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_dhp.megatron.run", str(tree / "pretrain_gpt.py")],
                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("megatron-dhp: error: cannot find where megatron-dhp's 'setup'")
+
+
+def test_a_file_that_cannot_be_written_leaves_the_tree_as_it_was(tmp_path, monkeypatch):
+    # It stopped with a traceback and left three of four files hooked (root ignores file modes, so the failure
+    # is injected: the third file's write is refused).
+    tree = fake_tree(tmp_path)
+    before = texts(tree)
+    real, calls = Path.write_text, []
+
+    def refuse_third(self, text, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 3:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse_third)
+    with pytest.raises(DhpError, match=r"cannot write .*: Permission denied; nothing was changed"):
+        apply(tree)
+    monkeypatch.setattr(Path, "write_text", real)
+    assert texts(tree) == before and not list(tree.rglob(".*.megatron-dhp"))
+    apply(tree)  # and once writable, it applies
+    assert texts(tree) != before
