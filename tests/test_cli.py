@@ -194,3 +194,12 @@ def test_console_script_error_has_no_traceback(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("megatron-dhp plan: error: length file")
+
+
+@pytest.mark.parametrize("args", [["plan", "--dist", "wlbllm", "--out"], ["train", "--config"]])
+def test_a_path_the_system_refuses_is_one_line(args, tmp_path, capsys):
+    # A file name over 255 bytes raised a traceback from deep inside pathlib.
+    name = str(tmp_path / ("a" * 300 + (".json" if args[0] == "plan" else ".yaml")))
+    assert main([*args, name]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "File name too long; give a path this system accepts" in err

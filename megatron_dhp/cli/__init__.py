@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from megatron_dhp import __version__
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, excerpt
 
 COMMANDS = {
     "plan": "megatron_dhp.cli.plan_cmd",
@@ -40,12 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the sub-command; a `DhpError` becomes one line on stderr and exit status 2."""
+    """Entry point: run the sub-command; a `DhpError`, or the operating system refusing a path the user gave
+    (a name too long, a folder that is a file, no permission), becomes one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except DhpError as e:
         print(f"megatron-dhp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"megatron-dhp {args.command}: error: {excerpt(str(e.filename))}: {e.strerror or e}; give a path this "
+              "system accepts", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"megatron-dhp {args.command}: interrupted", file=sys.stderr)
