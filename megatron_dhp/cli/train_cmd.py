@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,4 +128,8 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"wrote {args.json}")
     if result.stopped_by:  # a scheduler's SIGTERM: the status a signal's exit has, after the checkpoint
         return 128 + signal.Signals[result.stopped_by]
+    if result.records and result.records[-1].skipped:  # its last update was dropped: not a finished run
+        print(f"megatron-dhp train: the run ended on step {result.records[-1].step}, skipped (non-finite "
+              f"{result.records[-1].skipped}); its update was dropped. Lower train.lr", file=sys.stderr)
+        return 1
     return 0

@@ -148,7 +148,10 @@ class RunConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN or infinite, found before the optimizer applies it: `stop`
     ends the run with one line naming the step (nothing of it is saved); `skip` drops the update and goes on,
-    as megatron-core skips a step on overflow."""
+    as megatron-core skips a step on overflow (a run that ends on a skipped step exits 1)."""
+    max_skipped_steps: int = 10
+    """Under `on_nonfinite: skip`, steps in a row that may be dropped: one more ends the run in one line, as a
+    run that only diverges would otherwise skip every step to its end."""
     timeout_s: float = 300.0
     """Longest any collective may wait before the job fails instead of hanging."""
     oversubscribe: bool = False
@@ -163,7 +166,7 @@ class RunConfig:
         for name in ("steps", "tp", "pp", "vpp"):
             if getattr(self, name) < 1:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 1")
-        for name in ("warmup_steps", "save_interval", "nproc", "keep_checkpoints"):
+        for name in ("warmup_steps", "save_interval", "nproc", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise DhpError(f"train.{name} = {getattr(self, name)} must be >= 0")
         if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:

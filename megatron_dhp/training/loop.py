@@ -156,6 +156,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
         self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
         self.completed = 0
+        self.skipped_in_a_row = 0
+        """Steps dropped one after the other as non-finite (`train.max_skipped_steps` bounds them)."""
         """Steps done so far (the data position: the next batch is batch `completed`)."""
         self.last_plan: Plan | None = None
         self.stop = StopRequest()
@@ -227,6 +229,12 @@ class Trainer:
         t1 = t2 - engine.finish_s  # the walk's end: what the plan predicts is forward and backward
         step = self.completed + 1
         skipped = self._nonfinite(step, result.loss_sum)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        limit = self.config.train.max_skipped_steps
+        if self.skipped_in_a_row > limit:
+            raise DhpError(f"steps {step - limit}-{step}: non-finite {skipped} in {limit + 1} steps in a row, more than "
+                           f"train.max_skipped_steps = {limit}: the run diverged and skipping does not recover it; "
+                           f"lower train.lr = {self.config.train.lr:g} (or lengthen train.warmup_steps)")
         ok, grad_norm = (True, float("nan")) if skipped else self.optimizer.step()[:2]
         t3 = time.perf_counter()
         if not ok:

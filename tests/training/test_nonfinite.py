@@ -43,11 +43,27 @@ def test_a_diverged_step_stops_the_run_before_the_update_and_saves_nothing(tmp_p
 
 
 def test_skip_drops_every_non_finite_update_and_keeps_the_weights_finite(tmp_path):
+    # A run that ends on a skipped step exits 1 with one line (it exited 0, as if it had trained).
     save, report = tmp_path / "ckpt", tmp_path / "run.json"
     config = config_file(tmp_path, "job", steps=4, save=str(save), **DIVERGING)
     code, out, err = finish(start(config, "--on-nonfinite", "skip", "--json", str(report)), 180)
-    assert code == 0, err
+    assert code == 1, err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "megatron-dhp train: the run ended on step 4, skipped (non-finite loss and gradients); its update was "
+        "dropped. Lower train.lr"]
     records = json.loads(report.read_text())["result"]["records"]
     assert [r["skipped"] for r in records] == ["", "loss and gradients", "loss and gradients", "loss and gradients"]
     assert (save / "latest").read_text() == "step_000004" and finite_checkpoint(save / "step_000004")
     assert "3 steps skipped (non-finite loss or gradients): 2, 3, 4" in out
+
+
+def test_skipping_gives_up_after_max_skipped_steps_in_a_row(tmp_path):
+    # `skip` never gave up: a run whose every later step is non-finite skipped them all and exited 0.
+    save = tmp_path / "ckpt"
+    config = config_file(tmp_path, "job", steps=4, save=str(save), save_interval=1, max_skipped_steps=1, **DIVERGING)
+    code, out, err = finish(start(config, "--on-nonfinite", "skip"), 180)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("megatron-dhp train: error: steps 2-3: non-finite loss and gradients "
+                                                   "in 2 steps in a row, more than train.max_skipped_steps = 1"), err
+    assert (save / "latest").read_text() == "step_000002"  # step 3 is not saved
