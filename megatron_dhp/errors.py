@@ -16,6 +16,15 @@ class DhpError(ValueError):
     """A user-facing error: bad input or a request that cannot be satisfied."""
 
 
+class DhpStopped(DhpError):
+    """The job was told to stop (SIGTERM or SIGHUP) and ended before a step boundary could save: the command
+    exits as a process the signal ended does (128 + the signal), so a scheduler that requeues on it does."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 EXCERPT_CHARS = 100
 """The longest excerpt of a value a message carries."""
 

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from megatron_dhp import __version__
-from megatron_dhp.errors import DhpError, excerpt
+from megatron_dhp.errors import DhpError, DhpStopped, excerpt
 
 COMMANDS = {
     "plan": "megatron_dhp.cli.plan_cmd",
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except DhpStopped as e:
+        print(f"megatron-dhp {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except DhpError as e:
         print(f"megatron-dhp {args.command}: error: {e}", file=sys.stderr)
         return 2

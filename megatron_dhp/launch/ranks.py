@@ -28,6 +28,15 @@ class LaunchError(RuntimeError):
     """A rank raised, died or ran past the deadline; the message carries its traceback or exit code."""
 
 
+class LaunchStopped(LaunchError):
+    """This process was told to stop (SIGTERM or SIGHUP, forwarded to the ranks) and the ranks ended without a
+    result: the signal reached them during start-up, before they could stop at a step boundary."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (for MASTER_PORT)."""
     with socket.socket() as s:
@@ -108,6 +117,9 @@ def launch(
                 else:
                     failed[rank] = value
                     settle = min(settle, time.monotonic() + SETTLE_S)
+        if len(done) < nproc and stop.received:
+            raise LaunchStopped(f"stopped by {stop.name} before a step boundary (the ranks were starting): nothing "
+                                "saved", stop.received)
         if len(done) < nproc:
             raise LaunchError(_fault(procs, done, failed))
     finally:

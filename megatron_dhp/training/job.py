@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from megatron_dhp.errors import DhpError
+from megatron_dhp.errors import DhpError, DhpStopped
 from megatron_dhp.training.config import TrainConfig
 
 
@@ -40,7 +40,13 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
     `train.oversubscribe` (`launch.ranks.check_oversubscription`).
     """
     from megatron_dhp.closed_loop.injection import check_injected_ranks
-    from megatron_dhp.launch.ranks import LaunchError, check_oversubscription, exit_with_parent, launch
+    from megatron_dhp.launch.ranks import (
+        LaunchError,
+        LaunchStopped,
+        check_oversubscription,
+        exit_with_parent,
+        launch,
+    )
 
     run = config.train
     check_injected_ranks(config.dhp.slow_ranks, int(os.environ["WORLD_SIZE"]) if under_torchrun() else run.num_ranks)
@@ -54,6 +60,8 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
         try:
             results = launch(rank_main, config.train.num_ranks, fn, config, *args, timeout_s=timeout_s,
                              env={"PYTHONWARNINGS": "ignore"})
+        except LaunchStopped as e:
+            raise DhpStopped(str(e), e.signum) from None
         except LaunchError as e:
             raise DhpError(str(e)) from None
     failures = [r for r in results if isinstance(r, _Failure)]

@@ -84,6 +84,20 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_lo
     assert [r["loss"] for r in records] == uninterrupted_losses()[stopped_at:]
 
 
+def test_sigterm_during_start_up_exits_143_in_one_line(tmp_path):
+    # The ranks are still importing when SIGTERM comes: they die of it before they can stop at a step boundary.
+    # It exited 2 ("rank 0 was killed by SIGTERM"), which a scheduler requeueing on 143 takes for a failure.
+    proc = start(config_file(tmp_path, "job"))
+    wait_for(lambda: len(children(proc.pid)) == 2)
+    ranks = children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, 90)
+    assert code == 128 + signal.SIGTERM, (out, err)
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "megatron-dhp train: stopped by SIGTERM before a step boundary (the ranks were starting): nothing saved"]
+    wait_for(lambda: not any(alive(r) for r in ranks))
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_killed_or_frozen_rank_is_named_and_the_job_ends(tmp_path, fault):
     save = tmp_path / "ckpt"
