@@ -316,6 +316,7 @@ def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries:
     sets = [d for k, d in enumerate((searched, balanced, fewest))
             if not any(np.array_equal(d[wide], e[wide]) for e in (searched, balanced, fewest)[:k])]
     tries = min(tries, max(len(FIRST_ORDERS), LIST_WORK // (len(sets) * len(wide) * inst.num_ranks)))
+    drafts = min(drafts, max(1, LIST_WORK // (len(inst.ids) * inst.num_ranks)))  # (4,096 samples on 1,024 ranks: 1)
     found = []  # (promise, end, degrees, order) of every order scored
     for degrees in sets:
         orders = orders_of(inst, wide, degrees[wide], tries)
@@ -329,7 +330,6 @@ def scattered(inst: Instance, target_s: float, degrees_of: np.ndarray, *, tries:
         promise = np.maximum(ends, levels)
         found += [(float(promise[k]), float(ends[k]), degrees, orders[k]) for k in np.lexsort((ends, promise))[:drafts]]
     best_draft = None
-    drafts = min(drafts, max(1, LIST_WORK // (len(inst.ids) * inst.num_ranks)))  # (4,096 samples on 1,024 ranks: 1)
     for promise_s, _, degrees, order in sorted(found, key=lambda f: f[:2])[:drafts]:
         if promise_s >= min(beat_s, best_draft.makespan_s if best_draft else math.inf):
             break  # the level is where the rest would end with no gap left: a draft rarely ends sooner

@@ -125,7 +125,15 @@ def list_placement(order: np.ndarray, degree: np.ndarray, t_in: np.ndarray, t_ou
 
 
 def wide_tables(inst: Instance, items: np.ndarray, degree_of: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per wide item (sorted): its degree, seconds inside a node and across nodes, and one microbatch's overhead."""
+    """Per wide item (sorted): its degree, seconds inside a node and across nodes, and one microbatch's overhead;
+    made once per solve for each set of items and degrees (the climbs and drafts ask again)."""
+    key = ("wide tables", items.tobytes(), degree_of[items].tobytes())
+    if key not in inst.memo:
+        inst.memo[key] = _wide_tables(inst, items, degree_of)
+    return inst.memo[key]
+
+
+def _wide_tables(inst: Instance, items: np.ndarray, degree_of: np.ndarray) -> tuple[np.ndarray, ...]:
     degree = np.ascontiguousarray(degree_of[items], dtype=np.int64)
     t_in, t_out = (np.ascontiguousarray(inst.model.sample_time(inst.tokens[items], inst.work[items], degree, intra),
                                         dtype=np.float64) for intra in (True, False))
