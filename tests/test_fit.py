@@ -38,6 +38,16 @@ def test_fit_keeps_coefficients_non_negative():
     assert all(v >= 0 for v in fitted.values()) and fitted["attn_s_per_token2"] > 0
 
 
+def test_microbatches_that_are_all_overhead_still_fit_a_token_term():
+    # A tiny model on a CPU: each microbatch takes its fixed overhead whatever its tokens. The best fit is m
+    # alone, which prices no token and which CostConfig refuses; the fit keeps the best one with a token term.
+    grid = [GridPoint(L, d, k) for L in (64, 256, 512) for d in (1, 2) for k in (1, 4)]
+    noise = np.random.default_rng(0).normal(1.0, 0.02, len(grid))
+    fitted = fit(grid, (0.01 * noise).tolist())
+    assert fitted["attn_s_per_token2"] + fitted["linear_s_per_token"] > 0
+    profiled_cost(fitted, world_size=2, gpus_per_node=2, max_tokens_per_rank=512, description="overhead only")
+
+
 def test_a_data_point_describes_and_fits_its_exact_lengths():
     point = GridPoint.from_data([100, 8, 40], 2)
     assert point.describe() == "3 of 8-100 (data)" and GridPoint(64, 1, 4).describe() == "4 x 64"
