@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_dhp.errors import DhpError
@@ -74,14 +75,21 @@ def launch(
     `fn` must be importable by name (a module-level function) and return something picklable. `env` adds
     variables to the environment the ranks start with.
     """
-    ctx = mp.get_context("spawn")
+    served = _fork_server is not None
+    ctx = mp.get_context("forkserver" if served else "spawn")
     results: queue.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, rank, nproc, port, results, args)) for rank in range(nproc)]
+    # `fn` and `args` travel as bytes that a rank unpickles only after it watches its parent: unpickling
+    # imports torch and megatron-core (seconds), and a launcher killed meanwhile would leave orphans.
+    payload = pickle.dumps((fn, args))
     # A spawned rank imports numpy (and with it OpenBLAS, which sizes its thread pool once, at import) while
-    # unpickling `fn`, before `_entry` runs; so the thread count must be in the environment it starts with.
-    # Idle OpenBLAS threads spin, and on a machine with a core per rank they would take the other ranks' cores.
+    # unpickling `fn`, so the thread count must be in the environment it starts with. Idle OpenBLAS threads
+    # spin, and on a machine with a core per rank they would take the other ranks' cores.
     start_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    # A forked one starts from the fork server's environment and streams, not this process's: it is given them.
+    given = ({**os.environ, **start_env}, _Stream(1), _Stream(2)) if served else None
+    procs = [ctx.Process(target=_entry, args=(given, os.getpid(), rank, nproc, port, results, payload))
+             for rank in range(nproc)]
     saved = {k: os.environ.get(k) for k in start_env}
     os.environ.update(start_env)
     try:
@@ -204,10 +212,11 @@ WATCH_S = 0.5
 """How often a rank looks whether the process that started it is still there."""
 
 
-def exit_with_parent() -> None:
-    """Exit this process (status 1) as soon as the process that started it is gone: a launcher killed with
-    SIGKILL runs no handler, and its ranks would train on as orphans (a daemon thread polls the parent)."""
-    parent = os.getppid()
+def exit_with_parent(parent: int | None = None) -> None:
+    """Exit this process (status 1) as soon as its parent (`parent`, default the current one) is gone: a
+    launcher killed with SIGKILL runs no handler, and its ranks would train on as orphans (a daemon thread
+    polls the parent). A `parent` that is already gone ends the process at once."""
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -217,8 +226,56 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="dhp-parent-watch", daemon=True).start()
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp.Queue, args: tuple) -> None:
-    exit_with_parent()
+_fork_server: tuple[str, ...] | None = None
+"""The modules the fork server imported, once `start_ranks_from_fork_server` was called; None: ranks spawn."""
+
+
+def start_ranks_from_fork_server(modules: Sequence[str], env: dict[str, str] | None = None) -> None:
+    """From now on, fork every launch's ranks from one server process that imported `modules` once, instead of
+    spawning interpreters that import torch and megatron-core anew (seconds per rank per launch): for a process
+    that launches many small jobs, the test suite. Each rank still gets this process's environment, stdout
+    and stderr at its launch; what an interpreter reads only at start-up (PYTHONWARNINGS) is the server's,
+    which starts with `env` added (and one OpenMP thread, as a launch's ranks do)."""
+    global _fork_server
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(modules))
+    start_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    saved = dict(os.environ)
+    os.environ.update(start_env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _fork_server = tuple(modules)
+
+
+class _Stream:
+    """One of the launcher's standard streams (fd 1 or 2), given to a rank forked by the fork server (which
+    holds the streams of whoever started it): the rank's output goes where a spawned rank's would."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _attach, (self.fd, mp.reduction.DupFd(self.fd))
+
+
+def _attach(target: int, dup: Any) -> int:
+    fd = dup.detach()
+    os.dup2(fd, target)
+    os.close(fd)
+    return target
+
+
+def _entry(given: tuple | None, launcher: int, rank: int, world: int, port: int, results: mp.Queue,
+           payload: bytes) -> None:
+    exit_with_parent(None if given else launcher)  # a forked rank's parent is the fork server, which ends with us
+    if given:
+        os.environ.clear()
+        os.environ.update(given[0])
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -228,6 +285,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     try:
+        fn, args = pickle.loads(payload)
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - report anything, the parent decides
         results.put((rank, False, traceback.format_exc()))

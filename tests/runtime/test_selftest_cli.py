@@ -46,15 +46,32 @@ def test_bad_flags_fail_before_launching(args, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-def selftest(*args: str) -> subprocess.CompletedProcess:
+def selftest_command(*args: str) -> subprocess.CompletedProcess:
+    """`megatron-dhp selftest` in its own process, as a user runs it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "megatron_dhp", "selftest", *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
 
+@pytest.fixture
+def selftest(capfd, monkeypatch):
+    """`megatron-dhp selftest` in this process: the same command and ranks (started from the tests' fork server
+    in a second, where a process of its own spends ten importing), its exit code and output."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        code = main(["selftest", *args])
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["selftest", *args], code, out, err)
+
+    return run
+
+
 def test_selftest_runs_two_ranks_end_to_end():
-    proc = selftest("--nproc", "2", "--plans", str(len(COMM_VARIANTS)), "--seed", "1")  # one plan per variant
+    proc = selftest_command("--nproc", "2", "--plans", str(len(COMM_VARIANTS)), "--seed", "1")  # one plan per variant
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
     assert len(lines) == len(COMM_VARIANTS) and all(line.endswith("| ok") for line in lines), proc.stdout
@@ -62,7 +79,7 @@ def test_selftest_runs_two_ranks_end_to_end():
     assert "all plans exact" in proc.stdout
 
 
-def test_selftest_pp2_checks_every_gradient_through_the_pipeline():
+def test_selftest_pp2_checks_every_gradient_through_the_pipeline(selftest):
     proc = selftest("--nproc", "4", "--pp", "2", "--plans", "2", "--seed", "2", "--samples", "6")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TP 1, PP 2, domain of 2" in proc.stdout
@@ -70,7 +87,7 @@ def test_selftest_pp2_checks_every_gradient_through_the_pipeline():
     assert len(lines) == 2 and all(line.endswith("| ok") for line in lines), proc.stdout
 
 
-def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
+def test_selftest_replays_a_plan_file_under_each_variant(tmp_path, selftest):
     plan = pipeline_workers.plans_of_two()["naive deadlock [g, h] vs [g, b1, h]"]
     plan.save(tmp_path / "plan.json")
     proc = selftest("--nproc", "2", "--plan", str(tmp_path / "plan.json"), "--comm", "ring,ulysses")
@@ -82,7 +99,7 @@ def test_selftest_replays_a_plan_file_under_each_variant(tmp_path):
     assert wrong.returncode == 2 and "the plan is for a domain of 2 ranks but this domain has 3" in wrong.stderr
 
 
-def test_selftest_is_exact_on_groups_scattered_across_nodes():
+def test_selftest_is_exact_on_groups_scattered_across_nodes(selftest):
     # Two nodes of two: rings over non-contiguous ranks that cross the node boundary (as dhp's list schedules
     # make them), under every comm; under mixed they run on the domain's communicator (p2p).
     path = ROOT / "configs" / "plan_scattered_2x2.json"  # rings over {0, 3}, {0, 2} and {1, 3}, nodes {0, 1} {2, 3}
@@ -98,7 +115,7 @@ def test_selftest_is_exact_on_groups_scattered_across_nodes():
     assert "domain of 4 (2 a node)" in proc.stdout
 
 
-def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts():
+def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts(selftest):
     proc = selftest("--model", "moe", "--ep", "2", "--nproc", "4", "--plans", "2", "--seed", "3", "--samples", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MoE 4 experts top-2 (alltoall), EP 2, domain of 4" in proc.stdout
@@ -109,13 +126,13 @@ def test_selftest_moe_expert_parallel_two_with_uneven_microbatch_counts():
     assert "groups: 5 created at start-up, 0 created after start-up" in proc.stdout
 
 
-def test_selftest_moe_allgather_dispatcher_at_ep_one():
+def test_selftest_moe_allgather_dispatcher_at_ep_one(selftest):
     proc = selftest("--model", "moe", "--moe-dispatcher", "allgather", "--nproc", "2", "--plans", "2", "--seed", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(allgather), EP 1" in proc.stdout and "all plans exact" in proc.stdout
 
 
-def test_selftest_vlm_checks_each_encoder_placement():
+def test_selftest_vlm_checks_each_encoder_placement(selftest):
     proc = selftest("--model", "vlm", "--nproc", "2", "--plans", "3", "--seed", "5", "--max-len", "48")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("plan ")]
@@ -128,7 +145,7 @@ def test_selftest_vlm_checks_each_encoder_placement():
 @pytest.mark.parametrize("extra", [("--nproc", "3", "--mtp", "2", "--plans", "3"),
                                    ("--nproc", "4", "--pp", "2", "--mtp", "1", "--plans", "2", "--samples", "6")],
                          ids=["groups-of-3", "pp2"])
-def test_selftest_multi_token_prediction_is_exact(extra):
+def test_selftest_multi_token_prediction_is_exact(extra, selftest):
     # The MTP layers' tokens, positions, labels and loss mask roll across each sample's shards on its
     # dynamic group (runtime.mtp); a roll that drops the boundary token from the next rank mismatches the
     # oracle's gradients by ~1e-2 (tests/runtime/test_mtp_roll.py checks the roll itself).
@@ -142,7 +159,7 @@ def test_selftest_multi_token_prediction_is_exact(extra):
 @pytest.mark.parametrize("extra", [("--nproc", "3", "--plans", "4"),
                                    ("--nproc", "4", "--pp", "2", "--mtp", "1", "--plans", "2", "--samples", "6")],
                          ids=["every-variant", "pp2-mtp"])
-def test_selftest_multi_latent_attention_is_exact(extra):
+def test_selftest_multi_latent_attention_is_exact(extra, selftest):
     # megatron-core's MLA (V heads narrower than Q/K, RoPE on a separate part, q/k LayerNorms) over dynamic
     # groups: its RoPE on the group, its table kept whole (config CP size = the group's while it runs: without
     # that MLA cuts the table to the local length and fails), values narrower than keys in every variant.
@@ -153,7 +170,7 @@ def test_selftest_multi_latent_attention_is_exact(extra):
     assert ", MLA " in proc.stdout and "all plans exact" in proc.stdout
 
 
-def test_selftest_fsdp_shards_over_the_domain_and_is_exact():
+def test_selftest_fsdp_shards_over_the_domain_and_is_exact(selftest):
     # megatron-core's torch FSDP2 wrapper over a domain of 4: its per-layer gathers and scatters run on the whole
     # domain in every slot, so every rank runs the same slots while the CP groups change (sizes 1 to 4)
     proc = selftest("--nproc", "4", "--fsdp", "--plans", "3", "--seed", "3", "--samples", "8")
