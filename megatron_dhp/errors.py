@@ -25,6 +25,15 @@ class DhpStopped(DhpError):
         self.signum = signum
 
 
+class DhpRunError(DhpError):
+    """A run stopped by a `DhpError` after it had started training: `partial` holds what it trained before
+    (the records of the steps that ran), so that `--json` still reports them beside the error."""
+
+    def __init__(self, message: str, partial: object) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
 EXCERPT_CHARS = 100
 """The longest excerpt of a value a message carries."""
 

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from megatron_dhp.errors import DhpRunError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `train`."""
@@ -103,6 +105,15 @@ def load_config(args: argparse.Namespace, **extra: dict):
     return config.with_overrides(train=train, dhp=dhp, **extra)
 
 
+def write_report(path: str, config, result, *, error: str = "") -> None:
+    """--json: the config, every step's record, and the error that stopped the run, if one did."""
+    with open(path, "w") as f:
+        json.dump({"config": config.to_dict(), "result": result.to_dict(), **({"error": error} if error else {})},
+                  f, indent=1)
+    n = len(result.records)
+    console().print(f"wrote {path}" + (f" ({n} step{'s' * (n != 1)} before the error)" if error else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the output path, load and override the config, train, print the summary."""
     from megatron_dhp.files import check_writable
@@ -116,16 +127,20 @@ def run(args: argparse.Namespace) -> int:
                                       "pp": args.pp, "vpp": args.vpp, "keep_checkpoints": args.keep_checkpoints,
                                       "overwrite": args.overwrite, "on_nonfinite": args.on_nonfinite},
                          dhp={"planner": args.planner, **straggler_overrides(args)})
-    result = train(config, show=True, lines=not args.quiet)
-    if os.environ.get("RANK", "0") != "0":
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        result = train(config, show=True, lines=not args.quiet)
+    except DhpRunError as e:  # the steps that ran are recorded beside the error (the CLI prints it)
+        if args.json and rank0:
+            write_report(args.json, config, e.partial, error=str(e))
+        raise
+    if not rank0:
         return 0
     out = console()
     for line in result.summary_lines():
         out.print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config.to_dict(), "result": result.to_dict()}, f, indent=1)
-        out.print(f"wrote {args.json}")
+        write_report(args.json, config, result)
     if result.stopped_by:  # a scheduler's SIGTERM: the status a signal's exit has, after the checkpoint
         return 128 + signal.Signals[result.stopped_by]
     if result.records and result.records[-1].skipped:  # its last update was dropped: not a finished run

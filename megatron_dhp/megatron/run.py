@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script", help="the script inside a Megatron-LM checkout, e.g. pretrain_gpt.py")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="its flags, --dhp and the --dhp-* ones included")
     args = parser.parse_args(argv)
+    if not Path(args.script).is_file():
+        parser.exit(2, f"megatron-dhp: error: script {args.script!r} is not a file; pass the script inside a "
+                    "Megatron-LM checkout, e.g. path/to/Megatron-LM/pretrain_gpt.py\n")
     try:
         placements = install(args.script)
     except DhpError as error:

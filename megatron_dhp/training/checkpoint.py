@@ -50,6 +50,8 @@ from megatron_dhp.training.config import AUTO_LOAD, RunConfig, TrainConfig
 
 SCHEMA = "megatron-dhp/checkpoint/v1"
 LATEST = "latest"
+LATEST_BYTES = 4096
+"""The most a `latest` file is read of (it holds one folder name)."""
 STEP_FOLDER = re.compile(r"step_(\d+)")
 
 META_BYTES = 16 * MB
@@ -99,9 +101,32 @@ def saved_steps(directory: Path) -> list[Path]:
 
 
 def latest_name(directory: Path) -> str | None:
-    """The step folder `directory`'s `latest` names (None without one)."""
+    """The step folder `directory`'s `latest` names (None without one). Anything but the name of a step folder
+    (`../run/step_000004`, an absolute path) is refused: it would resume from, roll back or save over
+    checkpoints outside `directory`."""
     marker = directory / LATEST
-    return marker.read_text().strip() if marker.is_file() else None
+    if not marker.is_file():
+        return None
+    name = read_text(marker, what="latest file", limit=LATEST_BYTES).strip()
+    if not STEP_FOLDER.fullmatch(name):
+        raise DhpError(f"{marker} names {excerpt(name)}, not a step folder of {directory} (step_ and a number); "
+                       "write the name of the checkpoint to resume from into it, or delete it (load: auto then "
+                       "resumes from the newest)")
+    return name
+
+
+def remove_inside(save: Path, path: Path) -> None:
+    """Delete `path`, a file or a folder with what it holds, inside the `--save` folder `save`: the one way
+    anything is deleted there. A link is removed as a link (never what it points to), and a path whose
+    parent resolves outside `save` (through a linked folder) is refused."""
+    root, parent = save.resolve(), path.parent.resolve()
+    if parent != root and root not in parent.parents:
+        raise DhpError(f"refusing to delete {path}: it resolves outside --save {save} (through a link); move the "
+                       "link out of the save folder")
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def resume_candidates(directory: Path) -> list[Path]:
@@ -161,31 +186,38 @@ def _clear_for_fresh_run(save: Path, *, overwrite: bool) -> list[str]:
         newest = f"latest {latest}" if latest is not None else f"newest {saved[0].name}, no latest"
         raise DhpError(f"--save {save} holds checkpoints of another run ({newest}); resume with --load auto, or pass "
                        "--overwrite to replace them, or another --save")
-    folders = [f for f in save.glob("step_*") if f.is_dir()]
+    folders = [f for f in save.glob("step_*") if f.is_dir() or f.is_symlink()]
     for folder in folders:
-        shutil.rmtree(folder)
-    (save / LATEST).unlink(missing_ok=True)
+        remove_inside(save, folder)
+    remove_inside(save, save / LATEST)
     return [f"removed {len(folders)} step folders ({len(saved)} checkpoints) and latest of another run from {save}: "
             "--overwrite"]
 
 
 def _clear_after(save: Path, resume: Path, *, overwrite: bool) -> list[str]:
-    """A run resumed from one of `save`'s own step folders: the later checkpoints there belong to the run it
-    rolls back, and kept they would be mixed with its own (`load: auto` and retention rank them by step). So they
-    are refused, or with `train.overwrite` removed (and `latest`, if it named one)."""
+    """A run resumed from one of `save`'s own step folders (named, or the one `latest` names): the later
+    checkpoints there belong to the run it rolls back, and kept they would be mixed with its own (`load: auto`
+    and retention rank them by step). So they are refused, or with `train.overwrite` removed (and `latest`, if
+    it named one)."""
+    named = f"--load {resume}"
+    if resume.resolve() == save.resolve():
+        name = latest_name(save)
+        if name is None:  # load: auto without `latest` resumes from the newest
+            return []
+        resume, named = save / name, f"{save / LATEST} names {name}, which"
     if not STEP_FOLDER.fullmatch(resume.name):
         return []
     later = [f for f in saved_steps(save) if _step(f) > _step(resume)]
     if not later:
         return []
     if not overwrite:
-        raise DhpError(f"--load {resume} resumes at step {_step(resume)}, but --save {save} holds later checkpoints "
+        raise DhpError(f"{named} resumes at step {_step(resume)}, but --save {save} holds later checkpoints "
                        f"of the run it rolls back ({', '.join(f.name for f in later[:3])}"
                        f"{', ...' if len(later) > 3 else ''}); pass --overwrite to remove them, or another --save")
     if latest_name(save) in {f.name for f in later}:
-        (save / LATEST).unlink()
+        remove_inside(save, save / LATEST)
     for folder in later:
-        shutil.rmtree(folder)
+        remove_inside(save, folder)
     return [f"removed {len(later)} later checkpoint{'s' * (len(later) > 1)} than {resume.name} from {save}: --overwrite"]
 
 
@@ -197,22 +229,25 @@ def sweep_incomplete(directory: str | Path) -> list[str]:
     """Remove what saves cut off by a kill left in `directory`, and only that: temporary files, and step
     folders without meta.json holding nothing else than incomplete rank files (`latest` never named them).
     A step folder with complete rank files but no meta.json is kept: it may be a checkpoint whose metadata
-    was lost. Returns a note per folder removed or kept."""
+    was lost. A link named like a step folder is left alone: no save writes one. Returns a note per folder
+    removed or kept."""
     directory = Path(directory)
     notes = []
     if (directory / f"{LATEST}.tmp").is_file():
-        (directory / f"{LATEST}.tmp").unlink()
+        remove_inside(directory, directory / f"{LATEST}.tmp")
         notes.append(f"removed {LATEST}.tmp from {directory}: an interrupted write")
-    for folder in sorted(f for f in directory.glob("step_*") if f.is_dir()):
-        temporary = sorted(folder.glob("*.tmp"))
+    for link in sorted(f for f in directory.glob("step_*") if f.is_symlink()):
+        notes.append(f"left {link.name} in {directory} alone: a link, which no save writes")
+    for folder in sorted(f for f in directory.glob("step_*") if f.is_dir() and not f.is_symlink()):
+        temporary = sorted(p for p in folder.glob("*.tmp") if not p.is_dir())
         for path in temporary:
-            path.unlink()
+            remove_inside(directory, path)
         complete = [p for p in folder.glob("rank*.pt") if zipfile.is_zipfile(p)]
         others = [p.name for p in folder.iterdir() if p not in complete and not re.fullmatch(r"rank\d+\.pt", p.name)]
         if (folder / "meta.json").is_file():
             notes += [f"removed {len(temporary)} temporary files from {folder}: an interrupted write"] if temporary else []
         elif not complete and not others:
-            shutil.rmtree(folder)
+            remove_inside(directory, folder)
             notes.append(f"removed {folder.name} from {directory}: an interrupted save (no meta.json, no complete "
                          "rank file)")
         else:
@@ -277,8 +312,9 @@ class Checkpointer:
         self.world_size = world_size
         self.keep = config.train.keep_checkpoints
         self.fall_back = config.train.load == AUTO_LOAD
-        self.passed_over: list[str] = []
-        """A note per newer checkpoint `load: auto` could not load before the one it resumed from."""
+        self.notes: list[str] = []
+        """What loading found: a note per newer checkpoint `load: auto` could not load before the one it resumed
+        from, and the schedule's values that the config changed."""
 
     def save(self, directory: str | Path, step: int, model, optimizer, scheduler) -> Path:
         """Write the state after `step` completed steps; returns the checkpoint folder."""
@@ -298,7 +334,7 @@ class Checkpointer:
         dist.all_gather_object(entries, entry)
         failures = [e for e in entries if isinstance(e, str)]
         if failures:
-            path.unlink(missing_ok=True)  # of no use without the meta.json this save cannot write
+            remove_inside(folder.parent, path)  # of no use without the meta.json this save cannot write
             raise DhpError(failures[0])
         decided_on_rank0(lambda: self._publish(folder, entries))
         return folder
@@ -316,7 +352,8 @@ class Checkpointer:
             raise DhpError(_write_failure(e, folder, 0, len(meta))) from None
         for old in saved_steps(folder.parent)[self.keep:] if self.keep else []:
             if old != folder:
-                shutil.rmtree(old, ignore_errors=True)  # a folder that will not go is only kept longer
+                with contextlib.suppress(OSError):  # a folder that will not go is only kept longer
+                    remove_inside(folder.parent, old)
 
     def load(self, directory: str | Path, model, optimizer, scheduler) -> int:
         """Restore the newest checkpoint of `directory` (or the checkpoint folder itself); returns its step.
@@ -336,8 +373,8 @@ class Checkpointer:
             dist.all_gather_object(verdicts, verdict)
             problem = _agreed_problem(verdicts)
             if problem is None:
-                self.passed_over = [f"{name} cannot be loaded ({why}): resumed from {folder.name}" for name, why in passed]
-                self._apply(state, model, optimizer, scheduler)
+                self.notes = [f"{name} cannot be loaded ({why}): resumed from {folder.name}" for name, why in passed]
+                self.notes += self._apply(state, model, optimizer, scheduler)
                 return step
             message, reason = problem
             if reason is None or not self.fall_back:
@@ -347,12 +384,15 @@ class Checkpointer:
                        + "; ".join(f"{name}: {why}" for name, why in passed)
                        + f"); move {directory} away or pass another --save to start afresh")
 
-    def _apply(self, state: dict, model, optimizer, scheduler) -> None:
+    def _apply(self, state: dict, model, optimizer, scheduler) -> list[str]:
+        """Load `state`; returns the schedule's notes (`load_optimizer_state`)."""
+        from megatron_dhp.training.model import load_optimizer_state
+
         for chunk, weights in zip(model, state["model"]) if isinstance(model, list) else [(model, state["model"])]:
             chunk.load_state_dict(weights, strict=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        notes = load_optimizer_state(optimizer, scheduler, state["optimizer"], state["scheduler"])
         _set_rng_state(state["rng"])
+        return notes
 
     def _read(self, folder: Path) -> tuple[int, dict]:
         """This rank's checked state of the checkpoint in `folder`, or a `DhpError` that names the file and the fix."""

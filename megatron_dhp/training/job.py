@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from megatron_dhp.errors import DhpError, DhpStopped
+from megatron_dhp.errors import DhpError, DhpRunError, DhpStopped
 from megatron_dhp.training.config import TrainConfig
 
 
@@ -24,6 +24,8 @@ class _Failure:
     """A rank's `DhpError`, carried back to the launching process."""
 
     message: str
+    partial: Any = None
+    """What the rank had done before the error (`DhpRunError.partial`), if anything."""
 
 
 def under_torchrun() -> bool:
@@ -66,7 +68,8 @@ def run_on_ranks(fn: Callable[..., Any], config: TrainConfig, *args: Any, timeou
             raise DhpError(str(e)) from None
     failures = [r for r in results if isinstance(r, _Failure)]
     if failures:
-        raise DhpError(failures[0].message)
+        first = failures[0]
+        raise DhpError(first.message) if first.partial is None else DhpRunError(first.message, first.partial)
     return results[0]
 
 
@@ -96,7 +99,7 @@ def rank_main(fn: Callable[..., Any], config: TrainConfig, *args: Any) -> Any:
                          timeout=timedelta(seconds=run.timeout_s))
         return fn(config, *args)
     except DhpError as e:
-        return _Failure(str(e))
+        return _Failure(str(e), getattr(e, "partial", None))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -59,6 +59,32 @@ def build_optimizer(model: DistributedDataParallel | list[DistributedDataParalle
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=run.lr, min_lr=run.min_lr, lr_warmup_steps=run.warmup_steps,
         lr_decay_steps=run.steps, lr_decay_style="cosine", start_wd=run.weight_decay, end_wd=run.weight_decay,
-        wd_incr_steps=run.steps, wd_incr_style="constant",
+        wd_incr_steps=run.steps, wd_incr_style="constant", override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler
+
+
+SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr", "lr_warmup_steps": "train.warmup_steps",
+                 "lr_decay_steps": "train.steps", "start_wd": "train.weight_decay"}
+"""The schedule's values in a checkpoint (megatron-core's names) and the config keys that set them."""
+GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+"""What each optimizer parameter group carries of the schedule (and a checkpoint would bring back)."""
+
+
+def load_optimizer_state(optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler, optimizer_state: dict,
+                         scheduler_state: dict) -> list[str]:
+    """Load a checkpoint's optimizer and schedule state but keep this run's schedule (the `SCHEDULE_KEYS`): by
+    default megatron-core takes the checkpoint's, so a resumed run would silently ignore a lowered train.lr.
+    Returns a note naming each key whose value changed."""
+    ours = scheduler.state_dict()
+    groups = [{k: group[k] for k in GROUP_KEYS if k in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(optimizer_state)
+    for group, kept in zip(optimizer.param_groups, groups):
+        group.update(kept)
+    scheduler.load_state_dict(scheduler_state)  # the steps taken; the values are ours (override_opt_param_scheduler)
+    changed = [f"{key} {scheduler_state[name]:g} -> {ours[name]:g}" for name, key in SCHEDULE_KEYS.items()
+               if scheduler_state.get(name) != ours[name]]
+    if not changed:
+        return []
+    return [f"resumed on this config's schedule, not the checkpoint's: {', '.join(changed)}"]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.errors import DhpError, DhpRunError
 from megatron_dhp.training.config import TrainConfig
 from megatron_dhp.training.job import run_on_ranks
 from megatron_dhp.training.loop import StepRecord
@@ -121,22 +122,30 @@ def _train_holding_the_folder(config: TrainConfig, show: bool, lines: bool, note
     trainer.stop.install()
     if start.resume:
         trainer.resume(start.resume)
-    notes = [*notes, *start.notes, *trainer.checkpointer.passed_over]
+    notes = [*notes, *start.notes, *trainer.checkpointer.notes]
+    records: list[StepRecord] = []
     plans: list[dict] = []
 
-    def keep_plan(record: StepRecord) -> None:
+    def keep(record: StepRecord) -> None:
+        records.append(record)
         plans.append(trainer.last_plan.to_dict())
 
-    if show and dist.get_rank() == 0:
-        from megatron_dhp.training.report import StepReporter
+    def result() -> TrainResult:
+        return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size,
+                           trainer.static_cp, plans, trainer.cost, trainer.runtime.pool.at_startup)
 
-        title = f"{config.dhp.planner} on {dist.get_world_size()} ranks"
-        with StepReporter(total_steps=config.train.steps, first_step=trainer.completed, title=title,
-                          lines=lines, plans=config.dhp.log_plans) as reporter:
-            for note in [trainer.describe(), *notes]:
-                reporter.note(note)
-            records = trainer.train(on_step=lambda r: (keep_plan(r), reporter(r)))
-    else:
-        records = trainer.train(on_step=keep_plan)
-    return TrainResult(records, config.dhp.planner, dist.get_world_size(), trainer.domain.size, trainer.static_cp,
-                       plans, trainer.cost, trainer.runtime.pool.at_startup)
+    try:
+        if show and dist.get_rank() == 0:
+            from megatron_dhp.training.report import StepReporter
+
+            title = f"{config.dhp.planner} on {dist.get_world_size()} ranks"
+            with StepReporter(total_steps=config.train.steps, first_step=trainer.completed, title=title,
+                              lines=lines, plans=config.dhp.log_plans) as reporter:
+                for note in [trainer.describe(), *notes]:
+                    reporter.note(note)
+                trainer.train(on_step=lambda r: (keep(r), reporter(r)))
+        else:
+            trainer.train(on_step=keep)
+    except DhpError as e:  # the steps that ran go back with it (for --json)
+        raise DhpRunError(str(e), result()) from None
+    return result()

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_dhp.cli import main
 from megatron_dhp.errors import DhpError
-from megatron_dhp.megatron import sites
+from megatron_dhp.megatron import run, sites
 from megatron_dhp.megatron.patching import apply, detect, diff
 
 REPO = Path(__file__).resolve().parents[2]
@@ -304,6 +304,17 @@ def test_the_launcher_refuses_a_moved_site_before_running_anything(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_dhp.megatron.run", str(tree / "pretrain_gpt.py")],
                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("megatron-dhp: error: cannot find where megatron-dhp's 'setup'")
+
+
+def test_the_launcher_names_a_missing_script(tmp_path, capsys):
+    # It searched the script's folder for hook sites and named a missing one instead.
+    for script in (tmp_path / "pretrain_gpt.py", tmp_path):
+        with pytest.raises(SystemExit) as stop:
+            run.main([str(script), "--dhp"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == (f"megatron-dhp: error: script {str(script)!r} is not a file; pass the "
+                                           "script inside a Megatron-LM checkout, e.g. "
+                                           "path/to/Megatron-LM/pretrain_gpt.py\n")
 
 
 def test_a_file_that_cannot_be_written_leaves_the_tree_as_it_was(tmp_path, monkeypatch):

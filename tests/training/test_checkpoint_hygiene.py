@@ -7,6 +7,7 @@ folder that the other tests copy and damage."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -21,12 +22,13 @@ import torch
 
 from megatron_dhp.training.checkpoint import CheckpointMeta, UnloadableCheckpoint
 from megatron_dhp.training.save_lock import LOCK_NAME, LockRecord
-from tests.training.test_faults import config_file, finish, start
+from tests.training.test_faults import config_file, finish, start, train_here
 
 STEPS = 4
 KEEP = 2
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="tells live runs from gone ones by /proc")
+pytestmark = [pytest.mark.slow,  # trains on ranks, some through train_here
+              pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="tells live runs from gone ones by /proc")]
 
 
 def train(config: Path, *flags: str, timeout_s: float = 180) -> tuple[int, str, str]:
@@ -55,11 +57,11 @@ def one_line_error(code: int, out: str, err: str) -> str:
 def pair(tmp_path_factory) -> dict:
     """Two identical `--load auto` runs started at once into one folder holding what two interrupted saves
     left, step_000007 with complete rank files but no meta.json and step_000008 with only a temporary file,
-    and the lock of a run killed outright (its pid now another process's: this one's)."""
+    and the lock file of a run stopped by Ctrl-C (naming a process that still lives: this one)."""
     root = tmp_path_factory.mktemp("pair")
     save = root / "ckpt"
     save.mkdir()
-    (save / LOCK_NAME).write_text(json.dumps(asdict(replace(LockRecord.of_this_process(), process_start=0))))
+    (save / LOCK_NAME).write_text(json.dumps(asdict(LockRecord.of_this_process())))
     (save / "step_000007").mkdir()
     for rank in range(2):
         torch.save({"step": 7, "rank": rank}, save / "step_000007" / f"rank{rank}.pt")
@@ -84,10 +86,25 @@ def test_two_runs_at_once_one_is_refused_by_the_lock_the_other_saves_checkpoints
     assert f"--save {pair['save']} is in use by the run of pid" in one_line_error(code, out, err)
     assert "wait for it, or pass another --save" in err
     assert f"steps 1-{STEPS}" in winner(pair)
-    assert f"replaced the stale lock of {pair['save']} (pid {os.getpid()} on " in winner(pair)
+    # the file another run left is no lock: nobody holds it (it refused every restart while its pid lived)
+    assert f"took over {pair['save'] / LOCK_NAME} from the run of pid {os.getpid()} on " in winner(pair)
     save = pair["save"]
     assert (save / "latest").read_text() == f"step_{STEPS:06d}" and not (save / LOCK_NAME).exists()
     assert_loadable(save / f"step_{STEPS:06d}")
+
+
+def test_a_run_holding_the_lock_is_seen_whatever_its_pid_means_here(tmp_path, capfd):
+    # A run in another PID namespace on this host name (containers with the host's network): its pid is no
+    # process here, and the lock was taken over as stale while that run trained into the folder.
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    lock = save / LOCK_NAME
+    lock.write_text(json.dumps(asdict(replace(LockRecord.of_this_process(), pid=2**22 + 1))))
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        code, out, err = train_here(capfd, config_file(tmp_path, "job", steps=STEPS, save=str(save)))
+    assert f"--save {save} is in use by the run of pid {2**22 + 1} on host " in one_line_error(code, out, err)
+    assert lock.is_file()  # still the other run's
 
 
 def test_the_sweep_keeps_complete_rank_files_without_metadata_and_removes_a_temporary_file(pair):
@@ -111,26 +128,58 @@ def copy_of(pair: dict, folder: Path) -> Path:
     return Path(shutil.copytree(pair["save"], folder))
 
 
-def test_a_fresh_run_into_another_runs_checkpoints_is_refused(pair, tmp_path):
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused(pair, tmp_path, capfd):
     save = copy_of(pair, tmp_path / "ckpt")
-    err = one_line_error(*train(config_file(tmp_path, "fresh", steps=3, save=str(save), save_interval=1)))
+    err = one_line_error(*train_here(capfd, config_file(tmp_path, "fresh", steps=3, save=str(save), save_interval=1)))
     assert (f"--save {save} holds checkpoints of another run (latest step_{STEPS:06d}); resume with --load auto, "
             "or pass --overwrite to replace them, or another --save") in err
     assert (save / "latest").read_text() == f"step_{STEPS:06d}"  # untouched
 
 
-def test_rolling_back_to_an_earlier_checkpoint_of_the_folder_needs_overwrite(pair, tmp_path):
+def test_rolling_back_to_an_earlier_checkpoint_of_the_folder_needs_overwrite(pair, tmp_path, capfd):
     save = copy_of(pair, tmp_path / "ckpt")
     config = config_file(tmp_path, "rollback", steps=STEPS, save=str(save), save_interval=1)
     earlier = save / f"step_{STEPS - 1:06d}"
-    err = one_line_error(*train(config, "--load", str(earlier)))
+    err = one_line_error(*train_here(capfd, config, "--load", str(earlier)))
     assert (f"--load {earlier} resumes at step {STEPS - 1}, but --save {save} holds later checkpoints of the run it "
             f"rolls back (step_{STEPS:06d}); pass --overwrite to remove them, or another --save") in err
-    code, out, err = train(config, "--load", str(earlier), "--overwrite")
+    code, out, err = train_here(capfd, config, "--load", str(earlier), "--overwrite")
     assert code == 0, err
     assert f"removed 1 later checkpoint than step_{STEPS - 1:06d} from {save}: --overwrite" in out
     assert (save / "latest").read_text() == f"step_{STEPS:06d}"
     assert_loadable(save / f"step_{STEPS:06d}")
+
+
+def test_latest_naming_anything_but_a_later_step_folder_of_the_save_folder_is_refused(pair, tmp_path, capfd):
+    # It was followed: `../` or an absolute path resumed from another folder's checkpoint, and an earlier step
+    # resumed there and saved over the later checkpoints of the run it rolled back, which no guard saw.
+    save = copy_of(pair, tmp_path / "ckpt")
+    config = config_file(tmp_path, "job", steps=STEPS + 1, save=str(save), save_interval=1, load="auto")
+    for elsewhere in ("../other/step_000004", str(pair["save"] / f"step_{STEPS:06d}")):
+        (save / "latest").write_text(elsewhere)
+        err = one_line_error(*train_here(capfd, config))
+        assert f"{save / 'latest'} names '{elsewhere[:8]}" in err  # an excerpt of a long one
+        assert f", not a step folder of {save} (step_ and a number)" in err
+    (save / "latest").write_text(f"step_{STEPS - 1:06d}")
+    err = one_line_error(*train_here(capfd, config))
+    assert (f"{save / 'latest'} names step_{STEPS - 1:06d}, which resumes at step {STEPS - 1}, but --save {save} "
+            f"holds later checkpoints of the run it rolls back (step_{STEPS:06d}); pass --overwrite") in err
+    assert_loadable(save / f"step_{STEPS:06d}")  # untouched
+
+
+def test_the_start_up_sweep_and_retention_never_reach_through_a_link(pair, tmp_path, capfd):
+    # A step folder linked to another folder: the sweep deleted a temporary file there, then stopped with a
+    # traceback.
+    save, outside = copy_of(pair, tmp_path / "ckpt"), tmp_path / "outside"
+    outside.mkdir()
+    (outside / "rank0.pt.tmp").write_bytes(b"not ours")
+    (save / "step_000009").symlink_to(outside)
+    config = config_file(tmp_path, "job", steps=STEPS + KEEP, save=str(save), save_interval=1, load="auto")
+    code, out, err = train_here(capfd, config)
+    assert code == 0, err
+    assert f"left step_000009 in {save} alone: a link, which no save writes" in out
+    assert (outside / "rank0.pt.tmp").read_bytes() == b"not ours" and (save / "step_000009").is_symlink()
+    assert (save / "latest").read_text() == f"step_{STEPS + KEEP:06d}"
 
 
 @pytest.fixture(scope="module")
@@ -169,20 +218,20 @@ def test_overwrite_replaces_another_runs_checkpoints(resumed):
     assert (save / "latest").read_text() == f"step_{STEPS + 1:06d}"
 
 
-def test_an_unwritable_save_folder_is_refused_before_the_first_step(tmp_path):
+def test_an_unwritable_save_folder_is_refused_before_the_first_step(tmp_path, capfd):
     (tmp_path / "a_file").write_text("")
     save = tmp_path / "a_file" / "ckpt"  # root writes anywhere, but not under a regular file
-    err = one_line_error(*train(config_file(tmp_path, "job", steps=3, save=str(save), save_interval=1)))
+    err = one_line_error(*train_here(capfd, config_file(tmp_path, "job", steps=3, save=str(save), save_interval=1)))
     assert f"--save {save} cannot be written (" in err and "pass a folder this user can write" in err
 
 
-def test_malformed_metadata_is_named_in_one_line(pair, tmp_path):
+def test_malformed_metadata_is_named_in_one_line(pair, tmp_path, capfd):
     save = copy_of(pair, tmp_path / "ckpt")
     meta_path = save / f"step_{STEPS:06d}" / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["files"]["rank1.pt"]["bytes"] = "x"  # every rank reads it: the metadata is at fault, not rank 1
     meta_path.write_text(json.dumps(meta))
-    err = one_line_error(*train(config_file(tmp_path, "job", steps=STEPS + 1), "--load", str(save)))
+    err = one_line_error(*train_here(capfd, config_file(tmp_path, "job", steps=STEPS + 1), "--load", str(save)))
     assert f"checkpoint metadata '{meta_path}' is unreadable (files['rank1.pt'] = " in err
     assert "cannot load" not in err
     for field, value, named in [("step", "abc", "step 'abc' is not a step count"),

@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from megatron_dhp.cli import main
 from megatron_dhp.launch.parent import alive, children, wait_until
 from megatron_dhp.launch.ranks import free_port
 from megatron_dhp.training.train import train
@@ -36,6 +38,15 @@ def start(config: Path, *flags: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def train_here(capfd, config: Path, *flags: str) -> tuple[int, str, str]:
+    """`megatron-dhp train` run in this process: the same command, its ranks forked from the tests' fork server
+    (a second to start; a process of its own spends ten importing). For what needs no process of its own."""
+    capfd.readouterr()
+    code = main(["train", "--config", str(config), "--quiet", *flags])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 def wait_for(condition, timeout_s: float = 180.0) -> None:
     """Until `condition` holds; `timeout_s` only guards against a hang (no test measures how long it took)."""
     assert wait_until(condition, timeout_s), "timed out waiting"
@@ -52,7 +63,8 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
+pytestmark = [pytest.mark.slow,  # trains on ranks, some through train_here
+              pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")]
 
 
 def uninterrupted_losses() -> list[float]:
@@ -60,7 +72,7 @@ def uninterrupted_losses() -> list[float]:
                                   show=False).records]
 
 
-def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_losses(tmp_path):
+def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_losses(tmp_path, capfd):
     save = tmp_path / "ckpt"
     # injected slots (4x on rank 1) make the steps slow enough to signal mid-run; results do not change
     slow = config_file(tmp_path, "slow", save=str(save), save_interval=1)
@@ -77,7 +89,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_to_the_same_lo
     wait_for(lambda: not any(alive(r) for r in ranks))
 
     resumed = tmp_path / "resumed.json"
-    code, out, err = finish(start(slow, "--load", str(save), "--json", str(resumed)), 240)
+    code, out, err = train_here(capfd, slow, "--load", str(save), "--json", str(resumed))
     assert code == 0, err
     records = json.loads(resumed.read_text())["result"]["records"]
     assert records[0]["step"] == stopped_at + 1 and records[-1]["step"] == STEPS
@@ -124,6 +136,40 @@ def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
     wait_for(lambda: not any(alive(r) for r in ranks))
 
 
+def test_no_rank_outlives_a_launcher_killed_while_its_ranks_start(tmp_path):
+    # Killed before its ranks have imported torch: they watched their parent only after those imports, by
+    # which time it was already gone, and trained the whole job as orphans.
+    proc = start(config_file(tmp_path, "job", steps=100_000))
+    wait_for(lambda: len(children(proc.pid)) == 2)
+    ranks = children(proc.pid)
+    time.sleep(1.0)  # they have their start-up data and are importing (seconds)
+    proc.kill()
+    proc.wait()  # not its output: an orphan would hold the pipes open
+    try:
+        assert wait_until(lambda: not any(alive(r) for r in ranks), 30), "a rank outlived its launcher"
+    finally:
+        for r in ranks:
+            if alive(r):
+                os.kill(r, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_a_resumed_run_follows_its_configs_schedule_and_says_what_changed(tmp_path, capfd):
+    # megatron-core took lr, min_lr, warm-up and the step count from the checkpoint: a lowered train.lr (what
+    # the non-finite stop advises) was silently ignored, and --json recorded the value that was not used.
+    save = tmp_path / "ckpt"
+    base = workers.tiny_config().with_overrides(train={"steps": 4}, dhp={"adaptive": False})
+    train(base.with_overrides(train={"save": str(save), "save_interval": 4}), show=False)
+    changed = {"steps": 8, "lr": 5e-3, "min_lr": 1e-4, "warmup_steps": 3}
+    capfd.readouterr()
+    resumed = train(base.with_overrides(train={**changed, "load": str(save)}), show=True, lines=False).records
+    assert ("resumed on this config's schedule, not the checkpoint's: train.lr 0.01 -> 0.005, train.min_lr 0.001 "
+            "-> 0.0001, train.warmup_steps 2 -> 3, train.steps 4 -> 8") in capfd.readouterr().out
+    fresh = train(base.with_overrides(train=changed), show=False).records
+    assert [r.step for r in resumed] == [5, 6, 7, 8]
+    assert [r.lr for r in resumed] == [r.lr for r in fresh[4:]]
+
+
 def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
     # one command line for the first start and the restart: --load auto starts fresh, then resumes
     save, out = tmp_path / "ckpt", tmp_path / "out.json"
@@ -145,12 +191,12 @@ def test_a_torchrun_restart_resumes_with_load_auto_to_the_same_losses(tmp_path):
     assert [r["loss"] for r in records] == uninterrupted_losses()[resumed_at:]
 
 
-def test_a_half_written_checkpoint_is_named_when_loaded(tmp_path):
+def test_a_half_written_checkpoint_is_named_when_loaded(tmp_path, capfd):
     # the start-up sweep of such folders, and what it keeps, is in test_checkpoint_hygiene.py
     save = tmp_path / "ckpt"
     (save / "step_000005").mkdir(parents=True)
     (save / "step_000005" / "rank0.pt.tmp").write_bytes(b"")  # a save cut off by a kill
-    code, _, err = finish(start(config_file(tmp_path, "job"), "--load", str(save / "step_000005")), 120)
+    code, _, err = train_here(capfd, config_file(tmp_path, "job"), "--load", str(save / "step_000005"))
     assert code == 2 and "is incomplete (no meta.json: its save was interrupted)" in err, err
 
 

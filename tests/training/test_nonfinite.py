@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from tests.training.test_faults import config_file, finish, start
+from tests.training.test_faults import config_file, train_here
+
+pytestmark = pytest.mark.slow  # trains on ranks (train_here)
 
 DIVERGING = {"lr": 1e20, "min_lr": 0.0, "warmup_steps": 1}
 """A learning rate whose first update leaves weights that overflow at step 2's forward."""
@@ -30,23 +33,27 @@ def finite_checkpoint(folder) -> bool:
     return bool(states) and all(t.isfinite().all() for s in states for t in tensors(s["model"]) if t.is_floating_point())
 
 
-def test_a_diverged_step_stops_the_run_before_the_update_and_saves_nothing(tmp_path):
-    save = tmp_path / "ckpt"
+def test_a_diverged_step_stops_the_run_before_the_update_and_saves_nothing(tmp_path, capfd):
+    # --json was not written when a run stopped with an error: the records of the steps that ran were lost.
+    save, report = tmp_path / "ckpt", tmp_path / "run.json"
     config = config_file(tmp_path, "job", steps=4, save=str(save), save_interval=1, **DIVERGING)
-    code, out, err = finish(start(config), 180)
+    code, out, err = train_here(capfd, config, "--json", str(report))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (out, err)
     assert len(lines) == 1 and lines[0].startswith("megatron-dhp train: error: step 2: non-finite loss"), err
     assert "--on-nonfinite skip" in lines[0] and "train.lr = 1e+20" in lines[0]
     assert (save / "latest").read_text() == "step_000001" and not (save / "step_000002").exists()
     assert finite_checkpoint(save / "step_000001")
+    written = json.loads(report.read_text())
+    assert [r["step"] for r in written["result"]["records"]] == [1] and written["error"] == lines[0].split(": error: ")[1]
+    assert f"wrote {report} (1 step before the error)" in out
 
 
-def test_skip_drops_every_non_finite_update_and_keeps_the_weights_finite(tmp_path):
+def test_skip_drops_every_non_finite_update_and_keeps_the_weights_finite(tmp_path, capfd):
     # A run that ends on a skipped step exits 1 with one line (it exited 0, as if it had trained).
     save, report = tmp_path / "ckpt", tmp_path / "run.json"
     config = config_file(tmp_path, "job", steps=4, save=str(save), **DIVERGING)
-    code, out, err = finish(start(config, "--on-nonfinite", "skip", "--json", str(report)), 180)
+    code, out, err = train_here(capfd, config, "--on-nonfinite", "skip", "--json", str(report))
     assert code == 1, err
     assert [line for line in err.splitlines() if line.strip()] == [
         "megatron-dhp train: the run ended on step 4, skipped (non-finite loss and gradients); its update was "
@@ -57,11 +64,11 @@ def test_skip_drops_every_non_finite_update_and_keeps_the_weights_finite(tmp_pat
     assert "3 steps skipped (non-finite loss or gradients): 2, 3, 4" in out
 
 
-def test_skipping_gives_up_after_max_skipped_steps_in_a_row(tmp_path):
+def test_skipping_gives_up_after_max_skipped_steps_in_a_row(tmp_path, capfd):
     # `skip` never gave up: a run whose every later step is non-finite skipped them all and exited 0.
     save = tmp_path / "ckpt"
     config = config_file(tmp_path, "job", steps=4, save=str(save), save_interval=1, max_skipped_steps=1, **DIVERGING)
-    code, out, err = finish(start(config, "--on-nonfinite", "skip"), 180)
+    code, out, err = train_here(capfd, config, "--on-nonfinite", "skip")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (out, err)
     assert len(lines) == 1 and lines[0].startswith("megatron-dhp train: error: steps 2-3: non-finite loss and gradients "
