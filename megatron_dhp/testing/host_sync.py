@@ -40,14 +40,30 @@ class HostSyncError(AssertionError):
 
 class NoHostSync(TorchDispatchMode):
     """Raise `HostSyncError` at any operation in `SYNCING`, a boolean index, `repeat_interleave` without
-    `output_size`, a copy between devices, or `Tensor.tolist` (see the module docstring)."""
+    `output_size`, a copy between devices, or `Tensor.tolist` (see the module docstring). Given a list `found`,
+    append each such operation to it and run it instead: ranks that run collectives between their watched
+    blocks then stay in step, and each reports what it found."""
 
     supports_higher_order_operators = True
 
+    def __init__(self, found: list[str] | None = None) -> None:
+        super().__init__()
+        self.found = found
+
     def __enter__(self) -> NoHostSync:
-        self._tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = _refuse_tolist
+        self._tolist = tolist = torch.Tensor.tolist
+
+        def refuse_tolist(tensor: torch.Tensor) -> list:
+            self._refuse("Tensor.tolist reads a device tensor on the host")
+            return tolist(tensor)
+
+        torch.Tensor.tolist = refuse_tolist
         return super().__enter__()
+
+    def _refuse(self, what: str) -> None:
+        if self.found is None:
+            raise HostSyncError(what)
+        self.found.append(what)
 
     def __exit__(self, *exc) -> None:
         torch.Tensor.tolist = self._tolist
@@ -59,7 +75,7 @@ class NoHostSync(TorchDispatchMode):
             return _opaque(func, args, kwargs)
         why = SYNCING.get(func) or _data_dependent(func, args, kwargs)
         if why is not None:
-            raise HostSyncError(f"{func} {why}")
+            self._refuse(f"{func} {why}")
         return func(*args, **kwargs)
 
 
@@ -77,10 +93,6 @@ def _opaque(func: Callable, args: tuple, kwargs: dict):
     """Run a higher-order operator with no mode active (torch compiles its eager body, which a mode forbids)."""
     with _disable_current_modes():
         return func(*args, **kwargs)
-
-
-def _refuse_tolist(self: torch.Tensor) -> list:
-    raise HostSyncError("Tensor.tolist reads a device tensor on the host")
 
 
 def _data_dependent(func, args: tuple, kwargs: dict) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.distributed as dist
 
@@ -60,5 +62,55 @@ def layers_without_host_sync(lengths: tuple[int, ...], many: tuple[int, ...]) ->
                         _layer(c, 4, 2, 16, False)
                 counts.append(ops.total)
             out[d, comm, "ops"] = tuple(counts)
+    dist.destroy_process_group()
+    return out
+
+
+def model_steps_without_host_sync(seed: int) -> dict[str, str | None]:
+    """Per model ("mtp": a GPT with one multi-token-prediction layer, "vlm": the vision-language model): None,
+    or the first host-syncing operation of what megatron-dhp runs or changes inside a step's models: the
+    language model's transformer layers (dynamic-CP attention, RoPE), the MTP block and its token rolls, the
+    merge of image rows into the embeddings, and the whole backward; on a random plan of the 3 ranks' domain,
+    checked exact against one process. Outside the watch: megatron-core's own vision tower and cross-entropy,
+    which megatron-dhp leaves as they are (a static run pays the same), and the step's bookkeeping."""
+    from megatron_dhp.cost.config import Domain
+    from megatron_dhp.models.gpt import TinyGPTConfig
+    from megatron_dhp.models.vlm import TinyVLM, TinyVLMConfig, random_vlm_samples
+    from megatron_dhp.runtime import mtp, step
+    from megatron_dhp.solver.random_plan import random_plan
+    from megatron_dhp.verify.selfcheck import SelfCheck, random_samples
+    from megatron_dhp.workload.sample import Batch
+    from tests.ranks import start_cpu_rank
+
+    found: list[str] = []
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            with NoHostSync(found):
+                return fn(*args, **kwargs)
+        return call
+
+    mtp.roll_left = watched(mtp.roll_left)
+    TinyVLM.embed = watched(TinyVLM.embed)
+    step._LossSum.backward = watched(step._LossSum.backward)
+    start_cpu_rank()
+    rng, out = random.Random(seed), {}
+    for kind in ("mtp", "vlm"):
+        language = TinyGPTConfig(mtp_num_layers=1 if kind == "mtp" else 0)
+        vlm = TinyVLMConfig(language=language) if kind == "vlm" else None
+        check = SelfCheck(config=language, seed=seed, vlm=vlm)
+        model = check.chunks[0].module
+        gpt = model.language if vlm is not None else model
+        for block in (gpt.decoder, getattr(gpt, "mtp", None)):
+            if block is not None:
+                block.forward = watched(block.forward)
+        batch = Batch.from_lengths([rng.randint(1, 48) for _ in range(6)])
+        plan = random_plan(batch, Domain(world_size=check.domain.size, gpus_per_node=check.domain.size,
+                                         max_tokens_per_rank=48), rng)
+        samples = (random_vlm_samples(batch, vlm, seed=seed) if vlm is not None
+                   else random_samples(batch, vocab_size=language.vocab_size, seed=seed))
+        found.clear()
+        result = check.check(plan, samples, "ring")
+        out[kind] = found[0] if found else None if result.ok else f"not exact: {result}"
     dist.destroy_process_group()
     return out

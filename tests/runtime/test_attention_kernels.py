@@ -205,6 +205,10 @@ def test_the_guard_names_what_would_sync():
                  lambda: torch.unique(x), lambda: torch.repeat_interleave(x, x)):
         with pytest.raises(HostSyncError), NoHostSync():
             call()
+    found: list[str] = []  # given a list, it records each one and runs it (ranks in collectives stay in step)
+    with NoHostSync(found):
+        assert x.tolist() == [0, 1, 2, 3] and int(x[1]) == 1
+    assert found[0].startswith("Tensor.tolist") and found[1].startswith("aten._local_scalar_dense") and len(found) == 2
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +229,14 @@ def test_a_layer_issues_no_host_sync_and_flex_ops_do_not_grow_with_samples(host_
                     assert value[0] == value[1], (rank, key, value)
                 else:
                     assert value is None, (rank, key, value)
+
+
+def test_a_step_of_an_mtp_model_and_of_the_vlm_issues_no_host_sync_in_the_model():
+    """Every microbatch's forward and backward of a GPT with multi-token prediction (its token roll on the
+    dynamic layout) and of the vision-language model (its tower, and image rows merged into the embeddings)
+    under `NoHostSync`, on 3 ranks; and still exact."""
+    for rank, found in enumerate(launch(sync_workers.model_steps_without_host_sync, 3, 5, timeout_s=300)):
+        assert found == {"mtp": None, "vlm": None}, (rank, found)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
