@@ -107,24 +107,28 @@ def launch(
     stop = _Forwarder(procs)
     settle = math.inf  # once a rank failed or died: the others get SETTLE_S to fail or die too
     try:
-        with stop:
-            while len(done) < nproc and time.monotonic() < settle:
-                try:
-                    rank, ok, value = results.get(timeout=0.2)
-                except queue.Empty:
-                    if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in done):
+        try:
+            with stop:
+                while len(done) < nproc and time.monotonic() < settle:
+                    try:
+                        rank, ok, value = results.get(timeout=0.2)
+                    except queue.Empty:
+                        if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in done):
+                            settle = min(settle, time.monotonic() + SETTLE_S)
+                        if time.monotonic() > min(deadline, stop.deadline):
+                            late = sorted(set(range(nproc)) - set(done))
+                            raise LaunchError(f"stopped by {stop.name}: ranks {late} did not finish their step within "
+                                              f"{STOP_GRACE_S:.0f} s" if stop.received else
+                                              f"ranks {late} ran past {timeout_s:.0f} s") from None
+                        continue
+                    if ok:
+                        done[rank] = value
+                    else:
+                        failed[rank] = value
                         settle = min(settle, time.monotonic() + SETTLE_S)
-                    if time.monotonic() > min(deadline, stop.deadline):
-                        late = sorted(set(range(nproc)) - set(done))
-                        raise LaunchError(f"stopped by {stop.name}: ranks {late} did not finish their step within "
-                                          f"{STOP_GRACE_S:.0f} s" if stop.received else
-                                          f"ranks {late} ran past {timeout_s:.0f} s") from None
-                    continue
-                if ok:
-                    done[rank] = value
-                else:
-                    failed[rank] = value
-                    settle = min(settle, time.monotonic() + SETTLE_S)
+        except KeyboardInterrupt:
+            _wind_down(procs)
+            raise
         if len(done) < nproc and stop.received:
             raise LaunchStopped(f"stopped by {stop.name} before a step boundary (the ranks were starting): nothing "
                                 "saved", stop.received)
@@ -145,6 +149,19 @@ killed (a scheduler kills on its own after its grace: Slurm's KillWait is 30 s b
 SETTLE_S = 2.0
 """After one rank fails, how long the others get to fail or exit, so the report names the rank that caused
 it (a killed rank's peers fail in its collective within a moment) rather than the first to speak."""
+
+
+def _wind_down(procs: list) -> None:
+    """After Ctrl-C (SIGINT: KeyboardInterrupt here): the ranks, which a terminal interrupts too, get `SETTLE_S`
+    to end on their own, so that rank 0 releases what it holds (the save folder's lock); a rank still running
+    then (this process alone was interrupted) is sent SIGINT and gets `SETTLE_S` more before it is killed."""
+    for forward in (False, True):
+        for p in procs if forward else ():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        deadline = time.monotonic() + SETTLE_S
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class _Forwarder:

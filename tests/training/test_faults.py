@@ -18,6 +18,7 @@ import yaml
 from megatron_dhp.cli import main
 from megatron_dhp.launch.parent import alive, children, wait_until
 from megatron_dhp.launch.ranks import free_port
+from megatron_dhp.training.save_lock import LOCK_NAME
 from megatron_dhp.training.train import train
 from tests.training import workers
 
@@ -123,6 +124,20 @@ def test_a_killed_or_frozen_rank_is_named_and_the_job_ends(tmp_path, fault):
     expected = "rank 1 was killed by SIGKILL" if fault == "SIGKILL" else "rank 1 stopped responding (its process is stopped"
     assert expected in err, err
     assert len(err.strip().splitlines()) <= 4, err  # the survivors' tracebacks are one line each
+    wait_for(lambda: not any(alive(r) for r in ranks))
+
+
+def test_sigint_to_the_launcher_alone_reaches_the_ranks_and_releases_the_save_folder(tmp_path):
+    # The launcher killed its ranks at once: rank 0 never removed DIR/.lock (harmless since the lock is a
+    # flock, but the docs say it goes), and a SIGINT sent to the launcher alone never reached the ranks.
+    save = tmp_path / "ckpt"
+    proc = start(config_file(tmp_path, "job", save=str(save), save_interval=1), "--slow-rank", "1:4.0")
+    wait_for(lambda: (save / "latest").is_file())
+    ranks = children(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc, 60)
+    assert code == 130 and [line for line in err.splitlines() if line.strip()] == ["megatron-dhp train: interrupted"]
+    assert not (save / LOCK_NAME).exists()
     wait_for(lambda: not any(alive(r) for r in ranks))
 
 
