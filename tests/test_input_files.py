@@ -331,11 +331,11 @@ def test_selftest_refuses_ranks_beyond_the_cores_before_spawning(monkeypatch, ca
     assert "collectives may reach --timeout" in cli(["selftest", "--nproc", nproc], capsys)
 
 
-def test_train_refuses_ranks_beyond_the_cores_before_spawning():
+def test_train_refuses_ranks_beyond_the_cores_before_spawning(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
     nproc = 2 * usable_cores() + 1
-    result = subprocess.run([sys.executable, "-m", "megatron_dhp", "train", "--nproc", str(nproc)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr == (
+    assert main(["train", "--nproc", str(nproc)]) == 2
+    assert capsys.readouterr().err == (
         f"megatron-dhp train: error: --nproc {nproc} spawns {nproc} ranks on {usable_cores()} "
         f"core{'s' * (usable_cores() > 1)}: ranks time-slice, step times say nothing and collectives may reach "
         f"train.timeout_s; pass --nproc {2 * usable_cores()} or less, or --oversubscribe\n")
@@ -354,9 +354,9 @@ def test_selftest_refuses_an_injection_naming_a_missing_rank_before_spawning(mon
         "those\n")
 
 
-def test_train_refuses_an_injection_naming_a_missing_rank_before_spawning():
-    result = subprocess.run([sys.executable, "-m", "megatron_dhp", "train", "--nproc", "2", "--slow-rank", "7:2"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr == (
+def test_train_refuses_an_injection_naming_a_missing_rank_before_spawning(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--nproc", "2", "--slow-rank", "7:2"]) == 2
+    assert capsys.readouterr().err == (
         "megatron-dhp train: error: --slow-rank 7:2 names rank 7, but the job has 2 ranks (0 to 1); slow one of "
         "those\n")

@@ -31,10 +31,6 @@ pytestmark = [pytest.mark.slow,  # trains on ranks, some through train_here
               pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="tells live runs from gone ones by /proc")]
 
 
-def train(config: Path, *flags: str, timeout_s: float = 180) -> tuple[int, str, str]:
-    return finish(start(config, *flags), timeout_s)
-
-
 def assert_loadable(folder: Path) -> None:
     """What loading checks of every rank's file, without ranks: size and sha256 as meta.json says, and a
     weights-only load of the step it names."""
@@ -182,19 +178,20 @@ def test_the_start_up_sweep_and_retention_never_reach_through_a_link(pair, tmp_p
     assert (save / "latest").read_text() == f"step_{STEPS + KEEP:06d}"
 
 
-@pytest.fixture(scope="module")
-def resumed(pair, tmp_path_factory) -> dict:
+@pytest.fixture
+def resumed(pair, tmp_path, capfd) -> dict:
     """Two runs from step STEPS - 1 of the pair's run to STEPS + 1: `--load auto` in a copy of its folder whose
-    newest checkpoint is truncated, and by hand (`--load DIR/step_...`) into another copy with `--overwrite`."""
-    root = tmp_path_factory.mktemp("resumed")
+    newest checkpoint is truncated, and by hand (`--load DIR/step_...`) into another copy with `--overwrite`.
+    (Per test: two runs in this process take seconds, one in a process of its own takes twenty.)"""
+    root = tmp_path
     auto, by_hand = (copy_of(pair, root / name) for name in ("auto", "by_hand"))
     newest = auto / f"step_{STEPS:06d}" / "rank1.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    runs = {"auto": train(config_file(root, "auto", steps=STEPS + 1, save=str(auto), save_interval=1, load="auto"),
-                          "--json", str(root / "auto.json")),
-            "by_hand": train(config_file(root, "by_hand", steps=STEPS + 1, save=str(by_hand), save_interval=1),
-                             "--load", str(pair["save"] / f"step_{STEPS - 1:06d}"), "--overwrite",
-                             "--json", str(root / "by_hand.json"))}
+    runs = {"auto": train_here(capfd, config_file(root, "auto", steps=STEPS + 1, save=str(auto), save_interval=1,
+                                                  load="auto"), "--json", str(root / "auto.json")),
+            "by_hand": train_here(capfd, config_file(root, "by_hand", steps=STEPS + 1, save=str(by_hand), save_interval=1),
+                                  "--load", str(pair["save"] / f"step_{STEPS - 1:06d}"), "--overwrite",
+                                  "--json", str(root / "by_hand.json"))}
     for code, _, err in runs.values():
         assert code == 0, err
     losses = {name: [(r["step"], r["loss"]) for r in json.loads((root / f"{name}.json").read_text())["result"]["records"]]
