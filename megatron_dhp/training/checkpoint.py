@@ -159,6 +159,10 @@ def prepare_save_folder(run: RunConfig) -> SaveFolderStart:
     refuse another run's checkpoints (which it would mix with its own) or, with `train.overwrite`, remove
     them; then clear what interrupted saves left."""
     save = Path(run.save)
+    files = sorted(f.name for f in save.glob("step_*") if STEP_FOLDER.fullmatch(f.name) and not f.is_dir())
+    if files:
+        raise DhpError(f"--save {save} holds a file named like a step folder ({files[0]}), where a save would write "
+                       "its checkpoint folder; move it away, or pass another --save")
     resume = resume_directory(run.load, run.save)
     if _within(resume, save):
         notes = _clear_after(save, Path(resume), overwrite=run.overwrite)

@@ -178,6 +178,16 @@ def test_the_start_up_sweep_and_retention_never_reach_through_a_link(pair, tmp_p
     assert (save / "latest").read_text() == f"step_{STEPS + KEEP:06d}"
 
 
+def test_a_file_named_like_a_step_folder_is_refused_in_one_line(tmp_path, capfd):
+    # It stopped the run with a traceback at the save of that step.
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "step_000002").write_text("notes")
+    err = one_line_error(*train_here(capfd, config_file(tmp_path, "job", steps=3, save=str(save), save_interval=1)))
+    assert f"--save {save} holds a file named like a step folder (step_000002)" in err
+    assert (save / "step_000002").read_text() == "notes"
+
+
 @pytest.fixture
 def resumed(pair, tmp_path, capfd) -> dict:
     """Two runs from step STEPS - 1 of the pair's run to STEPS + 1: `--load auto` in a copy of its folder whose
