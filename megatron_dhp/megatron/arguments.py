@@ -104,15 +104,20 @@ def with_dhp_args(other: ArgsProvider | None = None) -> ArgsProvider:
 
 def dhp_config_from_args(args: argparse.Namespace) -> DhpConfig:
     """The `--dhp-config` YAML (or the defaults) with the `--dhp-*` flags applied, validated."""
-    # a DhpConfig in place of the YAML path: a caller that holds one already (the Bridge integration)
-    given = args.dhp_config
-    base = given if isinstance(given, DhpConfig) else DhpConfig.load(resolve_preset(given, what="dhp config")) \
-        if given else DhpConfig()
+    base = _base_config(args)
     flags = {f.name: getattr(args, _flag_dest(f.name), None) for f in dataclasses.fields(DhpConfig)}
     flags = {name: tuple(v) if isinstance(v, list) else v for name, v in flags.items() if v is not None}
     if not flags:
         return base
     return DhpConfig.from_dict({**to_mapping(base), **flags}, source="--dhp flags")
+
+
+def _base_config(args: argparse.Namespace) -> DhpConfig:
+    """The `--dhp-config` YAML (or the defaults), before the `--dhp-*` flags."""
+    given = args.dhp_config  # a DhpConfig in place of the path: a caller that holds one (the Bridge integration)
+    if isinstance(given, DhpConfig):
+        return given
+    return DhpConfig.load(resolve_preset(given, what="dhp config")) if given else DhpConfig()
 
 
 def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
@@ -126,7 +131,14 @@ def validate_dhp_args(args: argparse.Namespace) -> DhpConfig | None:
         if given:
             raise DhpError(f"{', '.join(given)} given without --dhp; add --dhp to train with dynamic hybrid parallelism")
         return None
-    config = dhp_config_from_args(args)
+    try:
+        config = dhp_config_from_args(args)
+    except DhpError as e:  # with the run's other refusals (judged without the flags): one try names every problem
+        try:
+            others = refusals(args, _base_config(args))
+        except DhpError:  # the YAML itself: its error is the news
+            others = []
+        raise DhpError("\n".join([str(e), *others])) from None
     CostConfig.load(config.cost_name)  # a missing or malformed cost YAML fails now, not at the first step
     problems = refusals(args, config)
     if problems:

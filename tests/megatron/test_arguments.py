@@ -223,6 +223,18 @@ def test_megatron_entry_prints_refusals_once_and_exits_without_a_traceback(rank)
         assert printed == [], out.stderr
 
 
+def test_an_invalid_dhp_flag_is_named_with_the_runs_other_refusals():
+    # The planner's error alone was printed: the user fixed it, ran again, and only then met the rest.
+    args = parse(["--dhp", "--dhp-planner", "bogus"], context_parallel_size=2, calculate_per_token_loss=False)
+    with pytest.raises(DhpError) as refused:
+        validate_dhp_args(args)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == ("--dhp flags: planner 'bogus' is unknown; choose one of dhp, static, megatron-hcp, fcp-ref, "
+                        "flexsp-milp")
+    assert [line.split(":")[0] for line in lines[1:]] == ["--context-parallel-size 2 with --dhp",
+                                                          "--dhp needs --calculate-per-token-loss"]
+
+
 def test_megatron_entry_returns_the_config_of_a_run_that_can_work():
     assert refuse_or_config(parse(["--dhp", "--dhp-comm", "ring"])).comm == "ring"
     assert refuse_or_config(parse([])) is None
