@@ -4,6 +4,7 @@ gets, the slot clock and the fault injection around it."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_dhp.closed_loop import injection, slot_clock
 from megatron_dhp.closed_loop.injection import InjectedSlowdown, timer_for_job
-from megatron_dhp.closed_loop.loop import ClosedLoop
+from megatron_dhp.closed_loop.loop import ClosedLoop, RankReport
 from megatron_dhp.closed_loop.scale_fit import STATS, ScaleFit, TimeScales
 from megatron_dhp.closed_loop.slot_clock import SlotClock
 from megatron_dhp.closed_loop.speed_estimator import SpeedEstimator
@@ -135,6 +136,15 @@ def test_report_is_measured_over_predicted_of_the_ranks_fastest_group():
     assert rho == pytest.approx(expected) and step == pytest.approx(plan.predicted_step_time_s) and span == 42.0
     assert len(stats) == STATS and stats[0] + stats[2] > 0
     assert loop.report(plan, position, [], 0.0) == ()
+
+
+def test_a_report_travels_as_its_width_of_floats_and_reads_back():
+    # The width the length gather carries was a constant (8) in the runtime that had to equal 3 + STATS here.
+    report = RankReport(0.5, 2.0, 1.5, tuple(float(k) for k in range(STATS)))
+    assert len(report.floats()) == RankReport.WIDTH == ClosedLoop(BASE).width == 3 + STATS
+    assert RankReport.read(report.floats()) == report
+    assert RankReport.read((math.nan,) * RankReport.WIDTH) is None and RankReport.read((0.7,)) is None
+    assert RankReport.ratio_in((0.7,)) == 0.7 and math.isnan(RankReport.ratio_in(()))
 
 
 

@@ -21,7 +21,8 @@ import math
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -44,6 +45,41 @@ begun, before step t runs. The speeds are predicted that many steps past the las
 MIN_SHARE = 0.1
 """A group counts toward a rank's speed when it holds at least this share of the rank's predicted time
 (shorter ones are mostly timer noise and launch gaps)."""
+
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's report of a timed step (`ClosedLoop.report`). It travels as `WIDTH` floats with the next
+    step's length gather (`collectives.gather_batch`), NaN-padded where a rank measured nothing."""
+
+    ratio: float
+    """rho: measured / predicted of its fastest group; NaN where every group it counts holds the whole domain
+    (each rank measures the same there, which tells no rank's speed from the others')."""
+    span: float
+    """Seconds from its first slot's start to its last slot's end."""
+    step: float
+    """The plan's step under the current model, without sigma."""
+    stats: tuple[float, ...]
+    """The `scale_fit` statistics (`STATS` of them) of the groups it did not wait in."""
+
+    WIDTH: ClassVar[int] = 3 + STATS
+
+    def floats(self) -> tuple[float, ...]:
+        """The report as it travels."""
+        return (self.ratio, self.span, self.step, *self.stats)
+
+    @staticmethod
+    def ratio_in(row: Sequence[float]) -> float:
+        """rho of a gathered row (NaN where it holds none)."""
+        return float(row[0]) if len(row) and math.isfinite(row[0]) else math.nan
+
+    @classmethod
+    def read(cls, row: Sequence[float]) -> RankReport | None:
+        """The report a gathered row holds; None where the rank measured nothing (a row of NaN) or sent only rho."""
+        if len(row) != cls.WIDTH or not math.isfinite(row[1]):
+            return None
+        return cls(float(row[0]), float(row[1]), float(row[2]), tuple(float(x) for x in row[3:]))
 
 
 class ClosedLoop:
@@ -110,12 +146,12 @@ class ClosedLoop:
             self._models[key] = build_cost_model(config.with_overrides(rank_speeds=nominal))
         return self._models[key]
 
+    width = RankReport.WIDTH
+    """Floats in a report (the engine's `Feedback`: the length gather carries this many per rank)."""
+
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
                span: float) -> tuple[float, ...]:
-        """This rank's report of its timed slots of `plan` (() without any): rho (NaN where every group it
-        counts holds the whole domain: each rank measures the same there, which tells no rank's speed from the
-        others'), their span (first start to last end), the plan's step under the current model without sigma,
-        and the `scale_fit` statistics of the groups it did not wait in."""
+        """This rank's `RankReport` of its timed slots of `plan`, as floats (() without any)."""
         if plan.pipeline_stages > 1:
             return ()
         predicted = self._slot_predictions(plan, position)
@@ -144,24 +180,24 @@ class ClosedLoop:
         model = self.model()
         step = simulate(plan, model).step_time_s - model.step_overhead_s
         alone = any(plan.groups[g].size < plan.world_size for g in ratios)
-        return (fastest if alone else math.nan, span, step, *stats.tolist())
+        return RankReport(fastest if alone else math.nan, span, step, tuple(stats.tolist())).floats()
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
         """Every rank's report of one step: update the speeds and the model's factors (adaptive only)."""
         if not self.adaptive:
             return
-        ratios = [float(r[0]) if len(r) and math.isfinite(r[0]) else math.nan for r in reports]
-        complete = [len(r) == 3 + STATS and math.isfinite(r[1]) for r in reports]  # rho may be NaN (`report`)
-        full = [r for r, ok in zip(reports, complete) if ok]
+        ratios = [RankReport.ratio_in(r) for r in reports]
+        read = [RankReport.read(r) for r in reports]
+        full = [r for r in read if r is not None]
         with self._lock:
             estimate = self.estimator.update(ratios)
             speeds = estimate.measured_speeds
             if not full:
                 return
             self._timed += 1
-            step, span = full[0][2], max(r[1] for r in full)
+            step, span = full[0].step, max(r.span for r in full)
             if self._timed > COLD_STEPS:
-                rows = [r[3:] if ok else (math.nan,) * STATS for r, ok in zip(reports, complete)]
+                rows = [r.stats if r is not None else (math.nan,) * STATS for r in read]
                 before = self.fit.scales
                 # each rank's seconds at speed 1 by its speed as now measured (slow ranks left out)
                 slow = {r for r, _ in estimate.slow_ranks()}

@@ -31,22 +31,20 @@ from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.step_data import GatheredBatch, GatheredImage, TokenSample
 from megatron_dhp.workload.sample import Batch, Sample, VisualItem
 
-REPORT_WIDTH = 8
-"""Floats each rank's report holds (`gather_batch`): what the closed loop measured on it."""
 
-
-def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain, report: Sequence[float] = ()) -> GatheredBatch:
+def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain, report: Sequence[float] = (), *,
+                 width: int = 0) -> GatheredBatch:
     """All-gather (id, length, loss tokens) of every sample over the domain, with this rank's `report` (at
-    most `REPORT_WIDTH` floats, NaN-padded: the closed loop's measurement, so it needs no collective of its
-    own), then, when the batch has images, (sample id, index, start, LLM tokens, encoder tokens, pixel shape)
-    of every image. Collective."""
-    if len(report) > REPORT_WIDTH:
-        raise DhpError(f"a rank's report holds at most {REPORT_WIDTH} floats, not {len(report)}")
+    most `width` floats, the same on every rank, NaN-padded: the closed loop's measurement, so it needs no
+    collective of its own), then, when the batch has images, (sample id, index, start, LLM tokens, encoder
+    tokens, pixel shape) of every image. Collective."""
+    if len(report) > width:
+        raise DhpError(f"a rank's report holds at most {width} floats, not {len(report)}")
     rows = [[s.id, s.length, int(s.loss_mask.sum()), len(s.images)] for s in local]
     owners: dict[int, int] = {}
     lengths: dict[int, int] = {}
     loss_tokens, num_images = 0, 0
-    held_rows, reports = _gather_rows(rows, 4, domain, report)
+    held_rows, reports = _gather_rows(rows, 4, domain, report, width)
     for position, held in enumerate(held_rows):
         for sid, length, n_loss, n_images in held:
             if sid in owners:
@@ -76,12 +74,12 @@ def gather_batch(local: Sequence[TokenSample], domain: DynamicDomain, report: Se
     return GatheredBatch(Batch(tuple(samples)), owners, loss_tokens, tuple(images), reports)
 
 
-def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain,
-                 report: Sequence[float] = ()) -> tuple[list[list[list[int]]], tuple[tuple[float, ...], ...]]:
-    """Every domain position's rows of `width` integers (any count per position), and its report riding
-    with the row count. Two all-gathers."""
+def _gather_rows(rows: list[list[int]], width: int, domain: DynamicDomain, report: Sequence[float] = (),
+                 report_width: int = 0) -> tuple[list[list[list[int]]], tuple[tuple[float, ...], ...]]:
+    """Every domain position's rows of `width` integers (any count per position), and its report (NaN-padded
+    to `report_width`) riding with the row count. Two all-gathers."""
     mine = torch.tensor(rows, dtype=torch.int64).view(-1, width)
-    head = torch.full((1 + REPORT_WIDTH,), float("nan"), dtype=torch.float64)
+    head = torch.full((1 + report_width,), float("nan"), dtype=torch.float64)
     head[0] = mine.shape[0]
     head[1 : 1 + len(report)] = torch.tensor(list(report), dtype=torch.float64)
     group, device = domain.control_plane()

@@ -96,10 +96,13 @@ class Feedback(Protocol):
     """The closed loop's planning side (`closed_loop.loop.ClosedLoop`): turns this rank's measured slots
     into its report, and takes every rank's reports in. The engine calls both on every rank."""
 
+    width: int
+    """The floats of a report, the same on every rank (the length gather carries that many per rank)."""
+
     def report(self, plan: Plan, position: int, slots: Sequence[tuple[tuple[int, ...], float]],
                span: float) -> tuple[float, ...]:
         """This rank's report of a step it ran under `plan` from its slots' (sample ids, seconds) and their
-        span, first start to last end (at most `collectives.REPORT_WIDTH` floats)."""
+        span, first start to last end (at most `width` floats)."""
         ...
 
     def observe(self, reports: Sequence[Sequence[float]]) -> None:
@@ -367,7 +370,7 @@ class StepEngine:
         if timed is not None:
             plan, slots, span = timed
             report = self.feedback.report(plan, self.domain.position, slots, span)
-        gathered = gather_batch(local, self.domain, report)
+        gathered = gather_batch(local, self.domain, report, width=self.feedback.width if self.feedback is not None else 0)
         if self.feedback is not None:
             self.feedback.observe(gathered.reports)
         return _Pending(local, gathered)
