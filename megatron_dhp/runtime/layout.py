@@ -256,15 +256,6 @@ class MicrobatchLayout:
         )
         return self.positions(r) < limit
 
-    @cached_property
-    def group_positions(self) -> torch.Tensor:
-        """Positions of all the group's slots, rank-major: the order of an all-gather over the group."""
-        return torch.cat([self.positions(r) for r in range(self.group_size)])
-
-    @cached_property
-    def group_segments(self) -> torch.Tensor:
-        """Sample index of all the group's slots, rank-major."""
-        return torch.cat([self.segments_of(r) for r in range(self.group_size)])
 
 
 def _cumsum(values: tuple[int, ...]) -> torch.Tensor:

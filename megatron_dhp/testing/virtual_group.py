@@ -74,3 +74,10 @@ def virtual_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch
         return (out,)
     dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return out.detach(), dq, dk, dv
+
+
+def host_group_rows(layout: MicrobatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, sample indices) of every group rank's slots, rank-major (an all-gather's order), from the
+    layout on the host, rank by rank: the oracle of `AttentionMeta.group_rows`, which derives them on the device."""
+    ranks = range(layout.group_size)
+    return torch.cat([layout.positions(r) for r in ranks]), torch.cat([layout.segments_of(r) for r in ranks])

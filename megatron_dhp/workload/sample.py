@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,9 +178,6 @@ class Batch:
         """Tokens over the whole batch."""
         return sum(s.tokens for s in self.samples)
 
-    def subset(self, ids: Sequence[int]) -> list[Sample]:
-        """The samples with these ids, in the order given."""
-        return [self._by_id[i] for i in ids]
 
 
 def _is_int(x: object) -> bool:

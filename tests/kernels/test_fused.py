@@ -14,6 +14,7 @@ from megatron_dhp.runtime import fused
 from megatron_dhp.runtime.attention.math import merge_partials
 from megatron_dhp.runtime.fused import gather_rows, lse_merge, scatter_rows, zigzag_pack, zigzag_unpack
 from megatron_dhp.runtime.layout import MicrobatchLayout
+from megatron_dhp.testing.virtual_group import host_group_rows
 
 
 def cu_of(lengths):
@@ -109,8 +110,9 @@ def test_pack_agrees_with_the_runtime_layout(d):
 def test_unpack_of_the_group_is_flash_natural_order(d):
     """What flash needs: the group's rank-major slots in sample, position order (the argsort it replaced)."""
     layout = MicrobatchLayout(sample_ids=(0, 1), lengths=(11, 25), group_size=d, rank=0)
-    slots = torch.randn(layout.group_positions.numel(), 2, 3)
-    natural = torch.argsort(layout.group_segments * (layout.max_seqlen + 1) + layout.group_positions)
+    positions, segments = host_group_rows(layout)
+    slots = torch.randn(positions.numel(), 2, 3)
+    natural = torch.argsort(segments * (layout.max_seqlen + 1) + positions)
     assert torch.equal(zigzag_unpack(slots, layout.cu_seqlens_padded, d, None), slots[natural])
     assert torch.equal(zigzag_pack(slots[natural], layout.cu_seqlens_padded, d, None), slots)
 

@@ -30,6 +30,7 @@ from megatron_dhp.runtime.engine import check_shares
 from megatron_dhp.runtime.fused import zigzag_pack, zigzag_unpack
 from megatron_dhp.runtime.layout import MicrobatchLayout, group_layout, zigzag_positions
 from megatron_dhp.runtime.slots import aligned_slot_rows
+from megatron_dhp.testing.virtual_group import host_group_rows
 from tests.numerics import RELATIVE
 from tests.runtime import uneven_workers
 from tests.runtime.test_distributed import assert_exact
@@ -61,8 +62,9 @@ def test_every_token_is_held_once_in_chunks_cut_by_the_plans_rule(lengths, share
             offset += c
     assert [layout.num_slots for layout in group] == list(group[0].rank_slots)
     assert sum(int(layout.real().sum()) for layout in group) == sum(lengths)
-    assert torch.equal(group[0].group_positions, torch.cat([layout.local_positions for layout in group]))
-    assert torch.equal(group[1].group_segments, torch.cat([layout.segments for layout in group]))
+    positions, segments = host_group_rows(group[0])
+    assert torch.equal(positions, torch.cat([layout.local_positions for layout in group]))
+    assert torch.equal(segments, torch.cat([layout.segments for layout in group]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,7 +148,7 @@ def answers_against_the_mask(backend: str, shares: tuple[int, ...], device: str 
     gen = torch.Generator().manual_seed(3)
     qs, ks, vs = ([torch.randn(layout.num_slots, n, 16, generator=gen, dtype=torch.float64) for layout in group]
                   for n in (4, 2, 2))
-    positions, segments = group[0].group_positions, group[0].group_segments
+    positions, segments = host_group_rows(group[0])
     kern, d, diffs = kernel(backend), len(shares), []
     on = [[x.to(device, dtype) for x in xs] for xs in (qs, ks, vs)]
     with torch.no_grad():
