@@ -41,7 +41,7 @@ def test_the_token_cap_chain_runs_in_one_order_and_the_planner_holds_its_end(tmp
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"virtual_stages": 2}, "virtual_stages = 2 interleaves pipeline stages: it needs pipeline_stages >= 2"),
+    ({"virtual_stages": 2}, "virtual_stages = 2 interleaves model chunks of a pipeline: it needs pipeline_stages >= 2"),
     ({"gpus_per_node": 16}, "gpus_per_node = 16 exceeds the domain's 8 positions"),
     ({"tensor_parallel": 0}, "tensor_parallel = 0 must be >= 1"),
 ])

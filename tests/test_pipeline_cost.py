@@ -341,7 +341,7 @@ def test_interleaved_memory_rule_holds_what_stage_0_keeps_in_flight():
     with pytest.raises(PlanError, match="position 0 holds 5000 tokens per rank over slots 0..2, which stage 0 keeps "
                                         "in flight at 2 pipeline stages of 2 virtual chunks, above the cap of 4999"):
         dataclasses.replace(plan, max_tokens_per_rank=4999).validate()
-    with pytest.raises(PlanError, match="virtual_stages 2 needs pipeline_stages > 1"):
+    with pytest.raises(PlanError, match=r"virtual_stages = 2 interleaves model chunks of a pipeline: it needs pipeline_stages >= 2"):
         dataclasses.replace(plan, pipeline_stages=1).validate()
     assert Plan.from_dict(plan.to_dict()) == plan and plan.to_dict()["virtual_stages"] == 2
     assert "virtual_stages" not in dataclasses.replace(plan, virtual_stages=1).to_dict()

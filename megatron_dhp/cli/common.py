@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatron_dhp.cost.config import CostConfig
 from megatron_dhp.cost.speeds import load_rank_speeds
 from megatron_dhp.plan.comm import STEP_COMMS, CommPolicy
+from megatron_dhp.plan.pipeline import interleaving_problem
 from megatron_dhp.solver import PlannerContext
 from megatron_dhp.workload.batches import LengthSource, fit_to_domain
 from megatron_dhp.workload.megatron_corpus import (
@@ -150,9 +151,9 @@ def planner_context(args: argparse.Namespace, longest: int) -> PlannerContext:
         raise DhpError(f"--time-limit {args.time_limit} must be a positive number of seconds")
     if args.pp < 1:
         raise DhpError(f"--pp {args.pp} must be at least 1")
-    if args.vpp < 1 or (args.vpp > 1 and args.pp < 2):
-        raise DhpError(f"--vpp {args.vpp} must be at least 1, and interleaves chunks only with --pp 2 or more "
-                       f"(got --pp {args.pp})")
+    problem = interleaving_problem(args.pp, args.vpp, ("--pp", "--vpp"))
+    if problem is not None:
+        raise DhpError(problem)
     context = PlannerContext(dataset_max_tokens=longest)
     if args.time_limit is not None:
         context["time_limit_s"] = args.time_limit

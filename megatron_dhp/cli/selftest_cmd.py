@@ -25,6 +25,7 @@ from megatron_dhp.cost.speeds import parse_slowdowns
 from megatron_dhp.plan.comm import STEP_COMMS
 from megatron_dhp.plan.encoder import CONCRETE_PLACEMENTS
 from megatron_dhp.plan.family import DEFAULT_MAX_GROUPS_PER_RANK
+from megatron_dhp.plan.pipeline import interleaving_problem
 from megatron_dhp.runtime.attention import BACKENDS
 
 
@@ -148,9 +149,12 @@ def run(args: argparse.Namespace) -> int:
                         ("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep), ("--vpp", args.vpp)):
         if value < 1:
             raise DhpError(f"{flag} {value} must be at least 1")
-    if args.vpp > 1 and (args.pp < 2 or args.model not in ("gpt", "moe") or args.mtp or args.plan):
-        raise DhpError(f"--vpp {args.vpp} interleaves model chunks of a pipeline: it needs --pp 2 or more and a text "
-                       f"model without --mtp or --plan (got --pp {args.pp}, --model {args.model}, --mtp {args.mtp})")
+    problem = interleaving_problem(args.pp, args.vpp, ("--pp", "--vpp"))
+    if problem is not None:
+        raise DhpError(problem)
+    if args.vpp > 1 and (args.model not in ("gpt", "moe") or args.mtp or args.plan):
+        raise DhpError(f"--vpp {args.vpp} runs a text model without --mtp or --plan (got --model {args.model}, "
+                       f"--mtp {args.mtp}{', --plan' if args.plan else ''})")
     if args.fsdp and (args.tp > 1 or args.pp > 1 or args.model not in ("gpt", "mla") or args.mtp):
         raise DhpError(f"--fsdp shards a dense text model over the domain: it needs --tp 1, --pp 1, --model gpt or "
                        f"mla and no --mtp (got --tp {args.tp}, --pp {args.pp}, --model {args.model}, --mtp {args.mtp})")

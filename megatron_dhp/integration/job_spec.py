@@ -34,7 +34,7 @@ from megatron_dhp.integration.dhp_config import DEFAULT_COST, DhpConfig
 from megatron_dhp.integration.planning import domain_node_size
 from megatron_dhp.plan.comm import CommPolicy
 from megatron_dhp.plan.memory import ModelMemory, longest_sample, ranks_cap_for
-from megatron_dhp.plan.pipeline import in_flight_chunks, pipeline_token_cap
+from megatron_dhp.plan.pipeline import in_flight_chunks, interleaving_problem, pipeline_token_cap
 from megatron_dhp.runtime.domain import DynamicDomain
 from megatron_dhp.runtime.engine import Feedback, PlanSource, SampleSource, StepEngine
 from megatron_dhp.runtime.group_pool import GroupPool
@@ -85,9 +85,9 @@ class JobSpec:
                 raise DhpError(f"{name} = {getattr(self, name)} must be >= 1")
         if self.gpus_per_node > self.domain_size:
             raise DhpError(f"gpus_per_node = {self.gpus_per_node} exceeds the domain's {self.domain_size} positions")
-        if self.virtual_stages > 1 and self.pipeline_stages < 2:
-            raise DhpError(f"virtual_stages = {self.virtual_stages} interleaves pipeline stages: it needs "
-                           f"pipeline_stages >= 2, not {self.pipeline_stages}")
+        problem = interleaving_problem(self.pipeline_stages, self.virtual_stages)
+        if problem is not None:
+            raise DhpError(problem)
         check_injection(self.config.slow_ranks, self.pipeline_stages)
         self.caps  # noqa: B018 - a cap the job cannot hold is an error now, not at the first step
 

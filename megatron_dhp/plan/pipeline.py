@@ -25,6 +25,24 @@ if TYPE_CHECKING:
     from megatron_dhp.plan.plan import Plan
 
 
+def interleaving_problem(stages: int, virtual: int, names: tuple[str, str] = ("pipeline_stages", "virtual_stages"),
+                         ) -> str | None:
+    """What is wrong with `virtual` model chunks per stage at `stages` pipeline stages (None: nothing), in the
+    caller's words for the two (`names`: flags such as ("--pp", "--vpp"), or config keys): every entry point's
+    one rule, at least one chunk, and more than one only across two stages or more."""
+    stage_name, virtual_name = names
+
+    def said(name: str, value: int) -> str:
+        return f"{name} {value}" if name.startswith("--") else f"{name} = {value}"
+
+    if virtual < 1:
+        return f"{said(virtual_name, virtual)} must be at least 1"
+    if virtual > 1 and stages < 2:
+        return (f"{said(virtual_name, virtual)} interleaves model chunks of a pipeline: it needs {stage_name} >= 2 "
+                f"(got {said(stage_name, stages)})")
+    return None
+
+
 def pipeline_token_cap(max_tokens_per_rank: int, stages: int, virtual: int = 1) -> int:
     """Tokens per rank one microbatch may hold at `stages` pipeline stages of `virtual` chunks: M // P, so that
     the P microbatches stage 0 keeps in flight under 1F1B hold at most M per rank (M itself without

@@ -17,7 +17,12 @@ from megatron_dhp.config_io import load_json_file
 from megatron_dhp.errors import DhpError, excerpt
 from megatron_dhp.files import PLAN_BYTES
 from megatron_dhp.plan.memory import Footprint, MemoryRule
-from megatron_dhp.plan.pipeline import in_flight_peak, pipeline_slots, slot_tokens_per_rank
+from megatron_dhp.plan.pipeline import (
+    in_flight_peak,
+    interleaving_problem,
+    pipeline_slots,
+    slot_tokens_per_rank,
+)
 from megatron_dhp.plan.rank_speeds import (
     rank_speeds_text,  # noqa: F401 - the train loop's step line imports it here
     slow_ranks,
@@ -220,9 +225,9 @@ class Plan:
             raise PlanError(f"pipeline_stages {self.pipeline_stages!r} must be a positive integer")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise PlanError(f"virtual_stages {self.virtual_stages!r} must be a positive integer")
-        if self.virtual_stages > 1 and self.pipeline_stages == 1:
-            raise PlanError(f"virtual_stages {self.virtual_stages} needs pipeline_stages > 1 (interleaving chunks "
-                            "of one stage is no pipeline); set virtual_stages to 1")
+        problem = interleaving_problem(self.pipeline_stages, self.virtual_stages)
+        if problem is not None:
+            raise PlanError(problem)
         if len(self._by_id) != len(self.samples):
             dup = next(i for i, c in Counter(s.id for s in self.samples).items() if c > 1)
             raise PlanError(f"sample id {dup} is listed twice in the plan's samples")

@@ -18,6 +18,7 @@ from megatron_dhp.integration.dhp_config import DhpConfig
 from megatron_dhp.models.gpt import TinyGPTConfig
 from megatron_dhp.models.vlm import TinyVLMConfig, VisionTowerConfig
 from megatron_dhp.plan.memory import ModelMemory
+from megatron_dhp.plan.pipeline import interleaving_problem
 from megatron_dhp.presets import resolve_preset
 
 AUTO_LOAD = "auto"
@@ -175,8 +176,9 @@ class RunConfig:
             raise DhpError("train.weight_decay and train.clip_grad must be >= 0 and train.timeout_s > 0")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise DhpError(f"train.on_nonfinite = {excerpt(self.on_nonfinite)} must be one of {', '.join(NONFINITE_ACTIONS)}")
-        if self.vpp > 1 and self.pp == 1:
-            raise DhpError(f"train.vpp = {self.vpp} interleaves model chunks of a pipeline; it needs train.pp > 1")
+        problem = interleaving_problem(self.pp, self.vpp, ("train.pp", "train.vpp"))
+        if problem is not None:
+            raise DhpError(problem)
         if self.load == AUTO_LOAD and not self.save:
             raise DhpError("train.load = auto resumes from train.save's latest checkpoint; set train.save (--save DIR)")
         if self.warmup_steps >= self.steps:

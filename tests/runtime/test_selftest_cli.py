@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--mtp", "1", "--tp", "2", "--nproc", "2"], "--mtp 1 must be >= 0, with --tp 1, --ep 1 and a text model"),
         (["--mtp", "-1"], "--mtp -1 must be >= 0"),
         (["--model", "mla", "--tp", "2"], "--model mla runs with --tp 1 (got --tp 2)"),
-        (["--vpp", "2"], "--vpp 2 interleaves model chunks of a pipeline: it needs --pp 2 or more"),
+        (["--vpp", "2"], "--vpp 2 interleaves model chunks of a pipeline: it needs --pp >= 2 (got --pp 1)"),
         (["--vpp", "0"], "--vpp 0 must be at least 1"),
         (["--fsdp", "--pp", "2"], "--fsdp shards a dense text model over the domain: it needs --tp 1, --pp 1"),
         (["--fsdp", "--model", "moe"], "(got --tp 1, --pp 1, --model moe, --mtp 0)"),
-        (["--vpp", "2", "--pp", "2", "--model", "vlm"], "(got --pp 2, --model vlm, --mtp 0)"),
+        (["--vpp", "2", "--pp", "2", "--model", "vlm"], "--vpp 2 runs a text model without --mtp or --plan (got --model vlm, --mtp 0)"),
         (["--slow-rank", "1:2.0", "--pp", "2"], "--slow-rank 1:2.0 with --pp 2: megatron-core's 1F1B runs the slots"),
     ],
 )

@@ -35,7 +35,8 @@ def test_overrides_replace_only_the_given_keys():
     ({"train": {"steps": 4, "warmup_steps": 4}}, r"train.warmup_steps = 4 must be below train.steps = 4"),
     ({"train": {"nproc": 3, "tp": 2}}, r"train.nproc = 3 must be a multiple of train.tp = 2"),
     ({"train": {"pp": 0}}, r"train.pp = 0 must be >= 1"),
-    ({"train": {"vpp": 2}}, r"train.vpp = 2 interleaves model chunks of a pipeline; it needs train.pp > 1"),
+    ({"train": {"vpp": 2}}, r"train.vpp = 2 interleaves model chunks of a pipeline: it needs train.pp >= 2 \(got "
+                            r"train.pp = 1\)"),
     ({"train": {"pp": 2, "vpp": 2}}, r"model.num_layers = 2 must be a multiple of train.pp x train.vpp = 2 x 2"),
     ({"train": {"nproc": 6, "tp": 2, "pp": 2}}, r"train.nproc = 6 must be a multiple of train.tp x train.pp = 2 x 2"),
     ({"train": {"lr": 1e-3, "min_lr": 1e-2}}, r"min_lr = 0.01 between 0 and lr"),
