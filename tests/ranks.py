@@ -1,4 +1,5 @@
-"""How every spawned CPU rank of the multi-process tests joins its job: one helper for the worker modules."""
+"""How every spawned CPU rank of the multi-process tests joins its job: one helper for the worker modules. Leaving
+needs none: the launcher destroys a rank's process groups once its function returns (`launch.ranks`)."""
 
 from __future__ import annotations
 

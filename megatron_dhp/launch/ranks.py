@@ -8,6 +8,7 @@ becomes an error instead of a stuck job.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -306,3 +307,7 @@ def _entry(given: tuple | None, launcher: int, rank: int, world: int, port: int,
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - report anything, the parent decides
         results.put((rank, False, traceback.format_exc()))
+    finally:  # the one tear-down of every launched function's process groups
+        with contextlib.suppress(Exception):
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()

@@ -114,7 +114,6 @@ def domain_of_four_checks() -> dict:
 
     two_heads = RelativeSelfCheck(config=TinyGPTConfig(hidden_size=32, num_attention_heads=2, num_query_groups=1), seed=6)
     out["two_heads"] = [two_heads.check(p, samples, "ulysses") for p in plans.values()]
-    dist.destroy_process_group()
     return out
 
 
@@ -132,7 +131,6 @@ def tensor_parallel_checks() -> dict:
     out = {"domain": check.domain.global_ranks, "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
     sp = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=7)
     out["sp"] = {comm: sp.check(plan, samples, comm) for comm in COMM_VARIANTS}
-    dist.destroy_process_group()
     return out
 
 
@@ -149,7 +147,6 @@ def sequence_parallel_three_checks() -> dict:
     ))
     out = {"tp": check.model.config.tensor_model_parallel_size, "sp": check.model.config.sequence_parallel,
            "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
-    dist.destroy_process_group()
     return out
 
 
@@ -240,5 +237,4 @@ def control_plane_checks() -> dict:
         hosted = dispatch(local, replace(check.domain, control=control), planner=_GivenPlan(plan))
     same = all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
                and torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(plain.microbatches, hosted.microbatches))
-    dist.destroy_process_group()
     return {"same": same and len(plain.microbatches) == len(hosted.microbatches), "used": used}

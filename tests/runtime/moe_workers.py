@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dhp.models.gpt import TinyGPTConfig, global_names
@@ -99,7 +98,6 @@ def expert_parallel_checks() -> dict:
     plans = {**plans_of_four(), "rounded rows": rounded_rows_of_four()}
     out["allgather"] = {name: gather.check(plan, samples, "allgather") for name, plan in plans.items()}
     out["allgather"]["ulysses"] = gather.check(plans_of_four()["2 across EP groups + idle, barrier"], samples, "ulysses")
-    dist.destroy_process_group()
     return out
 
 
@@ -112,5 +110,4 @@ def allgather_checks(tensor_parallel: int = 1) -> dict:
     out: dict = {"ep": config.expert_model_parallel_size, "sp": config.sequence_parallel, "domain": check.domain.size,
                  "tp_ep": parallel_state.get_expert_tensor_and_model_parallel_world_size()}
     out["exact"] = {name: check.check(plan, samples, "allgather") for name, plan in plans_of_two().items()}
-    dist.destroy_process_group()
     return out

@@ -68,7 +68,6 @@ def pipeline_two_checks() -> dict:
     out["after_errors"] = check.check(first, samples, "ring")
     tied = RelativeSelfCheck(seed=9, tied_embeddings=True)
     out["tied"] = {name: tied.check(plan, samples, "allgather") for name, plan in plans.items()}
-    dist.destroy_process_group()
     return out
 
 
@@ -94,7 +93,6 @@ def pipeline_three_checks() -> dict:
     out = {"domain": check.domain.global_ranks,
            "exact": {(name, comm): check.check(plan, samples, comm)
                      for name, plan in plans_of_three().items() for comm in COMM_VARIANTS}}
-    dist.destroy_process_group()
     return out
 
 
@@ -116,7 +114,6 @@ def interleaved_checks() -> dict:
         out["wrong"] = "no error"
     except DhpError as e:
         out["wrong"] = str(e)
-    dist.destroy_process_group()
     return out
 
 
@@ -144,5 +141,4 @@ def tensor_and_pipeline_checks() -> dict:
     # sequence parallelism: the stages exchange each TP rank's half of the (padded) rows
     sp = RelativeSelfCheck(config=TinyGPTConfig(sequence_parallel=True), seed=10)
     out["sp"] = sp.check(plan, random_samples(batch(), vocab_size=sp.config.vocab_size, seed=SAMPLE_SEED), "allgather")
-    dist.destroy_process_group()
     return out

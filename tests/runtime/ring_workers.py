@@ -30,7 +30,6 @@ def _groups(sizes: tuple[int, ...]) -> Iterator[tuple[int, dist.ProcessGroup]]:
     for d, group in groups:
         if dist.get_rank() < d:
             yield d, group
-    dist.destroy_process_group()
 
 
 def ring_against_one_process(lengths: tuple[int, ...], heads: int, kv_heads: int, v_dim: int = HEAD_DIM,

@@ -112,7 +112,6 @@ def uneven_checks() -> dict:
     with mock.patch.object(AttentionMeta, "build", wrong) if check.domain.position == 0 else contextlib.nullcontext():
         out["missized"] = check.check(missized_plan(), samples, "ulysses")
     out["host_syncs"] = layers_without_host_sync()
-    dist.destroy_process_group()
     return out
 
 
@@ -145,7 +144,6 @@ def sequence_parallel_checks() -> dict:
     plan = plan_of_two()
     out = {"sp": (check.model.config.tensor_model_parallel_size, check.model.config.sequence_parallel),
            "exact": {comm: check.check(plan, samples, comm) for comm in COMM_VARIANTS}}
-    dist.destroy_process_group()
     return out
 
 
@@ -166,5 +164,4 @@ def pipeline_checks() -> dict:
     check = RelativeSelfCheck(seed=5)
     samples = random_samples(batch(), vocab_size=check.config.vocab_size, seed=SAMPLE_SEED)
     out = {"exact": {comm: check.check(plan_of_two(), samples, comm) for comm in ("ring", "allgather")}}
-    dist.destroy_process_group()
     return out

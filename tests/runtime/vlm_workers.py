@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_dhp.models.vlm import TinyVLMConfig, random_vlm_samples
 from megatron_dhp.plan.comm import COMM_VARIANTS
@@ -37,7 +36,6 @@ def vlm_checks() -> dict:
     vision = dict(check.model.module.vision.named_parameters())  # the last check's gradients, and its oracle's
     out["vision_grad"] = relative(largest_abs([vision["conv1.weight"].main_grad]),
                                   largest_abs(p.grad for p in check.reference.parameters()))
-    dist.destroy_process_group()
     return out
 
 
@@ -60,5 +58,4 @@ def tile_independence() -> tuple[float, float]:
         changed[0, :, -config.tower.patch_px:, -config.tower.patch_px:] += 1.0
         first = model.encode(changed)
     per_tile = config.tower.tokens_per_tile
-    dist.destroy_process_group()
     return relative_diff(both[:per_tile], alone), relative_diff(first[0], both[0])
