@@ -47,7 +47,6 @@ MIN_SHARE = 0.1
 (shorter ones are mostly timer noise and launch gaps)."""
 
 
-
 @dataclass(frozen=True)
 class RankReport:
     """One rank's report of a timed step (`ClosedLoop.report`). It travels as `WIDTH` floats with the next

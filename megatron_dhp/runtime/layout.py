@@ -257,7 +257,6 @@ class MicrobatchLayout:
         return self.positions(r) < limit
 
 
-
 def _cumsum(values: tuple[int, ...]) -> torch.Tensor:
     out = torch.zeros(len(values) + 1, dtype=torch.int32)
     out[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int64), 0).to(torch.int32)

@@ -156,9 +156,9 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config.train)
         self.checkpointer = Checkpointer(config, world_size=dist.get_world_size())
         self.completed = 0
+        """Steps done so far (the data position: the next batch is batch `completed`)."""
         self.skipped_in_a_row = 0
         """Steps dropped one after the other as non-finite (`train.max_skipped_steps` bounds them)."""
-        """Steps done so far (the data position: the next batch is batch `completed`)."""
         self.last_plan: Plan | None = None
         self.stop = StopRequest()
         """A stop signal this rank caught (`StopRequest.install`): the run saves and stops after the step."""

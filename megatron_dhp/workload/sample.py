@@ -179,7 +179,6 @@ class Batch:
         return sum(s.tokens for s in self.samples)
 
 
-
 def _is_int(x: object) -> bool:
     """An integer int64 holds (lengths and ids become numpy int64)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and abs(int(x)) <= INT64_MAX
