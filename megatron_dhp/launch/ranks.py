@@ -19,11 +19,11 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from megatron_dhp.errors import DhpError
-from megatron_dhp.launch.parent import state
+from megatron_dhp.launch.parent import state, wait_until
 
 
 class LaunchError(RuntimeError):
@@ -68,6 +68,30 @@ def check_oversubscription(nproc: int, *, oversubscribe: bool, timeout: str = "t
                        "or --oversubscribe")
 
 
+def _start_env(env: dict[str, str] | None) -> dict[str, str]:
+    """What a rank's interpreter starts with beyond this process's environment: `env`, and one OpenMP thread
+    unless the user chose otherwise. A rank imports numpy (and with it OpenBLAS, which sizes its thread pool
+    once, at import) before it runs anything of ours; idle OpenBLAS threads spin, and on a machine with a core
+    per rank they would take the other ranks' cores."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `extra` set while the block runs (a process started inside inherits it),
+    as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def launch(
     fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0, env: dict[str, str] | None = None
 ) -> list[Any]:
@@ -83,25 +107,14 @@ def launch(
     # `fn` and `args` travel as bytes that a rank unpickles only after it watches its parent: unpickling
     # imports torch and megatron-core (seconds), and a launcher killed meanwhile would leave orphans.
     payload = pickle.dumps((fn, args))
-    # A spawned rank imports numpy (and with it OpenBLAS, which sizes its thread pool once, at import) while
-    # unpickling `fn`, so the thread count must be in the environment it starts with. Idle OpenBLAS threads
-    # spin, and on a machine with a core per rank they would take the other ranks' cores.
-    start_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    # A forked one starts from the fork server's environment and streams, not this process's: it is given them.
+    start_env = _start_env(env)
+    # A forked rank starts from the fork server's environment and streams, not this process's: it is given them.
     given = ({**os.environ, **start_env}, _Stream(1), _Stream(2)) if served else None
     procs = [ctx.Process(target=_entry, args=(given, os.getpid(), rank, nproc, port, results, payload))
              for rank in range(nproc)]
-    saved = {k: os.environ.get(k) for k in start_env}
-    os.environ.update(start_env)
-    try:
+    with _environment(start_env):
         for p in procs:
             p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
     failed: dict[int, str] = {}  # rank -> its traceback
@@ -156,13 +169,14 @@ def _wind_down(procs: list) -> None:
     """After Ctrl-C (SIGINT: KeyboardInterrupt here): the ranks, which a terminal interrupts too, get `SETTLE_S`
     to end on their own, so that rank 0 releases what it holds (the save folder's lock); a rank still running
     then (this process alone was interrupted) is sent SIGINT and gets `SETTLE_S` more before it is killed."""
-    for forward in (False, True):
-        for p in procs if forward else ():
+    def ended() -> bool:
+        return not any(p.is_alive() for p in procs)
+
+    if not wait_until(ended, SETTLE_S):
+        for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGINT)
-        deadline = time.monotonic() + SETTLE_S
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(ended, SETTLE_S)
 
 
 class _Forwarder:
@@ -257,16 +271,9 @@ def start_ranks_from_fork_server(modules: Sequence[str], env: dict[str, str] | N
     global _fork_server
     from multiprocessing import forkserver
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(modules))
-    start_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    saved = dict(os.environ)
-    os.environ.update(start_env)
-    try:
+    mp.get_context("forkserver").set_forkserver_preload(list(modules))
+    with _environment(_start_env(env)):
         forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     _fork_server = tuple(modules)
 
 
