@@ -37,6 +37,9 @@ SECONDS_KEYS = ("attn_s_per_token2", "linear_s_per_token", "microbatch_overhead_
                 "enc_linear_s_per_token", "sample_overhead_s", "cp_microbatch_overhead_s", "step_overhead_s",
                 "moe_expert_s_per_token")
 """The coefficients in seconds (`CostConfig.scaled` multiplies them)."""
+TOKEN_KEYS = ("attn_s_per_token2", "linear_s_per_token")
+"""The keys that price a token's own work: a model needs one above 0 (`CostConfig` refuses it otherwise, and
+the profile's fit keeps one), or no step could be priced against its bound."""
 ATTENTION_KEYS = ("attn_s_per_token2", "enc_attn_s_per_token2")
 """The quadratic ones, which `CostConfig.scaled` may scale apart."""
 
@@ -261,8 +264,8 @@ class CostConfig:
             value = getattr(self, f.name)
             if f.type == "float" and (value < 0 or (f.name.endswith("bytes_per_s") and value <= 0)):
                 raise DhpError(f"cost key {f.name!r} = {value!r} must be {'>' if 'per_s' in f.name else '>='} 0")
-        if not self.attn_s_per_token2 and not self.linear_s_per_token:
-            raise DhpError("cost keys 'attn_s_per_token2' and 'linear_s_per_token' are both 0: a token would take no "
+        if not any(getattr(self, key) for key in TOKEN_KEYS):
+            raise DhpError(f"cost keys {' and '.join(map(repr, TOKEN_KEYS))} are both 0: a token would take no "
                            "time, so no step could be priced against its bound; give at least one (megatron-dhp "
                            "profile measures both)")
         self.domain  # noqa: B018 - validates the domain fields

@@ -25,14 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dhp.cost.config import CostConfig
+from megatron_dhp.cost.config import TOKEN_KEYS, CostConfig
 
 TERMS = ("microbatch_overhead_s", "cp_microbatch_overhead_s", "sample_overhead_s", "attn_s_per_token2",
          "linear_s_per_token", "comm_s_per_token")
 """The fitted coefficients m, lambda, s, a, b, c, in the order of a `GridPoint`'s features."""
-
-TOKEN_TERMS = ("attn_s_per_token2", "linear_s_per_token")
-"""The terms that price a token's own work; a fit keeps at least one."""
 
 SAMPLE_COUNTS = (1, 2, 4, 8, 16)
 """Samples per microbatch at each grid length (where they fit): one rank's points then separate the linear
@@ -93,7 +90,7 @@ def fit(grid: list[GridPoint], measured: list[float], *, terms: tuple[str, ...] 
     Exact: the non-negative optimum is the least-squares fit on some subset of the terms whose coefficients
     all come out non-negative, the one with the smallest residual, and six terms make 63 subsets to try.
     (Dropping the most negative term and refitting can drop one the data need, e.g. b when gloo's
-    collectives also grow with L.) Only subsets with a token term (`TOKEN_TERMS`) count: a model whose tokens
+    collectives also grow with L.) Only subsets with a token term (`config.TOKEN_KEYS`) count: a model whose tokens
     take no time prices no step against its bound (`CostConfig` refuses it), and a tiny model whose
     microbatches are all overhead would otherwise fit one. One such subset always fits (b alone: positive
     features and times give a positive coefficient)."""
@@ -105,7 +102,7 @@ def fit(grid: list[GridPoint], measured: list[float], *, terms: tuple[str, ...] 
     best: tuple[float, list[int], np.ndarray] | None = None
     for mask in range(1, 1 << len(usable)):
         active = [i for j, i in enumerate(usable) if mask >> j & 1]
-        if not any(TERMS[i] in TOKEN_TERMS for i in active):
+        if not any(TERMS[i] in TOKEN_KEYS for i in active):
             continue
         coef, *_ = np.linalg.lstsq(w[:, active], target, rcond=None)
         if (coef < 0).any():
