@@ -13,6 +13,7 @@ from megatron_dhp.cli import main
 from megatron_dhp.plan.comm import COMM_VARIANTS
 from megatron_dhp.plan.plan import Plan
 from tests.runtime import pipeline_workers
+from tests.test_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,10 +63,8 @@ def selftest(capfd, monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        capfd.readouterr()
-        code = main(["selftest", *args])
-        out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(["selftest", *args], code, out, err)
+        capfd.readouterr()  # this command's output only
+        return subprocess.CompletedProcess(["selftest", *args], *run_cli(["selftest", *args], capfd))
 
     return run
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_dhp.cli import main
 from megatron_dhp.launch.parent import alive, children, wait_until
 from megatron_dhp.launch.ranks import free_port
 from megatron_dhp.training.save_lock import LOCK_NAME
 from megatron_dhp.training.train import train
+from tests.test_cli import run_cli
 from tests.training import workers
 
 STEPS = 12
@@ -42,10 +42,8 @@ def start(config: Path, *flags: str) -> subprocess.Popen:
 def train_here(capfd, config: Path, *flags: str) -> tuple[int, str, str]:
     """`megatron-dhp train` run in this process: the same command, its ranks forked from the tests' fork server
     (a second to start; a process of its own spends ten importing). For what needs no process of its own."""
-    capfd.readouterr()
-    code = main(["train", "--config", str(config), "--quiet", *flags])
-    out, err = capfd.readouterr()
-    return code, out, err
+    capfd.readouterr()  # this command's output only
+    return run_cli(["train", "--config", config, "--quiet", *flags], capfd)
 
 
 def wait_for(condition, timeout_s: float = 180.0) -> None:
